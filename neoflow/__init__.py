@@ -1,0 +1,28 @@
+"""neoflow: a graph-level training compiler.
+
+The public API so far::
+
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (4, 5), "B": (5, 6)})
+    g = neoflow.graph(text_with_several_statements, shapes={...})
+    neoflow.evaluate(op_or_graph, {"A": a, "B": b})
+"""
+
+from neoflow.errors import (
+    CompileError,
+    InputError,
+    NeoflowError,
+    NonInvertibleMapError,
+    ParseError,
+    ShapeError,
+    UnsupportedOpError,
+)
+from neoflow.ir import Graph, Op, Tensor, evaluate
+from neoflow.ir.text import parse_graph as graph
+from neoflow.ir.text import parse_op as op
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileError", "Graph", "InputError", "NeoflowError", "NonInvertibleMapError", "Op", "ParseError",
+    "ShapeError", "Tensor", "UnsupportedOpError", "__version__", "evaluate", "graph", "op",
+]

@@ -1,0 +1,76 @@
+"""Element types of tensors and expressions.
+
+A dtype is one of the names in ``DTYPES``.  Literals and index values are
+*weak*: they take the type of the strong operand they meet (``A[i] * 2`` stays
+float16 when ``A`` is float16), and become ``int64``/``float32`` when nothing
+strong is around.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from neoflow.errors import ParseError
+
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "float16": np.dtype(np.float16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "bool": np.dtype(np.bool_),
+}
+WEAK_INT = "weak_int"
+WEAK_FLOAT = "weak_float"
+DEFAULT_FLOAT = "float32"
+
+_FLOATS = ("float16", "float32", "float64")
+_INTS = ("int32", "int64")
+
+
+def check_dtype(name: str) -> str:
+    """Return ``name`` if it is a known dtype, else raise ``ParseError``."""
+    if name not in DTYPES:
+        raise ParseError(f"unknown dtype '{name}' (known: {', '.join(DTYPES)})")
+    return name
+
+
+def is_float(dtype: str) -> bool:
+    """True for float dtypes, weak or strong."""
+    return dtype in _FLOATS or dtype == WEAK_FLOAT
+
+
+def concrete(dtype: str) -> str:
+    """Turn a weak dtype into the strong one it defaults to."""
+    return {WEAK_INT: "int64", WEAK_FLOAT: DEFAULT_FLOAT}.get(dtype, dtype)
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a (possibly weak) neoflow dtype."""
+    return DTYPES[concrete(dtype)]
+
+
+def _rank(dtype: str) -> tuple[int, int]:
+    kind = 2 if dtype in _FLOATS else 1 if dtype in _INTS else 0
+    order = {"bool": 0, "int32": 1, "int64": 2, "float16": 1, "float32": 2, "float64": 3}
+    return kind, order[dtype]
+
+
+def promote(a: str, b: str) -> str:
+    """The dtype of an arithmetic result of operands of dtypes ``a`` and ``b``."""
+    weak = {WEAK_INT, WEAK_FLOAT}
+    if a in weak and b in weak:
+        return WEAK_FLOAT if WEAK_FLOAT in (a, b) else WEAK_INT
+    if a in weak or b in weak:
+        weak_one, strong = (a, b) if a in weak else (b, a)
+        if weak_one == WEAK_FLOAT and not is_float(strong):
+            return DEFAULT_FLOAT
+        if strong == "bool":
+            return weak_one
+        return strong
+    return max(a, b, key=_rank)
+
+
+def to_float(dtype: str) -> str:
+    """The dtype a float-only function (exp, log, ...) returns for this input."""
+    return dtype if is_float(dtype) else WEAK_FLOAT if dtype in (WEAK_INT, "bool") else DEFAULT_FLOAT

@@ -1,0 +1,89 @@
+"""Graphs: a DAG of ops with named inputs and outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neoflow.errors import ShapeError
+from neoflow.ir.op import Op, Tensor
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Ops in topological order, the graph's input tensors and its output names.
+
+    Build one with ``Graph.from_ops``, which orders the ops and checks that
+    every tensor is defined once and that no op depends on itself.
+    """
+
+    ops: tuple[Op, ...]
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[str, ...]
+
+    @staticmethod
+    def from_ops(ops: list[Op], outputs: list[str] | None = None) -> Graph:
+        """Order ``ops`` topologically; inputs are the tensors no op defines;
+        outputs default to the tensors no op reads."""
+        producers: dict[str, Op] = {}
+        for op in ops:
+            if op.name in producers:
+                raise ShapeError(f"tensor '{op.name}' is defined twice", op=op.name)
+            producers[op.name] = op
+        order: list[Op] = []
+        state: dict[str, str] = {}
+
+        def visit(op: Op, path: list[str]) -> None:
+            if state.get(op.name) == "done":
+                return
+            if state.get(op.name) == "active":
+                cycle = " -> ".join([*path[path.index(op.name):], op.name])
+                raise ShapeError(f"the ops form a cycle: {cycle}", op=op.name)
+            state[op.name] = "active"
+            for name in op.input_names:
+                if name in producers:
+                    visit(producers[name], [*path, op.name])
+            state[op.name] = "done"
+            order.append(op)
+
+        for op in ops:
+            visit(op, [])
+        inputs: dict[str, Tensor] = {}
+        for op in order:
+            for tensor in op.inputs:
+                if tensor.name not in producers:
+                    inputs.setdefault(tensor.name, tensor)
+                elif producers[tensor.name].output != tensor:
+                    raise ShapeError(
+                        f"reads '{tensor.name}' as {tensor} but it is defined as {producers[tensor.name].output}",
+                        op=op.name,
+                    )
+        read = {name for op in order for name in op.input_names}
+        if outputs is None:
+            outputs = [op.name for op in order if op.name not in read]
+        for name in outputs:
+            if name not in producers:
+                raise ShapeError(f"output '{name}' is not defined by any op")
+        return Graph(tuple(order), tuple(inputs.values()), tuple(outputs))
+
+    @property
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor of the graph (inputs and op outputs), by name."""
+        table = {t.name: t for t in self.inputs}
+        table.update({op.name: op.output for op in self.ops})
+        return table
+
+    def op(self, name: str) -> Op:
+        """The op that defines tensor ``name``."""
+        for op in self.ops:
+            if op.name == name:
+                return op
+        raise KeyError(name)
+
+    def consumers(self, name: str) -> list[Op]:
+        """The ops that read tensor ``name``."""
+        return [op for op in self.ops if name in op.input_names]
+
+    def __str__(self) -> str:
+        from neoflow.ir.printer import print_graph
+
+        return print_graph(self)

@@ -1,0 +1,218 @@
+"""The reference interpreter: evaluates ops and graphs with numpy.
+
+It is the oracle for the rest of the compiler, so it is written to be plainly
+right rather than fast.  An op is evaluated over a grid with one numpy axis per
+output index and per reduction axis: each index variable is an ``arange``
+shaped to broadcast along its own axis, reads are numpy gathers, and a
+reduction combines its own axes.  Large grids are cut into chunks along the
+output axes, so memory stays bounded.  Reads that a false ``Select`` condition
+(or a short-circuited ``&&``/``||``) skips are clamped into bounds and never
+used; a read that is used out of bounds is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from neoflow.errors import InputError, ShapeError
+from neoflow.ir import dtypes as dt
+from neoflow.ir import index
+from neoflow.ir.expr import Binary, Cast, Const, Expr, Index, Read, Reduce, Select, Unary
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Op, Tensor
+
+#: Largest number of grid points evaluated at once.
+CHUNK_POINTS = 1 << 23
+
+Mask = np.ndarray | None  # None: every point is live
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+_UNARY = {
+    "-": np.negative, "!": np.logical_not, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "tanh": np.tanh, "sigmoid": _sigmoid, "abs": np.abs,
+}
+_BINARY = {
+    "+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide, "//": np.floor_divide,
+    "%": np.mod, "pow": np.power, "max": np.maximum, "min": np.minimum,
+    "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
+    "==": np.equal, "!=": np.not_equal,
+}
+
+
+def _identity(kind: str, dtype: np.dtype) -> int | float:
+    if kind in ("ReduceAdd", "ReduceMul"):
+        return 0 if kind == "ReduceAdd" else 1
+    if np.issubdtype(dtype, np.floating):
+        return -np.inf if kind == "ReduceMax" else np.inf
+    info = np.iinfo(dtype) if np.issubdtype(dtype, np.integer) else None
+    if info is None:
+        return kind == "ReduceMin"
+    return info.min if kind == "ReduceMax" else info.max
+
+
+class _OpEvaluator:
+    """Evaluates one op on one chunk of its output."""
+
+    def __init__(self, op: Op, arrays: Mapping[str, np.ndarray]) -> None:
+        self.op = op
+        self.arrays = arrays
+        self.extent = op.extent
+        self.axes = list(op.indices) + list(op.reduce_axes)
+        self.rank = len(self.axes)
+
+    def grid(self, name: str, start: int, stop: int) -> np.ndarray:
+        shape = [1] * self.rank
+        shape[self.axes.index(name)] = stop - start
+        return np.arange(start, stop, dtype=np.int64).reshape(shape)
+
+    def run(self, chunk: tuple[slice, ...]) -> np.ndarray:
+        env = {name: self.grid(name, s.start, s.stop) for name, s in zip(self.op.indices, chunk, strict=True)}
+        for axis in self.op.reduce_axes:
+            env[axis] = self.grid(axis, 0, self.extent[axis])
+        self.env = env
+        with np.errstate(all="ignore"):
+            value = np.asarray(self.eval(self.op.body, None), dtype=dt.numpy_dtype(self.op.dtype))
+        if value.ndim:  # full rank; the reduction axes have been reduced to size 1
+            value = value.reshape(value.shape[: len(self.op.indices)])
+        return np.broadcast_to(value, tuple(s.stop - s.start for s in chunk))
+
+    def eval(self, node: Expr, live: Mask) -> np.ndarray:
+        target = dt.numpy_dtype(node.dtype)
+        if isinstance(node, Const):
+            return np.asarray(node.value, dtype=target)
+        if isinstance(node, Index):
+            return np.asarray(index.evaluate(node.expr, self.env, self.read_data), dtype=np.int64)
+        if isinstance(node, Read):
+            indices = [np.asarray(index.evaluate(i, self.env, self.read_data)) for i in node.indices]
+            return self.gather(node.tensor, indices, live, node)
+        if isinstance(node, Unary):
+            return _UNARY[node.op](self.eval(node.x, live).astype(target, copy=False))
+        if isinstance(node, Binary):
+            return self.binary(node, live)
+        if isinstance(node, Select):
+            cond = self.eval(node.cond, live).astype(bool, copy=False)
+            a = self.eval(node.a, cond if live is None else live & cond)
+            b = self.eval(node.b, ~cond if live is None else live & ~cond)
+            return np.where(cond, a.astype(target, copy=False), b.astype(target, copy=False))
+        if isinstance(node, Cast):
+            return self.eval(node.x, live).astype(target)
+        if isinstance(node, Reduce):
+            return self.reduce(node, live, target)
+        raise TypeError(f"cannot evaluate {type(node).__name__}")
+
+    def binary(self, node: Binary, live: Mask) -> np.ndarray:
+        operand = dt.numpy_dtype(node.operand_dtype)
+        a = self.eval(node.a, live).astype(operand if node.op not in ("&&", "||") else bool, copy=False)
+        if node.op in ("&&", "||"):
+            go_on = a if node.op == "&&" else ~a
+            b = self.eval(node.b, go_on if live is None else live & go_on).astype(bool, copy=False)
+            return np.logical_and(a, b) if node.op == "&&" else np.logical_or(a, b)
+        b = self.eval(node.b, live).astype(operand, copy=False)
+        return _BINARY[node.op](a, b)
+
+    def reduce(self, node: Reduce, live: Mask, target: np.dtype) -> np.ndarray:
+        body = self.eval(node.body, live).astype(target, copy=False)
+        positions = tuple(self.axes.index(a) for a in node.axes)
+        shape = list(np.shape(body)) + [1] * (self.rank - np.ndim(body))
+        body = body.reshape(shape) if np.ndim(body) != self.rank else body
+        for p in positions:
+            shape[p] = self.extent[self.axes[p]]
+        body = np.broadcast_to(body, shape)
+        initial = _identity(node.kind, target)
+        combine = {"ReduceAdd": np.sum, "ReduceMul": np.prod, "ReduceMax": np.max, "ReduceMin": np.min}[node.kind]
+        return combine(body, axis=positions, keepdims=True, initial=initial).astype(target, copy=False)
+
+    def read_data(self, tensor: str, indices: tuple[np.ndarray, ...]) -> np.ndarray:
+        return self.gather(tensor, list(indices), None, None).astype(np.int64)
+
+    def gather(self, tensor: str, indices: list[np.ndarray], live: Mask, node: Read | None) -> np.ndarray:
+        array = self.arrays[tensor]
+        outside = None
+        for dim, idx in enumerate(indices):
+            bad = (idx < 0) | (idx >= array.shape[dim])
+            if bad.any():
+                outside = bad if outside is None else outside | bad
+        if outside is not None:
+            used = outside if live is None else outside & live
+            if used.any():
+                text = tensor if node is None else f"{tensor}[{', '.join(index.to_text(i) for i in node.indices)}]"
+                raise ShapeError(f"read {text} is out of bounds where its value is used", op=self.op.name)
+            indices = [np.clip(idx, 0, n - 1) for idx, n in zip(indices, array.shape, strict=True)]
+        # pad every index to full rank so the gather broadcasts over the grid
+        full = [i.reshape(i.shape + (1,) * (self.rank - i.ndim)) if 0 < i.ndim < self.rank else i
+                for i in indices]
+        return array[tuple(full)] if full else array[()]
+
+
+def _chunks(shape: tuple[int, ...], per_point: int) -> Iterator[tuple[slice, ...]]:
+    """Slices covering ``shape`` with at most ``CHUNK_POINTS`` grid points each
+    (never less than one output point)."""
+
+    def cover(prefix: tuple[slice, ...], axis: int) -> Iterator[tuple[slice, ...]]:
+        rest = math.prod(shape[axis + 1:]) * per_point
+        if axis == len(shape) or math.prod(shape[axis:]) * per_point <= CHUNK_POINTS:
+            yield prefix + tuple(slice(0, n) for n in shape[axis:])
+        elif rest <= CHUNK_POINTS:
+            block = CHUNK_POINTS // rest
+            for start in range(0, shape[axis], block):
+                yield prefix + (slice(start, min(start + block, shape[axis])),) + tuple(
+                    slice(0, n) for n in shape[axis + 1:])
+        else:
+            for i in range(shape[axis]):
+                yield from cover(prefix + (slice(i, i + 1),), axis + 1)
+
+    yield from cover((), 0)
+
+
+def _check_inputs(tensors: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray], owner: str) -> dict[str, np.ndarray]:
+    arrays = {}
+    for tensor in tensors:
+        if tensor.name not in inputs:
+            raise InputError(f"missing input '{tensor.name}' (expected shape {list(tensor.shape)})", op=owner)
+        array = np.asarray(inputs[tensor.name])
+        if array.shape != tensor.shape:
+            raise InputError(f"input '{tensor.name}' has shape {list(array.shape)}, expected {list(tensor.shape)}",
+                             op=owner)
+        arrays[tensor.name] = array.astype(dt.numpy_dtype(tensor.dtype), copy=False)
+    return arrays
+
+
+def evaluate_op(op: Op, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Evaluate ``op`` on ``inputs`` (arrays by tensor name); returns its output.
+
+    Inputs are converted to the dtype the op declares for them; a missing input
+    or a wrong shape raises ``InputError``."""
+    arrays = _check_inputs(op.inputs, inputs, op.name)
+    return _evaluate(op, arrays)
+
+
+def _evaluate(op: Op, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    out = np.empty(op.shape, dtype=dt.numpy_dtype(op.dtype))
+    evaluator = _OpEvaluator(op, arrays)
+    per_point = math.prod(op.extent[a] for a in op.reduce_axes)
+    for chunk in _chunks(op.shape, max(per_point, 1)):
+        out[chunk] = evaluator.run(chunk)
+    return out
+
+
+def evaluate_graph(graph: Graph, inputs: Mapping[str, np.ndarray], keep: bool = False) -> dict[str, np.ndarray]:
+    """Evaluate ``graph``; returns its outputs by name (every tensor if ``keep``)."""
+    values = _check_inputs(graph.inputs, inputs, "graph")
+    for op in graph.ops:
+        values[op.name] = _evaluate(op, values)
+    names = list(values) if keep else graph.outputs
+    return {name: values[name] for name in names}
+
+
+def evaluate(target: Op | Graph, inputs: Mapping[str, np.ndarray]) -> np.ndarray | dict[str, np.ndarray]:
+    """Evaluate an op (returns its output array) or a graph (returns a dict of outputs)."""
+    if isinstance(target, Graph):
+        return evaluate_graph(target, inputs)
+    return evaluate_op(target, inputs)

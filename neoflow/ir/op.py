@@ -1,0 +1,91 @@
+"""Tensors and ops: one output tensor defined by an expression over its index variables."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from neoflow.ir.expr import Expr, Reduce, reductions
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A named dense tensor with a shape and a dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.name}{list(self.shape)} {self.dtype}"
+
+
+@dataclass(frozen=True)
+class Op:
+    """``output[indices] = body``.
+
+    ``inputs`` are the tensors ``body`` reads, in order of first appearance;
+    ``ranges`` gives the extent of every index variable (output indices first,
+    then reduction axes in the order the reductions list them); each variable
+    runs over ``[0, extent)``.  ``range_sources`` says where each extent came
+    from (for reports; not part of equality).
+    """
+
+    output: Tensor
+    indices: tuple[str, ...]
+    body: Expr
+    inputs: tuple[Tensor, ...]
+    ranges: tuple[tuple[str, int], ...]
+    range_sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    @property
+    def name(self) -> str:
+        """The op's name: the name of the tensor it defines."""
+        return self.output.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the output tensor."""
+        return self.output.shape
+
+    @property
+    def dtype(self) -> str:
+        """Dtype of the output tensor."""
+        return self.output.dtype
+
+    @property
+    def extent(self) -> dict[str, int]:
+        """Extent of every index variable, by name."""
+        return dict(self.ranges)
+
+    @property
+    def reductions(self) -> list[Reduce]:
+        """The reductions in the body, outermost first."""
+        return reductions(self.body)
+
+    @property
+    def reduce_axes(self) -> tuple[str, ...]:
+        """All reduction axes, in order."""
+        return tuple(axis for r in self.reductions for axis in r.axes)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """Names of the tensors the op reads."""
+        return tuple(t.name for t in self.inputs)
+
+    def input(self, name: str) -> Tensor:
+        """The input tensor called ``name``."""
+        for tensor in self.inputs:
+            if tensor.name == name:
+                return tensor
+        raise KeyError(name)
+
+    def __str__(self) -> str:
+        from neoflow.ir.printer import print_op
+
+        return print_op(self)

@@ -1,0 +1,60 @@
+"""Entry points from text: ``parse_op`` and ``parse_graph``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from neoflow.errors import ParseError
+from neoflow.ir import dtypes as dt
+from neoflow.ir.build import build_ops
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Op
+from neoflow.ir.syntax import Assign, parse
+
+Shapes = Mapping[str, Sequence[int]]
+
+
+def parse_graph(
+    text: str,
+    shapes: Shapes | None = None,
+    dtypes: Mapping[str, str] | None = None,
+    dtype: str = dt.DEFAULT_FLOAT,
+    outputs: Sequence[str] | None = None,
+) -> Graph:
+    """Parse several statements into a ``Graph``.
+
+    ``shapes``/``dtypes`` give tensors by name (inputs; outputs to pin them);
+    ``dtype`` is the dtype of tensors not named in ``dtypes``.  Outputs default
+    to the tensors no op reads."""
+    statements = parse(text)
+    if not any(isinstance(s, Assign) for s in statements):
+        raise ParseError("no statement defines a tensor")
+    ops = build_ops(statements, shapes or {}, dtypes or {}, dt.check_dtype(dtype))
+    return Graph.from_ops(ops, list(outputs) if outputs is not None else None)
+
+
+def parse_op(
+    text: str,
+    shapes: Shapes | None = None,
+    out_shape: Sequence[int] | None = None,
+    dtype: str = dt.DEFAULT_FLOAT,
+    dtypes: Mapping[str, str] | None = None,
+) -> Op:
+    """Parse one statement (declarations may precede it) into an ``Op``.
+
+    ``out_shape`` pins the output shape (as does giving the output's name in
+    ``shapes``); ``dtype`` is the dtype of every tensor not named in
+    ``dtypes``, the output's included."""
+    statements = parse(text)
+    assigns = [s for s in statements if isinstance(s, Assign)]
+    if len(assigns) != 1:
+        raise ParseError(f"expected one statement defining a tensor, found {len(assigns)} "
+                         f"(use neoflow.graph for several)")
+    shapes = dict(shapes or {})
+    name = assigns[0].target.name
+    if out_shape is not None:
+        if name in shapes and tuple(shapes[name]) != tuple(out_shape):
+            raise ParseError(f"out_shape {list(out_shape)} disagrees with shapes['{name}'] = {list(shapes[name])}")
+        shapes[name] = out_shape
+    dtypes = {name: dtype, **(dtypes or {})}
+    return build_ops(statements, shapes, dtypes, dt.check_dtype(dtype))[0]
