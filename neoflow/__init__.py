@@ -23,6 +23,18 @@ from neoflow.ir.text import parse_op as op
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompileError", "Graph", "InputError", "NeoflowError", "NonInvertibleMapError", "Op", "ParseError",
-    "ShapeError", "Tensor", "UnsupportedOpError", "__version__", "evaluate", "graph", "op",
+    "CompileError",
+    "Graph",
+    "InputError",
+    "NeoflowError",
+    "NonInvertibleMapError",
+    "Op",
+    "ParseError",
+    "ShapeError",
+    "Tensor",
+    "UnsupportedOpError",
+    "__version__",
+    "evaluate",
+    "graph",
+    "op",
 ]

@@ -8,6 +8,23 @@ from neoflow.ir.printer import print_graph, print_op
 from neoflow.ir.text import parse_graph, parse_op
 
 __all__ = [
-    "Binary", "Cast", "Const", "Expr", "Graph", "Index", "Op", "Read", "Reduce", "Select", "Tensor", "Unary",
-    "evaluate", "evaluate_graph", "evaluate_op", "parse_graph", "parse_op", "print_graph", "print_op",
+    "Binary",
+    "Cast",
+    "Const",
+    "Expr",
+    "Graph",
+    "Index",
+    "Op",
+    "Read",
+    "Reduce",
+    "Select",
+    "Tensor",
+    "Unary",
+    "evaluate",
+    "evaluate_graph",
+    "evaluate_op",
+    "parse_graph",
+    "parse_op",
+    "print_graph",
+    "print_op",
 ]

@@ -130,8 +130,11 @@ def _set(variables: Sequence[str], constraint: str, hidden: Sequence[str] = ()) 
 
 
 def _bad_points(
-    access: Access, ranges: Mapping[str, int | None], shapes: Mapping[str, Sequence[int]],
-    keep: Sequence[str], extra: str | None = None,
+    access: Access,
+    ranges: Mapping[str, int | None],
+    shapes: Mapping[str, Sequence[int]],
+    keep: Sequence[str],
+    extra: str | None = None,
 ) -> isl.Set | None:
     oob = _out_of_bounds(access.read, shapes[access.read.tensor])
     if oob is None:
@@ -162,9 +165,7 @@ def first_violation(
         if bad is None or bad.is_empty():
             continue
         sample = bad.sample_point()
-        point = {
-            name: sample.get_coordinate_val(isl.dim_type.set, i).to_python() for i, name in enumerate(names)
-        }
+        point = {name: sample.get_coordinate_val(isl.dim_type.set, i).to_python() for i, name in enumerate(names)}
         shape = shapes[access.read.tensor]
         for dim, expr in enumerate(access.read.indices):
             if not index.is_quasi_affine(expr):
@@ -196,6 +197,9 @@ def infer_extents(
             if points is not None:
                 bad = bad.union(points)
         bad = bad.coalesce()
-        result[name] = None if bad.is_empty() else int(
-            bad.lexmin().sample_point().get_coordinate_val(isl.dim_type.set, 0).to_python())
+        result[name] = (
+            None
+            if bad.is_empty()
+            else int(bad.lexmin().sample_point().get_coordinate_val(isl.dim_type.set, 0).to_python())
+        )
     return result

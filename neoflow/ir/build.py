@@ -76,8 +76,12 @@ class _Scope:
 
 class _OpBuilder:
     def __init__(
-        self, stmt: Assign, tensors: Mapping[str, Tensor], out_shape: Sequence[int] | None,
-        out_dtype: str | None, default_dtype: str,
+        self,
+        stmt: Assign,
+        tensors: Mapping[str, Tensor],
+        out_shape: Sequence[int] | None,
+        out_dtype: str | None,
+        default_dtype: str,
     ) -> None:
         self.stmt = stmt
         self.name = stmt.target.name
@@ -108,11 +112,18 @@ class _OpBuilder:
         if self.out_shape is not None and len(self.out_shape) != len(names):
             raise self.fail(
                 f"'{self.name}' has {len(self.out_shape)} dimensions but is written with {len(names)} indices",
-                self.stmt.target.pos, ShapeError)
+                self.stmt.target.pos,
+                ShapeError,
+            )
         return tuple(names)
 
-    def _scan(self, node: Node, stack: tuple[int, ...], bound: frozenset[str],
-              uses: dict[str, list[tuple[tuple[int, ...], Pos]]]) -> None:
+    def _scan(
+        self,
+        node: Node,
+        stack: tuple[int, ...],
+        bound: frozenset[str],
+        uses: dict[str, list[tuple[tuple[int, ...], Pos]]],
+    ) -> None:
         if isinstance(node, Name):
             if node.name in LITERALS:
                 return
@@ -162,14 +173,19 @@ class _OpBuilder:
                 raise self.fail(
                     f"variable '{name}' is not an output index and no reduction encloses all its uses "
                     f"(list it in a reduction such as ReduceAdd({{{name}}}, ...) or write '+=')",
-                    occurrences[0][1], ShapeError)
+                    occurrences[0][1],
+                    ShapeError,
+                )
         seen: dict[str, int] = {}
         for reduce_id in sorted({*self.scope.explicit, *self.scope.implicit}):
             axes = [a for a, _, _ in self.scope.explicit.get(reduce_id, [])] + self.scope.implicit.get(reduce_id, [])
             for axis in axes:
                 if axis in seen:
-                    raise self.fail(f"variable '{axis}' is ambiguous: two reductions use it; rename one",
-                                    self.scope.first_use.get(axis), ShapeError)
+                    raise self.fail(
+                        f"variable '{axis}' is ambiguous: two reductions use it; rename one",
+                        self.scope.first_use.get(axis),
+                        ShapeError,
+                    )
                 seen[axis] = reduce_id
 
     # -- pass 2: IR ----------------------------------------------------------
@@ -181,8 +197,11 @@ class _OpBuilder:
             raise self.fail(f"unknown tensor '{name}' (give its shape)", pos)
         tensor = self.tensors[name]
         if len(tensor.shape) != rank:
-            raise self.fail(f"wrong number of indices for '{name}': it has {len(tensor.shape)} dimensions, "
-                            f"{rank} given", pos, ShapeError)
+            raise self.fail(
+                f"wrong number of indices for '{name}': it has {len(tensor.shape)} dimensions, {rank} given",
+                pos,
+                ShapeError,
+            )
         return tensor
 
     def index_expr(self, node: Node) -> sympy.Expr:
@@ -197,8 +216,9 @@ class _OpBuilder:
         if isinstance(node, Subscript):
             tensor = self.tensor(node.name, node.pos, len(node.args))
             if dt.is_float(tensor.dtype) or tensor.dtype == "bool":
-                raise self.fail(f"'{node.name}' ({tensor.dtype}) cannot be used as an index: "
-                                f"only integer tensors can", node.pos)
+                raise self.fail(
+                    f"'{node.name}' ({tensor.dtype}) cannot be used as an index: only integer tensors can", node.pos
+                )
             return index.tensor_read(node.name, tuple(self.index_expr(a) for a in node.args))
         if isinstance(node, UnOp) and node.op == "-":
             return -self.index_expr(node.x)
@@ -211,8 +231,7 @@ class _OpBuilder:
             if node.op == "*":
                 return a * b
             if not (b.is_Integer and b > 0):
-                raise self.fail(f"'{node.op}' in an index needs a positive integer constant on its right",
-                                node.pos)
+                raise self.fail(f"'{node.op}' in an index needs a positive integer constant on its right", node.pos)
             return index.mod(a, b) if node.op == "%" else index.floordiv(a, b)
         raise self.fail("expected an integer index expression (variables, integers, + - * / // %)", node.pos)
 
@@ -323,13 +342,19 @@ class _OpBuilder:
                     pos = self.read_pos.get(read) if read is not None else None
                     raise self.fail(
                         f"shape mismatch for variable '{name}': {relevant[0][1]} gives {relevant[0][0]} "
-                        f"but {source} gives {size}", pos or self.scope.first_use.get(name), ShapeError)
+                        f"but {source} gives {size}",
+                        pos or self.scope.first_use.get(name),
+                        ShapeError,
+                    )
             if extents[name] is None and relevant:
                 extents[name], sources[name] = relevant[0][0], f"indexes {relevant[0][1]}"
             if extents[name] is None and name not in self.scope.outputs:
                 raise self.fail(
                     f"cannot infer the range of reduction variable '{name}': it indexes no tensor dimension "
-                    f"directly; give it as {{{name}: N}}", self.scope.first_use.get(name), ShapeError)
+                    f"directly; give it as {{{name}: N}}",
+                    self.scope.first_use.get(name),
+                    ShapeError,
+                )
         shapes = {name: t.shape for name, t in self.tensors.items()}
         if any(e is None for e in extents.values()):
             unbounded = []
@@ -346,11 +371,16 @@ class _OpBuilder:
                 raise self.fail(
                     f"cannot infer the range of output variable{'s' if len(unbounded) > 1 else ''} {names}: "
                     f"no read bounds {'them' if len(unbounded) > 1 else 'it'}; give the output shape",
-                    self.scope.first_use.get(unbounded[0]), ShapeError)
+                    self.scope.first_use.get(unbounded[0]),
+                    ShapeError,
+                )
             empty = [name for name, extent in extents.items() if extent == 0 and sources[name] == "access bounds"]
             if empty:
-                raise self.fail(f"output variable '{empty[0]}' has no value that keeps every read in bounds",
-                                self.scope.first_use.get(empty[0]), ShapeError)
+                raise self.fail(
+                    f"output variable '{empty[0]}' has no value that keeps every read in bounds",
+                    self.scope.first_use.get(empty[0]),
+                    ShapeError,
+                )
         known = {name: int(e) for name, e in extents.items() if e is not None}
         violation = bounds.first_violation(all_accesses, known, shapes)
         if violation is not None:
@@ -361,15 +391,16 @@ class _OpBuilder:
             raise self.fail(
                 f"read {text} is out of bounds at {where}: index {violation.dim} is {violation.value} but "
                 f"'{read.tensor}' has size {shapes[read.tensor][violation.dim]} there",
-                self.read_pos.get(read), ShapeError)
+                self.read_pos.get(read),
+                ShapeError,
+            )
         return known, sources
 
     def build(self) -> Op:
         body = self.body()
         ranges, sources = self.ranges(body)
         shape = tuple(ranges[v] for v in self.scope.outputs)
-        dtype = self.out_dtype or dt.concrete(
-            self.default_dtype if body.dtype == dt.WEAK_FLOAT else body.dtype)
+        dtype = self.out_dtype or dt.concrete(self.default_dtype if body.dtype == dt.WEAK_FLOAT else body.dtype)
         inputs: dict[str, Tensor] = {}
         for access in bounds.accesses(body):
             inputs.setdefault(access.read.tensor, self.tensors[access.read.tensor])
@@ -424,8 +455,13 @@ def build_ops(
     for stmt in statements:
         if isinstance(stmt, Declare):
             if stmt.name in shapes and shapes[stmt.name] != stmt.shape:
-                raise _error(ShapeError, f"'{stmt.name}' is declared with shape {list(stmt.shape)} but given "
-                             f"shape {list(shapes[stmt.name])}", stmt.pos, stmt.name)
+                raise _error(
+                    ShapeError,
+                    f"'{stmt.name}' is declared with shape {list(stmt.shape)} but given "
+                    f"shape {list(shapes[stmt.name])}",
+                    stmt.pos,
+                    stmt.name,
+                )
             shapes[stmt.name] = stmt.shape
             if stmt.dtype is not None:
                 try:
@@ -434,13 +470,13 @@ def build_ops(
                     raise _error(ParseError, err.message, stmt.pos, stmt.name) from None
         else:
             if stmt.target.name in defining:
-                raise _error(ShapeError, f"tensor '{stmt.target.name}' is defined twice", stmt.pos,
-                             stmt.target.name)
+                raise _error(ShapeError, f"tensor '{stmt.target.name}' is defined twice", stmt.pos, stmt.target.name)
             defining[stmt.target.name] = stmt
     built: dict[str, Op] = {}
     tensors: dict[str, Tensor] = {
         name: Tensor(name, shape, dtypes.get(name, default_dtype))
-        for name, shape in shapes.items() if name not in defining
+        for name, shape in shapes.items()
+        if name not in defining
     }
     active: list[str] = []
 
@@ -448,7 +484,7 @@ def build_ops(
         if name in built:
             return
         if name in active:
-            cycle = " -> ".join([*active[active.index(name):], name])
+            cycle = " -> ".join([*active[active.index(name) :], name])
             raise _error(ShapeError, f"the statements form a cycle: {cycle}", defining[name].pos, name)
         active.append(name)
         stmt = defining[name]

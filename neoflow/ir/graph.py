@@ -36,7 +36,7 @@ class Graph:
             if state.get(op.name) == "done":
                 return
             if state.get(op.name) == "active":
-                cycle = " -> ".join([*path[path.index(op.name):], op.name])
+                cycle = " -> ".join([*path[path.index(op.name) :], op.name])
                 raise ShapeError(f"the ops form a cycle: {cycle}", op=op.name)
             state[op.name] = "active"
             for name in op.input_names:

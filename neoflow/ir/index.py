@@ -10,8 +10,8 @@ text language.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import math
+from collections.abc import Callable, Mapping
 from functools import cache
 
 import numpy as np

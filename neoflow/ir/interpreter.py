@@ -35,14 +35,31 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 _UNARY = {
-    "-": np.negative, "!": np.logical_not, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
-    "tanh": np.tanh, "sigmoid": _sigmoid, "abs": np.abs,
+    "-": np.negative,
+    "!": np.logical_not,
+    "exp": np.exp,
+    "log": np.log,
+    "sqrt": np.sqrt,
+    "tanh": np.tanh,
+    "sigmoid": _sigmoid,
+    "abs": np.abs,
 }
 _BINARY = {
-    "+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide, "//": np.floor_divide,
-    "%": np.mod, "pow": np.power, "max": np.maximum, "min": np.minimum,
-    "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
-    "==": np.equal, "!=": np.not_equal,
+    "+": np.add,
+    "-": np.subtract,
+    "*": np.multiply,
+    "/": np.true_divide,
+    "//": np.floor_divide,
+    "%": np.mod,
+    "pow": np.power,
+    "max": np.maximum,
+    "min": np.minimum,
+    "<": np.less,
+    "<=": np.less_equal,
+    ">": np.greater,
+    ">=": np.greater_equal,
+    "==": np.equal,
+    "!=": np.not_equal,
 }
 
 
@@ -146,8 +163,7 @@ class _OpEvaluator:
                 raise ShapeError(f"read {text} is out of bounds where its value is used", op=self.op.name)
             indices = [np.clip(idx, 0, n - 1) for idx, n in zip(indices, array.shape, strict=True)]
         # pad every index to full rank so the gather broadcasts over the grid
-        full = [i.reshape(i.shape + (1,) * (self.rank - i.ndim)) if 0 < i.ndim < self.rank else i
-                for i in indices]
+        full = [i.reshape(i.shape + (1,) * (self.rank - i.ndim)) if 0 < i.ndim < self.rank else i for i in indices]
         return array[tuple(full)] if full else array[()]
 
 
@@ -156,17 +172,17 @@ def _chunks(shape: tuple[int, ...], per_point: int) -> Iterator[tuple[slice, ...
     (never less than one output point)."""
 
     def cover(prefix: tuple[slice, ...], axis: int) -> Iterator[tuple[slice, ...]]:
-        rest = math.prod(shape[axis + 1:]) * per_point
-        if axis == len(shape) or math.prod(shape[axis:]) * per_point <= CHUNK_POINTS:
-            yield prefix + tuple(slice(0, n) for n in shape[axis:])
+        rest = math.prod(shape[axis + 1 :]) * per_point
+        whole = tuple(slice(0, n) for n in shape[axis + 1 :])
+        if axis == len(shape) or shape[axis] * rest <= CHUNK_POINTS:
+            yield (*prefix, *(slice(0, n) for n in shape[axis:]))
         elif rest <= CHUNK_POINTS:
             block = CHUNK_POINTS // rest
             for start in range(0, shape[axis], block):
-                yield prefix + (slice(start, min(start + block, shape[axis])),) + tuple(
-                    slice(0, n) for n in shape[axis + 1:])
+                yield (*prefix, slice(start, min(start + block, shape[axis])), *whole)
         else:
             for i in range(shape[axis]):
-                yield from cover(prefix + (slice(i, i + 1),), axis + 1)
+                yield from cover((*prefix, slice(i, i + 1)), axis + 1)
 
     yield from cover((), 0)
 
@@ -178,8 +194,9 @@ def _check_inputs(tensors: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray],
             raise InputError(f"missing input '{tensor.name}' (expected shape {list(tensor.shape)})", op=owner)
         array = np.asarray(inputs[tensor.name])
         if array.shape != tensor.shape:
-            raise InputError(f"input '{tensor.name}' has shape {list(array.shape)}, expected {list(tensor.shape)}",
-                             op=owner)
+            raise InputError(
+                f"input '{tensor.name}' has shape {list(array.shape)}, expected {list(tensor.shape)}", op=owner
+            )
         arrays[tensor.name] = array.astype(dt.numpy_dtype(tensor.dtype), copy=False)
     return arrays
 

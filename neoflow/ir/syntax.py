@@ -60,17 +60,19 @@ def tokenize(text: str) -> list[Token]:
                 open_brackets.append(token)
             elif value in _CLOSING.values():
                 if not open_brackets or _CLOSING[open_brackets[-1].text] != value:
-                    expected = f"; '{open_brackets[-1].text}' at line {open_brackets[-1].pos[0]}, column " \
-                        f"{open_brackets[-1].pos[1]} is still open" if open_brackets else ""
-                    raise ParseError(f"unbalanced bracket: unexpected '{value}'{expected}", line=pos[0],
-                                     column=pos[1])
+                    expected = (
+                        f"; '{open_brackets[-1].text}' at line {open_brackets[-1].pos[0]}, column "
+                        f"{open_brackets[-1].pos[1]} is still open"
+                        if open_brackets
+                        else ""
+                    )
+                    raise ParseError(f"unbalanced bracket: unexpected '{value}'{expected}", line=pos[0], column=pos[1])
                 open_brackets.pop()
             tokens.append(token)
         i = match.end()
     if open_brackets:
         first = open_brackets[-1]
-        raise ParseError(f"unbalanced bracket: '{first.text}' is never closed", line=first.pos[0],
-                         column=first.pos[1])
+        raise ParseError(f"unbalanced bracket: '{first.text}' is never closed", line=first.pos[0], column=first.pos[1])
     tokens.append(Token("end", "", (line, i - line_start + 1)))
     return tokens
 
@@ -143,7 +145,12 @@ class Declare(Node):
 Statement = Assign | Declare
 
 _BINARY_LEVELS: tuple[tuple[str, ...], ...] = (
-    ("||",), ("&&",), ("==", "!="), ("<", "<=", ">", ">="), ("+", "-"), ("*", "/", "//", "%"),
+    ("||",),
+    ("&&",),
+    ("==", "!="),
+    ("<", "<=", ">", ">="),
+    ("+", "-"),
+    ("*", "/", "//", "%"),
 )
 
 

@@ -43,18 +43,19 @@ def parse_op(
     """Parse one statement (declarations may precede it) into an ``Op``.
 
     ``out_shape`` pins the output shape (as does giving the output's name in
-    ``shapes``); ``dtype`` is the dtype of every tensor not named in
-    ``dtypes``, the output's included."""
+    ``shapes``).  ``dtype`` is the dtype of every input not named in ``dtypes``
+    and of float results; the output's dtype follows from the expression
+    (``X[i] > 0`` is bool) unless ``dtypes`` names it."""
     statements = parse(text)
     assigns = [s for s in statements if isinstance(s, Assign)]
     if len(assigns) != 1:
-        raise ParseError(f"expected one statement defining a tensor, found {len(assigns)} "
-                         f"(use neoflow.graph for several)")
+        raise ParseError(
+            f"expected one statement defining a tensor, found {len(assigns)} (use neoflow.graph for several)"
+        )
     shapes = dict(shapes or {})
     name = assigns[0].target.name
     if out_shape is not None:
         if name in shapes and tuple(shapes[name]) != tuple(out_shape):
             raise ParseError(f"out_shape {list(out_shape)} disagrees with shapes['{name}'] = {list(shapes[name])}")
         shapes[name] = out_shape
-    dtypes = {name: dtype, **(dtypes or {})}
-    return build_ops(statements, shapes, dtypes, dt.check_dtype(dtype))[0]
+    return build_ops(statements, shapes, dtypes or {}, dt.check_dtype(dtype))[0]
