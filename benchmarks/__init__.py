@@ -1,0 +1,1 @@
+"""Benchmarks: timings live here, never in pass/fail tests."""
