@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import islpy as isl
 
 from neoflow.ir import index
-from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Select, Unary
+from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, Unary
 
 PREFIX = "v_"
 _NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
@@ -93,6 +93,10 @@ def accesses(body: Expr) -> list[Access]:
             visit(node.cond, guard, conditional)
             visit(node.a, _and(guard, condition_to_isl(node.cond, True)), True)
             visit(node.b, _and(guard, condition_to_isl(node.cond, False)), True)
+            return
+        if isinstance(node, Reduce) and node.where is not None:
+            visit(node.where, guard, conditional)
+            visit(node.body, _and(guard, condition_to_isl(node.where, True)), True)
             return
         if isinstance(node, Binary) and node.op in ("&&", "||"):
             visit(node.a, guard, conditional)

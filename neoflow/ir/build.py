@@ -148,7 +148,10 @@ class _OpBuilder:
                 self.scope.first_use.setdefault(axis, pos)
             reduce_id = len(self.scope.explicit)
             self.scope.explicit[reduce_id] = axes
-            self._scan(node.args[1], (*stack, reduce_id), bound | {a for a, _, _ in axes}, uses)
+            inner = bound | {a for a, _, _ in axes}
+            if node.args[0].where is not None:
+                self._scan(node.args[0].where, (*stack, reduce_id), inner, uses)
+            self._scan(node.args[1], (*stack, reduce_id), inner, uses)
             return
         if isinstance(node, AxisSet):
             raise self.fail("an axis set {...} is only allowed as the first argument of a reduction", node.pos)
@@ -287,7 +290,8 @@ class _OpBuilder:
             extra = self.scope.implicit.get(reduce_id, [])
             axes = tuple([a for a, _, _ in listed] + extra)
             extents = tuple([e for _, e, _ in listed] + [None] * len(extra))
-            return Reduce(func, axes, extents, self.value(args[1]))
+            where = args[0].where
+            return Reduce(func, axes, extents, self.value(args[1]), None if where is None else self.value(where))
         if func in UNARY_FUNCTIONS:
             arity(1)
             return Unary(func, self.value(args[0]))
@@ -309,109 +313,145 @@ class _OpBuilder:
             body = Reduce("ReduceAdd", tuple(top), (None,) * len(top), body)
         return body
 
-    # -- ranges ----------------------------------------------------------------
-
-    def ranges(self, body: Expr) -> tuple[dict[str, int], dict[str, str]]:
-        reduces = [n for n in body.walk() if isinstance(n, Reduce)]
-        reduce_axes = [a for r in reduces for a in r.axes]
-        extents: dict[str, int | None] = dict.fromkeys([*self.scope.outputs, *reduce_axes])
-        sources: dict[str, str] = {}
-        for r in reduces:
-            for axis, extent in zip(r.axes, r.extents, strict=True):
-                if extent is not None:
-                    extents[axis], sources[axis] = extent, "given"
-        if self.out_shape is not None:
-            for axis, extent in zip(self.scope.outputs, self.out_shape, strict=True):
-                extents[axis], sources[axis] = extent, "output shape"
-        all_accesses = bounds.accesses(body)
-        direct: dict[str, list[tuple[int, str, bool, Read]]] = {}
-        for access in all_accesses:
-            shape = self.tensors[access.read.tensor].shape
-            for dim, expr in enumerate(access.read.indices):
-                if expr.is_Symbol:
-                    use = (shape[dim], f"{access.read.tensor} dim {dim}", access.conditional, access.read)
-                    direct.setdefault(expr.name, []).append(use)
-        for name in extents:
-            uses = direct.get(name, [])
-            unconditional = [u for u in uses if not u[2]]
-            relevant = unconditional if name in self.scope.outputs else uses
-            if extents[name] is not None:
-                relevant = [(extents[name], sources[name], False, None), *relevant]
-            for size, source, _, read in relevant[1:]:
-                if size != relevant[0][0]:
-                    pos = self.read_pos.get(read) if read is not None else None
-                    raise self.fail(
-                        f"shape mismatch for variable '{name}': {relevant[0][1]} gives {relevant[0][0]} "
-                        f"but {source} gives {size}",
-                        pos or self.scope.first_use.get(name),
-                        ShapeError,
-                    )
-            if extents[name] is None and relevant:
-                extents[name], sources[name] = relevant[0][0], f"indexes {relevant[0][1]}"
-            if extents[name] is None and name not in self.scope.outputs:
-                raise self.fail(
-                    f"cannot infer the range of reduction variable '{name}': it indexes no tensor dimension "
-                    f"directly; give it as {{{name}: N}}",
-                    self.scope.first_use.get(name),
-                    ShapeError,
-                )
-        shapes = {name: t.shape for name, t in self.tensors.items()}
-        if any(e is None for e in extents.values()):
-            unbounded = []
-            for name, extent in bounds.infer_extents(all_accesses, extents, shapes).items():
-                guarded = direct.get(name, [])
-                if extent is not None:
-                    extents[name], sources[name] = extent, "access bounds"
-                elif guarded:
-                    extents[name], sources[name] = guarded[0][0], f"indexes {guarded[0][1]}"
-                else:
-                    unbounded.append(name)
-            if unbounded:
-                names = ", ".join(f"'{n}'" for n in unbounded)
-                raise self.fail(
-                    f"cannot infer the range of output variable{'s' if len(unbounded) > 1 else ''} {names}: "
-                    f"no read bounds {'them' if len(unbounded) > 1 else 'it'}; give the output shape",
-                    self.scope.first_use.get(unbounded[0]),
-                    ShapeError,
-                )
-            empty = [name for name, extent in extents.items() if extent == 0 and sources[name] == "access bounds"]
-            if empty:
-                raise self.fail(
-                    f"output variable '{empty[0]}' has no value that keeps every read in bounds",
-                    self.scope.first_use.get(empty[0]),
-                    ShapeError,
-                )
-        known = {name: int(e) for name, e in extents.items() if e is not None}
-        violation = bounds.first_violation(all_accesses, known, shapes)
-        if violation is not None:
-            read = violation.access.read
-            shown = sorted(set().union(*(index.variables(i) for i in read.indices)))
-            where = ", ".join(f"{v}={violation.point[v]}" for v in shown if v in violation.point)
-            text = f"{read.tensor}[{', '.join(index.to_text(i) for i in read.indices)}]"
-            raise self.fail(
-                f"read {text} is out of bounds at {where}: index {violation.dim} is {violation.value} but "
-                f"'{read.tensor}' has size {shapes[read.tensor][violation.dim]} there",
-                self.read_pos.get(read),
-                ShapeError,
-            )
-        return known, sources
-
     def build(self) -> Op:
         body = self.body()
-        ranges, sources = self.ranges(body)
-        shape = tuple(ranges[v] for v in self.scope.outputs)
-        dtype = self.out_dtype or dt.concrete(self.default_dtype if body.dtype == dt.WEAK_FLOAT else body.dtype)
-        inputs: dict[str, Tensor] = {}
-        for access in bounds.accesses(body):
-            inputs.setdefault(access.read.tensor, self.tensors[access.read.tensor])
-        return Op(
-            output=Tensor(self.name, shape, dtype),
-            indices=self.scope.outputs,
-            body=body,
-            inputs=tuple(inputs.values()),
-            ranges=tuple(ranges.items()),
-            range_sources=tuple(sources.items()),
+        return make_op(
+            self.name,
+            self.scope.outputs,
+            body,
+            self.tensors,
+            self.out_shape,
+            self.out_dtype,
+            self.default_dtype,
+            self.read_pos,
+            self.scope.first_use,
         )
+
+
+def infer_ranges(
+    op_name: str,
+    indices: Sequence[str],
+    body: Expr,
+    tensors: Mapping[str, Tensor],
+    out_shape: Sequence[int] | None = None,
+    read_pos: Mapping[Read, Pos] | None = None,
+    var_pos: Mapping[str, Pos] | None = None,
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Extent of every index variable of ``op_name[indices] = body`` and where it came
+    from (see the module docstring), after checking every read stays in bounds.
+    ``read_pos``/``var_pos`` give source positions for error messages."""
+    read_pos = read_pos or {}
+    var_pos = var_pos or {}
+
+    def fail(message: str, pos: Pos | None) -> Exception:
+        return _error(ShapeError, message, pos, op_name)
+
+    reduces = [n for n in body.walk() if isinstance(n, Reduce)]
+    reduce_axes = [a for r in reduces for a in r.axes]
+    extents: dict[str, int | None] = dict.fromkeys([*indices, *reduce_axes])
+    sources: dict[str, str] = {}
+    for r in reduces:
+        for axis, extent in zip(r.axes, r.extents, strict=True):
+            if extent is not None:
+                extents[axis], sources[axis] = extent, "given"
+    if out_shape is not None:
+        for axis, extent in zip(indices, out_shape, strict=True):
+            extents[axis], sources[axis] = extent, "output shape"
+    all_accesses = bounds.accesses(body)
+    direct: dict[str, list[tuple[int, str, bool, Read]]] = {}
+    for access in all_accesses:
+        shape = tensors[access.read.tensor].shape
+        for dim, expr in enumerate(access.read.indices):
+            if expr.is_Symbol:
+                use = (shape[dim], f"{access.read.tensor} dim {dim}", access.conditional, access.read)
+                direct.setdefault(expr.name, []).append(use)
+    for name in extents:
+        uses = direct.get(name, [])
+        unconditional = [u for u in uses if not u[2]]
+        relevant = unconditional if name in indices else uses
+        if extents[name] is not None:
+            relevant = [(extents[name], sources[name], False, None), *relevant]
+        for size, source, _, read in relevant[1:]:
+            if size != relevant[0][0]:
+                pos = read_pos.get(read) if read is not None else None
+                raise fail(
+                    f"shape mismatch for variable '{name}': {relevant[0][1]} gives {relevant[0][0]} "
+                    f"but {source} gives {size}",
+                    pos or var_pos.get(name),
+                )
+        if extents[name] is None and relevant:
+            extents[name], sources[name] = relevant[0][0], f"indexes {relevant[0][1]}"
+        if extents[name] is None and name not in indices:
+            raise fail(
+                f"cannot infer the range of reduction variable '{name}': it indexes no tensor dimension "
+                f"directly; give it as {{{name}: N}}",
+                var_pos.get(name),
+            )
+    shapes = {name: t.shape for name, t in tensors.items()}
+    if any(e is None for e in extents.values()):
+        unbounded = []
+        for name, extent in bounds.infer_extents(all_accesses, extents, shapes).items():
+            guarded = direct.get(name, [])
+            if extent is not None:
+                extents[name], sources[name] = extent, "access bounds"
+            elif guarded:
+                extents[name], sources[name] = guarded[0][0], f"indexes {guarded[0][1]}"
+            else:
+                unbounded.append(name)
+        if unbounded:
+            names = ", ".join(f"'{n}'" for n in unbounded)
+            raise fail(
+                f"cannot infer the range of output variable{'s' if len(unbounded) > 1 else ''} {names}: "
+                f"no read bounds {'them' if len(unbounded) > 1 else 'it'}; give the output shape",
+                var_pos.get(unbounded[0]),
+            )
+        empty = [name for name, extent in extents.items() if extent == 0 and sources[name] == "access bounds"]
+        if empty:
+            raise fail(
+                f"output variable '{empty[0]}' has no value that keeps every read in bounds", var_pos.get(empty[0])
+            )
+    known = {name: int(e) for name, e in extents.items() if e is not None}
+    violation = bounds.first_violation(all_accesses, known, shapes)
+    if violation is not None:
+        read = violation.access.read
+        shown = sorted(set().union(*(index.variables(i) for i in read.indices)))
+        where = ", ".join(f"{v}={violation.point[v]}" for v in shown if v in violation.point)
+        text = f"{read.tensor}[{', '.join(index.to_text(i) for i in read.indices)}]"
+        raise fail(
+            f"read {text} is out of bounds at {where}: index {violation.dim} is {violation.value} but "
+            f"'{read.tensor}' has size {shapes[read.tensor][violation.dim]} there",
+            read_pos.get(read),
+        )
+    return known, sources
+
+
+def make_op(
+    name: str,
+    indices: Sequence[str],
+    body: Expr,
+    tensors: Mapping[str, Tensor],
+    out_shape: Sequence[int] | None = None,
+    out_dtype: str | None = None,
+    default_dtype: str = dt.DEFAULT_FLOAT,
+    read_pos: Mapping[Read, Pos] | None = None,
+    var_pos: Mapping[str, Pos] | None = None,
+) -> Op:
+    """An ``Op`` for ``name[indices] = body``: ranges inferred and every read checked
+    (``infer_ranges``); the dtype is ``out_dtype`` or follows from the body."""
+    ranges, sources = infer_ranges(name, indices, body, tensors, out_shape, read_pos, var_pos)
+    shape = tuple(ranges[v] for v in indices)
+    dtype = out_dtype or dt.concrete(default_dtype if body.dtype == dt.WEAK_FLOAT else body.dtype)
+    inputs: dict[str, Tensor] = {}
+    for access in bounds.accesses(body):
+        inputs.setdefault(access.read.tensor, tensors[access.read.tensor])
+    return Op(
+        output=Tensor(name, shape, dtype),
+        indices=tuple(indices),
+        body=body,
+        inputs=tuple(inputs.values()),
+        ranges=tuple(ranges.items()),
+        range_sources=tuple(sources.items()),
+    )
 
 
 def _children(node: Node) -> tuple[Node, ...]:

@@ -166,20 +166,24 @@ class Cast(Expr):
 
 @dataclass(frozen=True)
 class Reduce(Expr):
-    """``ReduceAdd({r, s}, body)``: combine ``body`` over the named axes.
+    """``ReduceAdd({r, s | cond}, body)``: combine ``body`` over the named axes.
 
     ``extents[i]`` is the extent written in the text for ``axes[i]``
     (``{r: 3}``) or None when it is inferred from the tensors ``axes[i]``
-    indexes.  ``kind`` is one of ``REDUCTIONS``.
+    indexes.  ``kind`` is one of ``REDUCTIONS``.  ``where``, when given,
+    restricts the reduction to the points where it holds (an exact iteration
+    domain: strides, parity, triangular bounds); reads in ``body`` happen only
+    there.
     """
 
     kind: str
     axes: tuple[str, ...]
     extents: tuple[int | None, ...]
     body: Expr
+    where: Expr | None = None
 
     def children(self) -> tuple[Expr, ...]:
-        return (self.body,)
+        return (self.body,) if self.where is None else (self.where, self.body)
 
     @cached_property
     def dtype(self) -> str:
@@ -197,7 +201,7 @@ def map_children(node: Expr, fn: Callable[[Expr], Expr]) -> Expr:
     if isinstance(node, Cast):
         return Cast(node.to, fn(node.x))
     if isinstance(node, Reduce):
-        return Reduce(node.kind, node.axes, node.extents, fn(node.body))
+        return Reduce(node.kind, node.axes, node.extents, fn(node.body), None if node.where is None else fn(node.where))
     return node
 
 

@@ -135,14 +135,19 @@ class _OpEvaluator:
         return _BINARY[node.op](a, b)
 
     def reduce(self, node: Reduce, live: Mask, target: np.dtype) -> np.ndarray:
-        body = self.eval(node.body, live).astype(target, copy=False)
+        initial = _identity(node.kind, target)
+        if node.where is None:
+            body = self.eval(node.body, live).astype(target, copy=False)
+        else:
+            inside = self.eval(node.where, live).astype(bool, copy=False)
+            body = self.eval(node.body, inside if live is None else live & inside).astype(target, copy=False)
+            body = np.where(inside, body, np.asarray(initial, dtype=target))
         positions = tuple(self.axes.index(a) for a in node.axes)
         shape = list(np.shape(body)) + [1] * (self.rank - np.ndim(body))
         body = body.reshape(shape) if np.ndim(body) != self.rank else body
         for p in positions:
             shape[p] = self.extent[self.axes[p]]
         body = np.broadcast_to(body, shape)
-        initial = _identity(node.kind, target)
         combine = {"ReduceAdd": np.sum, "ReduceMul": np.prod, "ReduceMax": np.max, "ReduceMin": np.min}[node.kind]
         return combine(body, axis=positions, keepdims=True, initial=initial).astype(target, copy=False)
 

@@ -73,7 +73,8 @@ def _print(node: Expr) -> tuple[str, int]:
         return f"{node.to}({to_text(node.x)})", _ATOM
     if isinstance(node, Reduce):
         axes = ", ".join(a if e is None else f"{a}: {e}" for a, e in zip(node.axes, node.extents, strict=True))
-        return f"{node.kind}({{{axes}}}, {to_text(node.body)})", _ATOM
+        where = "" if node.where is None else f" | {to_text(node.where)}"
+        return f"{node.kind}({{{axes}{where}}}, {to_text(node.body)})", _ATOM
     raise TypeError(f"cannot print {type(node).__name__}")
 
 

@@ -8,7 +8,9 @@ starts a comment.  Two statement forms::
 
 ``Out[...] += body`` is ``Out[...] = ReduceAdd({<free variables>}, body)``.
 Operators, loosest first: ``||``, ``&&``, ``== !=``, ``< <= > >=``, ``+ -``,
-``* / // %``, unary ``- !``.  This module only checks syntax;
+``* / // %``, unary ``- !``.  A reduction's axis set may end with a
+condition, set-builder style: ``ReduceAdd({r, s | (z - r)%2 == 0}, ...)``.
+This module only checks syntax;
 ``neoflow.ir.build`` gives the tree its meaning.
 """
 
@@ -25,7 +27,7 @@ _TOKEN = re.compile(
     r"(?P<space>[ \t\r]+)|(?P<comment>#[^\n]*)|(?P<newline>\n)"
     r"|(?P<float>(\d+\.\d*|\.\d+)([eE][+-]?\d+)?|\d+[eE][+-]?\d+)|(?P<int>\d+)"
     r"|(?P<name>[A-Za-z_][A-Za-z_0-9]*)"
-    r"|(?P<op>\+=|//|<=|>=|==|!=|&&|\|\||[-+*/%<>!=\[\](){},;:])"
+    r"|(?P<op>\+=|//|<=|>=|==|!=|&&|\|\||[-+*/%<>!=\[\](){},;:|])"
 )
 _CLOSING = {"(": ")", "[": "]", "{": "}"}
 
@@ -109,9 +111,10 @@ class Call(Node):
 
 @dataclass(frozen=True)
 class AxisSet(Node):
-    """``{r, s: 3}`` — reduction axes with optional extents."""
+    """``{r, s: 3 | cond}`` — reduction axes with optional extents and condition."""
 
     axes: tuple[tuple[str, int | None, Pos], ...]
+    where: Node | None = None
 
 
 @dataclass(frozen=True)
@@ -304,16 +307,21 @@ class _Parser:
         if not self.accept("{"):
             return self.expression()
         axes: list[tuple[str, int | None, Pos]] = []
+        where = None
         while not self.accept("}"):
             name = self.expect_kind("name", "a reduction axis name")
             extent = None
             if self.accept(":"):
                 extent = int(self.expect_kind("int", "an integer extent").text)
             axes.append((name.text, extent, name.pos))
+            if self.accept("|"):
+                where = self.expression()
+                self.expect("}", " after the condition")
+                break
             if not self.accept(","):
                 self.expect("}", " or ','")
                 break
-        return AxisSet(start.pos, tuple(axes))
+        return AxisSet(start.pos, tuple(axes), where)
 
 
 def parse(text: str) -> list[Statement]:
