@@ -109,7 +109,8 @@ def accesses(body: Expr) -> list[Access]:
     return found
 
 
-def _domain(ranges: Mapping[str, int | None]) -> str:
+def box_constraint(ranges: Mapping[str, int | None]) -> str:
+    """isl text for ``0 <= v < extent`` (``v >= 0`` where the extent is None)."""
     parts = []
     for name, extent in ranges.items():
         v = PREFIX + name
@@ -126,7 +127,7 @@ def _out_of_bounds(read: Read, shape: Sequence[int]) -> str | None:
     return " or ".join(parts) if parts else None
 
 
-def _set(variables: Sequence[str], constraint: str, hidden: Sequence[str] = ()) -> isl.Set:
+def make_set(variables: Sequence[str], constraint: str, hidden: Sequence[str] = ()) -> isl.Set:
     names = ", ".join(PREFIX + v for v in variables)
     if hidden:
         constraint = f"exists ({', '.join(PREFIX + h for h in hidden)} : {constraint})"
@@ -143,9 +144,9 @@ def _bad_points(
     oob = _out_of_bounds(access.read, shapes[access.read.tensor])
     if oob is None:
         return None
-    constraint = _and(_and(_and(_domain(ranges), access.guard), extra), oob)
+    constraint = _and(_and(_and(box_constraint(ranges), access.guard), extra), oob)
     hidden = [v for v in ranges if v not in keep]
-    return _set(keep, constraint or "1 = 1", hidden)
+    return make_set(keep, constraint or "1 = 1", hidden)
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def infer_extents(
     result: dict[str, int | None] = {}
     for name in unknown:
         at_origin = " and ".join([f"{PREFIX}{v} = 0" for v in unknown if v != name] or ["1 = 1"])
-        bad: isl.Set = _set([name], "1 = 0")
+        bad: isl.Set = make_set([name], "1 = 0")
         for access in all_accesses:
             points = _bad_points(access, ranges, shapes, [name], extra=at_origin)
             if points is not None:

@@ -12,9 +12,10 @@ Rules of the language (see also ``neoflow.ir.syntax``):
   literals and ``+ - * / // %``, it is an integer index expression: ``/`` is
   floor division there, and divisors and moduli must be positive constants.
 * A variable's extent comes from the text (``{r: 3}``) or the output shape when
-  given; else from a tensor dimension it indexes directly (all such uses must
-  agree); output variables left over get the largest extent for which every
-  read stays in bounds (isl).  Finally every read is checked to stay in bounds.
+  given; else from a tensor dimension it indexes directly.  All direct uses of a
+  variable must agree (for output indices, those outside any ``Select``).
+  Output variables left over get the largest extent for which every read stays
+  in bounds (isl).  Finally every read is checked to stay in bounds.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class _OpBuilder:
         self.out_dtype = out_dtype
         self.default_dtype = default_dtype
         self.read_pos: dict[Read, Pos] = {}
+        self.parents: dict[int, tuple[int, ...]] = {}
         self.scope = _Scope(self._output_indices())
         for arg in stmt.target.args:
             self.scope.first_use[arg.name] = arg.pos
@@ -148,6 +150,7 @@ class _OpBuilder:
                 self.scope.first_use.setdefault(axis, pos)
             reduce_id = len(self.scope.explicit)
             self.scope.explicit[reduce_id] = axes
+            self.parents[reduce_id] = stack
             inner = bound | {a for a, _, _ in axes}
             if node.args[0].where is not None:
                 self._scan(node.args[0].where, (*stack, reduce_id), inner, uses)
@@ -179,17 +182,18 @@ class _OpBuilder:
                     occurrences[0][1],
                     ShapeError,
                 )
-        seen: dict[str, int] = {}
+        owners: dict[str, list[int]] = {}
         for reduce_id in sorted({*self.scope.explicit, *self.scope.implicit}):
             axes = [a for a, _, _ in self.scope.explicit.get(reduce_id, [])] + self.scope.implicit.get(reduce_id, [])
             for axis in axes:
-                if axis in seen:
-                    raise self.fail(
-                        f"variable '{axis}' is ambiguous: two reductions use it; rename one",
-                        self.scope.first_use.get(axis),
-                        ShapeError,
-                    )
-                seen[axis] = reduce_id
+                for other in owners.get(axis, []):
+                    if other in self.parents.get(reduce_id, ()) or reduce_id in self.parents.get(other, ()):
+                        raise self.fail(
+                            f"variable '{axis}' is ambiguous: a reduction over it is nested in another one; rename one",
+                            self.scope.first_use.get(axis),
+                            ShapeError,
+                        )
+                owners.setdefault(axis, []).append(reduce_id)
 
     # -- pass 2: IR ----------------------------------------------------------
 
@@ -353,6 +357,10 @@ def infer_ranges(
     for r in reduces:
         for axis, extent in zip(r.axes, r.extents, strict=True):
             if extent is not None:
+                if extents[axis] not in (None, extent):
+                    raise fail(
+                        f"reduction axis '{axis}' is given extents {extents[axis]} and {extent}", var_pos.get(axis)
+                    )
                 extents[axis], sources[axis] = extent, "given"
     if out_shape is not None:
         for axis, extent in zip(indices, out_shape, strict=True):
@@ -369,8 +377,6 @@ def infer_ranges(
         uses = direct.get(name, [])
         unconditional = [u for u in uses if not u[2]]
         relevant = unconditional if name in indices else uses
-        if extents[name] is not None:
-            relevant = [(extents[name], sources[name], False, None), *relevant]
         for size, source, _, read in relevant[1:]:
             if size != relevant[0][0]:
                 pos = read_pos.get(read) if read is not None else None
@@ -388,6 +394,7 @@ def infer_ranges(
                 var_pos.get(name),
             )
     shapes = {name: t.shape for name, t in tensors.items()}
+    empty: list[str] = []
     if any(e is None for e in extents.values()):
         unbounded = []
         for name, extent in bounds.infer_extents(all_accesses, extents, shapes).items():
@@ -406,10 +413,8 @@ def infer_ranges(
                 var_pos.get(unbounded[0]),
             )
         empty = [name for name, extent in extents.items() if extent == 0 and sources[name] == "access bounds"]
-        if empty:
-            raise fail(
-                f"output variable '{empty[0]}' has no value that keeps every read in bounds", var_pos.get(empty[0])
-            )
+        for name in empty:  # report the read that fails even at 0, if there is one
+            extents[name] = 1
     known = {name: int(e) for name, e in extents.items() if e is not None}
     violation = bounds.first_violation(all_accesses, known, shapes)
     if violation is not None:
@@ -422,6 +427,8 @@ def infer_ranges(
             f"'{read.tensor}' has size {shapes[read.tensor][violation.dim]} there",
             read_pos.get(read),
         )
+    if empty:
+        raise fail(f"output variable '{empty[0]}' has no value that keeps every read in bounds", var_pos.get(empty[0]))
     return known, sources
 
 

@@ -208,3 +208,20 @@ def map_children(node: Expr, fn: Callable[[Expr], Expr]) -> Expr:
 def reductions(expr: Expr) -> list[Reduce]:
     """Every reduction in ``expr``, outermost first."""
     return [node for node in expr.walk() if isinstance(node, Reduce)]
+
+
+def map_indices(node: Expr, fn: Callable[[sympy.Expr], sympy.Expr]) -> Expr:
+    """A copy of ``node`` with ``fn`` applied to every index expression in it
+    (tensor read indices and index values).  Index values that become integer
+    constants turn into ``Const``."""
+    if isinstance(node, Index):
+        expr = fn(node.expr)
+        return Const(int(expr)) if expr.is_Integer else Index(expr)
+    if isinstance(node, Read):
+        return Read(node.tensor, tuple(fn(i) for i in node.indices), node.tensor_dtype)
+    return map_children(node, lambda child: map_indices(child, fn))
+
+
+def bound_variables(node: Expr) -> set[str]:
+    """Names of all reduction axes in ``node``."""
+    return {axis for r in reductions(node) for axis in r.axes}

@@ -81,7 +81,7 @@ class _OpEvaluator:
         self.op = op
         self.arrays = arrays
         self.extent = op.extent
-        self.axes = list(op.indices) + list(op.reduce_axes)
+        self.axes = list(dict.fromkeys([*op.indices, *op.reduce_axes]))
         self.rank = len(self.axes)
 
     def grid(self, name: str, start: int, stop: int) -> np.ndarray:
@@ -91,7 +91,7 @@ class _OpEvaluator:
 
     def run(self, chunk: tuple[slice, ...]) -> np.ndarray:
         env = {name: self.grid(name, s.start, s.stop) for name, s in zip(self.op.indices, chunk, strict=True)}
-        for axis in self.op.reduce_axes:
+        for axis in self.axes[len(self.op.indices) :]:
             env[axis] = self.grid(axis, 0, self.extent[axis])
         self.env = env
         with np.errstate(all="ignore"):
@@ -218,7 +218,7 @@ def evaluate_op(op: Op, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 def _evaluate(op: Op, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
     out = np.empty(op.shape, dtype=dt.numpy_dtype(op.dtype))
     evaluator = _OpEvaluator(op, arrays)
-    per_point = math.prod(op.extent[a] for a in op.reduce_axes)
+    per_point = math.prod(op.extent[a] for a in set(op.reduce_axes))
     for chunk in _chunks(op.shape, max(per_point, 1)):
         out[chunk] = evaluator.run(chunk)
     return out

@@ -33,7 +33,8 @@ class Op:
     ``ranges`` gives the extent of every index variable (output indices first,
     then reduction axes in the order the reductions list them); each variable
     runs over ``[0, extent)``.  ``range_sources`` says where each extent came
-    from (for reports; not part of equality).
+    from and ``info`` carries what produced the op (an autodiff ``AdjointInfo``,
+    for instance); neither is part of equality.
     """
 
     output: Tensor
@@ -42,6 +43,7 @@ class Op:
     inputs: tuple[Tensor, ...]
     ranges: tuple[tuple[str, int], ...]
     range_sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    info: object = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -70,8 +72,8 @@ class Op:
 
     @property
     def reduce_axes(self) -> tuple[str, ...]:
-        """All reduction axes, in order."""
-        return tuple(axis for r in self.reductions for axis in r.axes)
+        """All reduction axes, in order (sibling reductions may share a name)."""
+        return tuple(dict.fromkeys(axis for r in self.reductions for axis in r.axes))
 
     @property
     def input_names(self) -> tuple[str, ...]:

@@ -70,9 +70,9 @@ def test_shape_mismatch_of_an_output_variable() -> None:
     assert "shape mismatch for variable 'i'" in str(err)
 
 
-def test_output_shape_disagrees_with_direct_use() -> None:
+def test_output_shape_larger_than_a_direct_use() -> None:
     err = error_of("C[i] = A[i] * 2", {"A": (3,), "C": (4,)})
-    assert "shape mismatch for variable 'i': output shape gives 4 but A dim 0 gives 3" in str(err)
+    assert "read A[i] is out of bounds at i=3: index 0 is 3 but 'A' has size 3 there" in str(err)
 
 
 def test_read_out_of_bounds_names_a_point() -> None:
@@ -91,8 +91,15 @@ def test_free_variable_without_reduction() -> None:
 def test_ambiguous_variable() -> None:
     err = error_of("C[i] = ReduceAdd({i}, A[i])", {"A": (3,)})
     assert "variable 'i' is ambiguous" in str(err)
-    err = error_of("C[i] = ReduceAdd({j}, A[j]) + ReduceMax({j}, A[j])", {"A": (3,)})
-    assert "variable 'j' is ambiguous: two reductions use it" in str(err)
+    err = error_of("C[i] = ReduceAdd({j}, A[j] * ReduceMax({k}, A[k] + B[j] * B[k + j]))", {"A": (3,), "B": (3,)})
+    assert "read B[j + k] is out of bounds" in str(err)
+    err = error_of("C[i] = ReduceAdd({j}, A[j] * ReduceMax({k}, A[k] + j * k) + B[k])", {"A": (3,), "B": (3,)})
+    assert "variable 'k' is ambiguous: a reduction over it is nested in another one" in str(err)
+
+
+def test_sibling_reductions_may_share_an_axis_name() -> None:
+    op = neoflow.op("C[i] = ReduceAdd({j}, A[i, j]) + ReduceMax({j}, A[i, j])", shapes={"A": (2, 3)})
+    assert op.reduce_axes == ("j",)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,199 @@
+"""Invert a read's index map over the integers.
+
+For a read ``A[f(v)]`` with ``v`` the index variables in scope, find every
+integer ``v`` with ``f(v) = z``:
+
+1. Quasi-affine pieces ``floor(e/c)`` and ``e mod c`` become fresh variables
+   ``Q`` and ``R`` with ``e = c*Q + R, 0 <= R < c``; when ``e`` is a single
+   variable it is replaced by ``c*Q + R`` everywhere, otherwise the equation is
+   added to the system.
+2. The affine system is brought to reduced row echelon form with exact rational
+   arithmetic (sympy), choosing pivots in this order of preference: the op's
+   output indices, quotients, reduction axes, remainders.  So the output
+   indices are solved for and the reduction axes stay free, as in the seed's
+   ``p = (z3 - r)/2``.
+3. Each pivot is an affine function of ``z`` and the free variables with
+   rational coefficients; where a denominator ``L`` remains, the pivot is
+   ``floor(N/L)`` under the lattice condition ``N mod L == 0``.  Rows without a
+   pivot give consistency conditions on ``z`` (a diagonal read ``X[i, i]``).
+
+The free variables become the adjoint's new reduction axes; every integer point
+that satisfies the conditions corresponds to exactly one forward point, so an
+adjoint enumerating them wastes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import sympy
+
+from neoflow.ir import index
+from neoflow.ir.expr import Binary, Const, Expr, Index, Read
+
+
+class NotAffine(Exception):
+    """The index map is not affine even after the quasi-affine step."""
+
+
+@dataclass
+class Solution:
+    """The inverse of one read's index map.
+
+    ``substitution`` maps every forward variable in scope (and every quotient or
+    remainder variable) to an index expression in the ``z`` symbols and the
+    ``free`` variables; ``replacements`` are the quasi-affine pieces to replace
+    (in order) before substituting; ``conditions`` must hold for a ``(z, free)``
+    point to correspond to a forward point (together with the forward box,
+    which the caller adds); ``extents`` are the known extents of new variables.
+    """
+
+    z: tuple[sympy.Symbol, ...]
+    free: tuple[str, ...]
+    substitution: dict[sympy.Symbol, sympy.Expr]
+    replacements: list[dict[sympy.Expr, sympy.Expr]]
+    conditions: list[Expr]
+    extents: dict[str, int] = field(default_factory=dict)
+    new_variables: list[str] = field(default_factory=list)
+
+    def apply(self, expr: sympy.Expr) -> sympy.Expr:
+        """Rewrite a forward index expression in terms of ``z`` and the free variables."""
+        for step in self.replacements:
+            expr = expr.xreplace(step)
+        return expr.xreplace(self.substitution)
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}{n}"
+    taken.add(name)
+    return name
+
+
+def _quasi_atoms(exprs: Sequence[sympy.Expr]) -> list[sympy.Expr]:
+    atoms = set().union(*(e.atoms(sympy.floor, sympy.Mod) for e in exprs)) if exprs else set()
+    innermost = [a for a in atoms if not a.args[0].atoms(sympy.floor, sympy.Mod)]
+    return sorted(innermost, key=sympy.default_sort_key)
+
+
+def _split(atom: sympy.Expr) -> tuple[sympy.Expr, int]:
+    """``(e, c)`` for ``floor(e/c)`` or ``e mod c``, with ``e`` integral."""
+    if isinstance(atom, sympy.Mod):
+        return atom.args[0], int(atom.args[1])
+    arg = atom.args[0]
+    den = math.lcm(*[int(t.as_coeff_Mul()[0].q) for t in sympy.Add.make_args(sympy.expand(arg))])
+    return sympy.expand(arg * den), den
+
+
+def solve(
+    read: Read,
+    scope: Sequence[str],
+    outputs: Sequence[str],
+    extents: Mapping[str, int],
+    taken: set[str],
+) -> Solution:
+    """Invert ``read``'s index map over the variables ``scope`` (``outputs`` are the
+    op's output indices among them; ``extents`` their extents).  ``taken`` holds
+    names new variables must avoid (it is updated).  Raises ``NotAffine``."""
+    indices = list(read.indices)
+    if any(index.data_reads(i) for i in indices):
+        raise NotAffine("its index depends on another tensor's values")
+    symbols = {name: index.var(name) for name in scope}
+    replacements: list[dict[sympy.Expr, sympy.Expr]] = []
+    eliminated: dict[sympy.Symbol, sympy.Expr] = {}
+    quotients: list[sympy.Symbol] = []
+    remainders: list[sympy.Symbol] = []
+    new_extents: dict[str, int] = {}
+    equations: list[sympy.Expr] = []
+    while atoms := _quasi_atoms(indices + equations):
+        e, c = _split(atoms[0])
+        if c <= 0:
+            raise NotAffine(f"division by {c}")
+        base = e.name if e.is_Symbol else f"e{len(quotients) + 1}"
+        q = index.var(_fresh(f"{base}_div{c}", taken))
+        r = index.var(_fresh(f"{base}_mod{c}", taken))
+        quotients.append(q)
+        remainders.append(r)
+        new_extents[r.name] = c
+        step: dict[sympy.Expr, sympy.Expr] = {sympy.floor(e / c): q, sympy.Mod(e, c): r}
+        if e.is_Symbol and e.name in symbols and e not in eliminated:
+            eliminated[e] = c * q + r
+            step[e] = c * q + r
+            new_extents[q.name] = -(-extents[e.name] // c)
+        else:
+            equations.append(e.xreplace(step) - c * q - r)
+        replacements.append(step)
+        indices = [i.xreplace(step) for i in indices]
+        equations = [eq.xreplace(step) for eq in equations]
+
+    preference: list[sympy.Symbol] = []
+    for name in outputs:
+        s = symbols[name]
+        preference.append(next(q for q in quotients if eliminated.get(s, 0).has(q)) if s in eliminated else s)
+    preference += [q for q in quotients if q not in preference]
+    preference += [symbols[n] for n in scope if n not in outputs and symbols[n] not in eliminated]
+    preference += remainders
+    z = tuple(sympy.Symbol(f"_z{d}", integer=True) for d in range(len(indices)))
+
+    rows: list[list[sympy.Rational]] = []
+    rhs: list[sympy.Expr] = []
+    for expr, target in [*zip(indices, z, strict=True), *((eq, sympy.Integer(0)) for eq in equations)]:
+        coeffs = _affine_coefficients(expr, preference)
+        rows.append([coeffs.get(u, sympy.Integer(0)) for u in preference])
+        rhs.append(target - coeffs.get(1, sympy.Integer(0)))
+    n = len(preference)
+    matrix = sympy.Matrix(rows) if rows else sympy.zeros(0, n)
+    reduced, pivots = matrix.row_join(sympy.eye(len(rows))).rref()
+    transformed = reduced[:, n:] * sympy.Matrix(rhs) if rows else sympy.Matrix([])
+    pivot_of_row = {row: col for row, col in enumerate(pivots)}
+    pivot_columns = {col for col in pivots if col < n}
+    free = [u for j, u in enumerate(preference) if j not in pivot_columns]
+
+    substitution: dict[sympy.Symbol, sympy.Expr] = {u: u for u in free}
+    conditions: list[Expr] = []
+    for row in range(len(rows)):
+        col = pivot_of_row.get(row)
+        value = sympy.expand(transformed[row])
+        if col is None or col >= n:
+            if value != 0:
+                conditions.append(Binary("==", Index(value), Const(0)))
+            continue
+        value = sympy.expand(value - sum(reduced[row, j] * preference[j] for j in range(n) if j not in pivot_columns))
+        denominator = math.lcm(*[int(sympy.Rational(t.as_coeff_Mul()[0]).q) for t in sympy.Add.make_args(value)])
+        if denominator > 1:
+            numerator = sympy.expand(value * denominator)
+            conditions.append(Binary("==", Index(index.mod(numerator, denominator)), Const(0)))
+            value = index.floordiv(numerator, denominator)
+        substitution[preference[col]] = value
+    for s, expr in eliminated.items():
+        substitution[s] = sympy.expand(expr.xreplace(substitution))
+    return Solution(
+        z=z,
+        free=tuple(u.name for u in free),
+        substitution=substitution,
+        replacements=replacements,
+        conditions=conditions,
+        extents=new_extents,
+        new_variables=[s.name for s in quotients + remainders],
+    )
+
+
+def _affine_coefficients(expr: sympy.Expr, unknowns: Sequence[sympy.Symbol]) -> dict:
+    """Integer coefficients of an affine expression (key 1: the constant)."""
+    coeffs: dict = {}
+    allowed = set(unknowns)
+    for term in sympy.Add.make_args(sympy.expand(expr)):
+        c, rest = term.as_coeff_Mul()
+        if not c.is_Integer:
+            raise NotAffine(f"coefficient {c} in {expr}")
+        if rest == 1:
+            coeffs[1] = coeffs.get(1, 0) + c
+        elif rest in allowed:
+            coeffs[rest] = coeffs.get(rest, 0) + c
+        else:
+            raise NotAffine(f"'{index.to_text(term)}' is not affine")
+    return coeffs
