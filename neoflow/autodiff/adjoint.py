@@ -42,6 +42,7 @@ class AdjointInfo:
     wrt: str
     kind: str  # "gather" or "scatter"
     new_axes: tuple[tuple[str, int], ...]
+    reason: str = ""  # why a scatter was needed
     enumerated: list[tuple[list[str], str]] = field(default_factory=list)
     forward_terms: list[tuple[list[str], str]] = field(default_factory=list)
 
@@ -122,11 +123,16 @@ class _AdjointBuilder:
 
     def build(self) -> Op:
         terms: list[_Term] = []
-        for occ in occurrences(self.op, self.wrt):
+        found = occurrences(self.op, self.wrt)
+        for occ in found:
             try:
                 terms.append(_Term(occ, solve(occ.read, occ.variables, self.op.indices, self.op.extent, self.taken)))
             except NotAffine as err:
-                raise self.fail(occ.read, str(err)) from None
+                if len(found) > 1:
+                    raise self.fail(
+                        occ.read, f"{err}, and a scatter-add fallback needs it to be the only read of '{self.wrt}'"
+                    ) from None
+                return self.scatter(occ, str(err))
         names = self.output_names(terms)
         exprs: list[Expr] = []
         new_axes: dict[str, int] = {}
@@ -138,15 +144,47 @@ class _AdjointBuilder:
                 new_axes.update(axes)
         body = _merge(exprs) if exprs else Const(0)
         self.info.new_axes = tuple(new_axes.items())
-        tensors = {t.name: t for t in self.op.inputs}
-        tensors[f"d{self.op.name}"] = Tensor(f"d{self.op.name}", self.op.shape, self.op.dtype)
-        tensors[self.op.name] = self.op.output
         try:
-            adjoint = make_op(f"d{self.wrt}", names, body, tensors, self.target.shape, self.target.dtype)
+            adjoint = make_op(f"d{self.wrt}", names, body, self.tensors(), self.target.shape, self.target.dtype)
         except NeoflowError as err:  # a bug in the derivation, not in the user's op
             raise NonInvertibleMapError(
                 f"derived adjoint of '{self.wrt}' is invalid ({err.message}): {to_text(body)}", op=self.op.name
             ) from None
+        return dataclasses.replace(adjoint, info=self.info)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """What an adjoint may read: the forward inputs and output, and ``d<output>``."""
+        tensors = {t.name: t for t in self.op.inputs}
+        tensors[f"d{self.op.name}"] = Tensor(f"d{self.op.name}", self.op.shape, self.op.dtype)
+        tensors[self.op.name] = self.op.output
+        return tensors
+
+    def scatter(self, occ: Occurrence, why: str) -> Op:
+        """``dA[f(v)] += dOut[x] * factor`` over the forward points: the fallback for
+        an index map that is not affine."""
+        op = self.op
+        body: Expr = Read(f"d{op.name}", tuple(index.var(x) for x in op.indices), op.dtype)
+        if occ.factor is not None:
+            body = Binary("*", body, occ.factor)
+        guard = _conjunction(occ.guards)
+        if guard is not None:
+            body = Select(guard, body, Const(0))
+        extents = {v: op.extent[v] for v in occ.variables}
+        self.info.kind = "scatter"
+        self.info.reason = why
+        domain = (list(occ.variables), _and_text(bounds.box_constraint(extents), _condition_text(occ.guards)))
+        self.info.enumerated.append(domain)
+        self.info.forward_terms.append(domain)
+        adjoint = make_op(
+            f"d{self.wrt}",
+            occ.variables,
+            body,
+            self.tensors(),
+            None,
+            self.target.dtype,
+            scatter=(occ.read.indices, self.target.shape),
+            given=extents,
+        )
         return dataclasses.replace(adjoint, info=self.info)
 
     def output_names(self, terms: list[_Term]) -> list[str]:

@@ -94,7 +94,8 @@ class _OpBuilder:
         self.parents: dict[int, tuple[int, ...]] = {}
         self.scope = _Scope(self._output_indices())
         for arg in stmt.target.args:
-            self.scope.first_use[arg.name] = arg.pos
+            if isinstance(arg, Name):
+                self.scope.first_use[arg.name] = arg.pos
 
     def fail(self, message: str, pos: Pos | None, cls: type = ParseError) -> Exception:
         return _error(cls, message, pos, self.name)
@@ -103,6 +104,24 @@ class _OpBuilder:
 
     def _output_indices(self) -> tuple[str, ...]:
         names: list[str] = []
+        self.scatter = self.stmt.accumulate and not all(
+            isinstance(arg, Name) and arg.name not in LITERALS for arg in self.stmt.target.args
+        )
+        if self.scatter:
+            if self.out_shape is None:
+                raise self.fail(
+                    f"a scatter-add into '{self.name}' needs the shape of '{self.name}'",
+                    self.stmt.target.pos,
+                    ShapeError,
+                )
+            if len(self.out_shape) != len(self.stmt.target.args):
+                raise self.fail(
+                    f"'{self.name}' has {len(self.out_shape)} dimensions but is written with "
+                    f"{len(self.stmt.target.args)} indices",
+                    self.stmt.target.pos,
+                    ShapeError,
+                )
+            return ()  # the iteration variables are the statement's free variables
         for arg in self.stmt.target.args:
             if not isinstance(arg, Name) or arg.name in LITERALS:
                 raise self.fail("output indices must be plain variable names", arg.pos)
@@ -318,6 +337,8 @@ class _OpBuilder:
         return body
 
     def build(self) -> Op:
+        if self.scatter:
+            return self.build_scatter()
         body = self.body()
         return make_op(
             self.name,
@@ -331,6 +352,31 @@ class _OpBuilder:
             self.scope.first_use,
         )
 
+    def build_scatter(self) -> Op:
+        """``Out[f(v)] += body(v)``: every free variable ``v`` is iterated over."""
+        uses: dict[str, list[tuple[tuple[int, ...], Pos]]] = {}
+        for arg in self.stmt.target.args:
+            self._scan(arg, (), frozenset(), uses)
+        self._scan(self.stmt.value, (), frozenset(), uses)
+        self.scope = _Scope(tuple(uses), first_use={name: where[0][1] for name, where in uses.items()})
+        self.parents = {}
+        self.analyse_scopes()
+        self._next_reduce = 0
+        body = self.value(self.stmt.value)
+        target = tuple(self.index_expr(arg) for arg in self.stmt.target.args)
+        return make_op(
+            self.name,
+            self.scope.outputs,
+            body,
+            self.tensors,
+            None,
+            self.out_dtype,
+            self.default_dtype,
+            self.read_pos,
+            self.scope.first_use,
+            scatter=(target, self.out_shape),
+        )
+
 
 def infer_ranges(
     op_name: str,
@@ -340,6 +386,7 @@ def infer_ranges(
     out_shape: Sequence[int] | None = None,
     read_pos: Mapping[Read, Pos] | None = None,
     var_pos: Mapping[str, Pos] | None = None,
+    given: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Extent of every index variable of ``op_name[indices] = body`` and where it came
     from (see the module docstring), after checking every read stays in bounds.
@@ -365,6 +412,8 @@ def infer_ranges(
     if out_shape is not None:
         for axis, extent in zip(indices, out_shape, strict=True):
             extents[axis], sources[axis] = extent, "output shape"
+    for axis, extent in (given or {}).items():
+        extents[axis], sources[axis] = extent, "given"
     all_accesses = bounds.accesses(body)
     direct: dict[str, list[tuple[int, str, bool, Read]]] = {}
     for access in all_accesses:
@@ -422,8 +471,9 @@ def infer_ranges(
         shown = sorted(set().union(*(index.variables(i) for i in read.indices)))
         where = ", ".join(f"{v}={violation.point[v]}" for v in shown if v in violation.point)
         text = f"{read.tensor}[{', '.join(index.to_text(i) for i in read.indices)}]"
+        verb = "write" if read.tensor == op_name else "read"
         raise fail(
-            f"read {text} is out of bounds at {where}: index {violation.dim} is {violation.value} but "
+            f"{verb} {text} is out of bounds at {where}: index {violation.dim} is {violation.value} but "
             f"'{read.tensor}' has size {shapes[read.tensor][violation.dim]} there",
             read_pos.get(read),
         )
@@ -442,15 +492,36 @@ def make_op(
     default_dtype: str = dt.DEFAULT_FLOAT,
     read_pos: Mapping[Read, Pos] | None = None,
     var_pos: Mapping[str, Pos] | None = None,
+    scatter: tuple[tuple[sympy.Expr, ...], Sequence[int]] | None = None,
+    given: Mapping[str, int] | None = None,
 ) -> Op:
     """An ``Op`` for ``name[indices] = body``: ranges inferred and every read checked
-    (``infer_ranges``); the dtype is ``out_dtype`` or follows from the body."""
-    ranges, sources = infer_ranges(name, indices, body, tensors, out_shape, read_pos, var_pos)
-    shape = tuple(ranges[v] for v in indices)
+    (``infer_ranges``); the dtype is ``out_dtype`` or follows from the body.
+
+    With ``scatter = (target, shape)`` the op is ``name[target] += body`` over all
+    points of ``indices`` instead, into a tensor of the given shape."""
+    if scatter is not None:
+        target, shape = scatter
+        probe = Read(name, tuple(target), "int64")
+        ranges, sources = infer_ranges(
+            name,
+            indices,
+            Binary("+", body, probe),
+            {**tensors, name: Tensor(name, tuple(shape))},
+            None,
+            read_pos,
+            var_pos,
+        )
+        shape = tuple(shape)
+    else:
+        ranges, sources = infer_ranges(name, indices, body, tensors, out_shape, read_pos, var_pos, given)
+        shape = tuple(ranges[v] for v in indices)
     dtype = out_dtype or dt.concrete(default_dtype if body.dtype == dt.WEAK_FLOAT else body.dtype)
     inputs: dict[str, Tensor] = {}
-    for access in bounds.accesses(body):
-        inputs.setdefault(access.read.tensor, tensors[access.read.tensor])
+    reads = body if scatter is None else Binary("+", body, Read(name, tuple(scatter[0]), "int64"))
+    for access in bounds.accesses(reads):
+        if access.read.tensor != name:
+            inputs.setdefault(access.read.tensor, tensors[access.read.tensor])
     return Op(
         output=Tensor(name, shape, dtype),
         indices=tuple(indices),
@@ -458,6 +529,7 @@ def make_op(
         inputs=tuple(inputs.values()),
         ranges=tuple(ranges.items()),
         range_sources=tuple(sources.items()),
+        scatter=None if scatter is None else tuple(scatter[0]),
     )
 
 

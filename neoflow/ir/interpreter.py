@@ -100,6 +100,15 @@ class _OpEvaluator:
             value = value.reshape(value.shape[: len(self.op.indices)])
         return np.broadcast_to(value, tuple(s.stop - s.start for s in chunk))
 
+    def targets(self, exprs: tuple) -> list[np.ndarray]:
+        """Scatter target indices on the current chunk, without the reduction axes."""
+        n_out = len(self.op.indices)
+        out = []
+        for expr in exprs:
+            value = np.asarray(index.evaluate(expr, self.env, self.read_data))
+            out.append(value.reshape(value.shape[:n_out]) if value.ndim else value)
+        return out
+
     def eval(self, node: Expr, live: Mask) -> np.ndarray:
         target = dt.numpy_dtype(node.dtype)
         if isinstance(node, Const):
@@ -216,11 +225,21 @@ def evaluate_op(op: Op, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 
 
 def _evaluate(op: Op, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-    out = np.empty(op.shape, dtype=dt.numpy_dtype(op.dtype))
+    dtype = dt.numpy_dtype(op.dtype)
     evaluator = _OpEvaluator(op, arrays)
     per_point = math.prod(op.extent[a] for a in set(op.reduce_axes))
-    for chunk in _chunks(op.shape, max(per_point, 1)):
-        out[chunk] = evaluator.run(chunk)
+    space = tuple(op.extent[v] for v in op.indices)
+    out = np.zeros(op.shape, dtype) if op.scatter is not None else np.empty(op.shape, dtype)
+    for chunk in _chunks(space, max(per_point, 1)):
+        values = evaluator.run(chunk)
+        if op.scatter is None:
+            out[chunk] = values
+            continue
+        target = [np.broadcast_to(np.asarray(i, dtype=np.int64), values.shape) for i in evaluator.targets(op.scatter)]
+        for dim, idx in enumerate(target):
+            if ((idx < 0) | (idx >= op.shape[dim])).any():
+                raise ShapeError(f"scatter target index {dim} leaves '{op.name}' (size {op.shape[dim]})", op=op.name)
+        np.add.at(out, tuple(target), values)
     return out
 
 

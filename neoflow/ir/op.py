@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import sympy
+
 from neoflow.ir.expr import Expr, Reduce, reductions
 
 
@@ -27,14 +29,17 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Op:
-    """``output[indices] = body``.
+    """``output[indices] = body``, or with ``scatter`` set, ``output[scatter] += body``.
 
     ``inputs`` are the tensors ``body`` reads, in order of first appearance;
     ``ranges`` gives the extent of every index variable (output indices first,
     then reduction axes in the order the reductions list them); each variable
     runs over ``[0, extent)``.  ``range_sources`` says where each extent came
     from and ``info`` carries what produced the op (an autodiff ``AdjointInfo``,
-    for instance); neither is part of equality.
+    for instance); neither is part of equality.  A scatter op (``scatter`` is the
+    tuple of target index expressions) starts from zeros and adds ``body`` at
+    ``scatter(v)`` for every point ``v`` of its ``indices``; it is what autodiff
+    falls back to where an index map is not affine.
     """
 
     output: Tensor
@@ -44,6 +49,7 @@ class Op:
     ranges: tuple[tuple[str, int], ...]
     range_sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     info: object = field(default=None, compare=False, repr=False)
+    scatter: tuple[sympy.Expr, ...] | None = None
 
     @property
     def name(self) -> str:

@@ -89,7 +89,9 @@ def to_text(node: Expr) -> str:
 
 
 def print_op(op: Op) -> str:
-    """One statement: ``Out[i, j] = <body>``."""
+    """One statement: ``Out[i, j] = <body>`` (``Out[f(i)] += <body>`` for a scatter)."""
+    if op.scatter is not None:
+        return f"{op.name}[{', '.join(index.to_text(i) for i in op.scatter)}] += {to_text(op.body)}"
     return f"{op.name}[{', '.join(op.indices)}] = {to_text(op.body)}"
 
 
