@@ -120,6 +120,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_grad(args: argparse.Namespace) -> int:
+    from neoflow.autodiff import grad
+
+    graph = _load_graph(args)
+    if len(graph.ops) != 1:
+        raise InputError(
+            f"grad takes one statement, got {len(graph.ops)} (ops: {', '.join(o.name for o in graph.ops)})"
+        )
+    op = graph.ops[0]
+    print(op)
+    start = time.perf_counter()
+    adjoints = grad(op, args.wrt or None)
+    elapsed = time.perf_counter() - start
+    for name, adjoint in adjoints.items():
+        info = adjoint.info
+        print(f"\n{adjoint}")
+        print(f"  output   {adjoint.output}")
+        if info.kind == "scatter":
+            print(f"  kind     scatter-add (the index map of {name} is not affine: {info.reason})")
+        else:
+            print("  kind     gather")
+        axes = ", ".join(f"{axis} in [0, {extent})" for axis, extent in info.new_axes) or "none"
+        print(f"  new reduction axes  {axes}")
+        print(f"  waste    {info.waste:.1%} of the enumerated (output, reduction) pairs contribute nothing")
+    print(f"\nderived {len(adjoints)} adjoint{'s' if len(adjoints) != 1 else ''} in {elapsed * 1e3:.0f} ms")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``neoflow`` command."""
     parser = argparse.ArgumentParser(prog="neoflow", description="A graph-level training compiler.")
@@ -163,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="seed for --random (0)")
     run.add_argument("-o", "--output", metavar="DIR", help="write each output as DIR/NAME.npy")
     run.set_defaults(func=cmd_run)
+    grad = program_command("grad", "Derive the adjoint of each input of one statement and print it.")
+    grad.add_argument(
+        "--wrt",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="differentiate with respect to this input only (repeatable; default: all float inputs)",
+    )
+    grad.set_defaults(func=cmd_grad)
     return parser
 
 

@@ -160,7 +160,8 @@ def solve(
         value = sympy.expand(transformed[row])
         if col is None or col >= n:
             if value != 0:
-                conditions.append(Binary("==", Index(value), Const(0)))
+                scale = math.lcm(*[int(sympy.Rational(t.as_coeff_Mul()[0]).q) for t in sympy.Add.make_args(value)])
+                conditions.append(Binary("==", Index(sympy.expand(value * scale)), Const(0)))
             continue
         value = sympy.expand(value - sum(reduced[row, j] * preference[j] for j in range(n) if j not in pivot_columns))
         denominator = math.lcm(*[int(sympy.Rational(t.as_coeff_Mul()[0]).q) for t in sympy.Add.make_args(value)])
