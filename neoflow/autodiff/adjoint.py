@@ -64,6 +64,13 @@ def _condition_text(conditions: Sequence[Expr]) -> str:
     return " and ".join(f"({p})" for p in parts if p is not None) or "1 = 1"
 
 
+def _conjuncts(cond: Expr) -> list[Expr]:
+    """``a && b && c`` as ``[a, b, c]``."""
+    if isinstance(cond, Binary) and cond.op == "&&":
+        return _conjuncts(cond.a) + _conjuncts(cond.b)
+    return [cond]
+
+
 def _conjunction(conditions: Sequence[Expr]) -> Expr | None:
     out: Expr | None = None
     for cond in conditions:
@@ -231,7 +238,7 @@ class _AdjointBuilder:
             if value != index.var(name) and name in extents and not (value.is_Symbol and value.name in free):
                 conditions.append(Binary(">=", _index(value), Const(0)))
                 conditions.append(Binary("<", _index(value), Const(extents[name])))
-        conditions += [map_indices(g, apply) for g in occ.guards]
+        conditions += [map_indices(g, apply) for guard in occ.guards for g in _conjuncts(guard)]
         avoid = set(names) | set(free) | set(occ.variables)
         factor = None if occ.factor is None else map_indices(_rename_bound(occ.factor, avoid, self.taken), apply)
         dout = Read(f"d{op.name}", tuple(apply(index.var(x)) for x in op.indices), op.dtype)
