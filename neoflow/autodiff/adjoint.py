@@ -82,7 +82,7 @@ def _rename_bound(node: Expr, avoid: set[str], taken: set[str]) -> Expr:
     """Rename reduction axes of ``node`` that clash with ``avoid``."""
     clashes = bound_variables(node) & avoid
     for name in sorted(clashes):
-        new = _fresh(name, taken)
+        new = index.fresh_name(name, taken)
         node = _rename_axis(node, name, new)
     return node
 
@@ -99,15 +99,6 @@ def _rename_axis(node: Expr, old: str, new: str) -> Expr:
     from neoflow.ir.expr import map_children
 
     return map_children(node, lambda child: _rename_axis(child, old, new))
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, n = base, 1
-    while name in taken:
-        n += 1
-        name = f"{base}{n}"
-    taken.add(name)
-    return name
 
 
 @dataclass
@@ -211,7 +202,7 @@ class _AdjointBuilder:
                     break
         for d in range(rank):
             if names[d] is None:
-                names[d] = _fresh(f"z{d + 1}", self.taken | used | free)
+                names[d] = index.fresh_name(f"z{d + 1}", self.taken | used | free)
                 used.add(names[d])
         return [n for n in names if n is not None]
 
@@ -222,7 +213,7 @@ class _AdjointBuilder:
         rename = {}
         for i, name in enumerate(free):
             if name in names:
-                new = _fresh(name, self.taken | set(names))
+                new = index.fresh_name(name, self.taken | set(names))
                 rename[index.var(name)] = index.var(new)
                 free[i] = new
 
@@ -346,4 +337,11 @@ def _merge(exprs: list[Expr]) -> Expr:
 def adjoint(op: Op, wrt: str) -> Op:
     """The adjoint op of input ``wrt`` of ``op`` (named ``d<wrt>``; it reads
     ``d<op.name>``).  Its ``info`` attribute is an ``AdjointInfo``."""
-    return _AdjointBuilder(op, wrt).build()
+    try:
+        return _AdjointBuilder(op, wrt).build()
+    except NeoflowError:
+        raise
+    except Exception as err:  # sympy/isl failures become an autodiff error naming the op and input
+        raise NonInvertibleMapError(
+            f"cannot derive the adjoint of '{wrt}': {type(err).__name__}: {err}", op=op.name
+        ) from err

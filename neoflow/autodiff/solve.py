@@ -24,7 +24,6 @@ adjoint enumerating them wastes nothing.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -65,15 +64,6 @@ class Solution:
         return expr.xreplace(self.substitution)
 
 
-def _fresh(base: str, taken: set[str]) -> str:
-    name, n = base, 1
-    while name in taken:
-        n += 1
-        name = f"{base}{n}"
-    taken.add(name)
-    return name
-
-
 def _quasi_atoms(exprs: Sequence[sympy.Expr]) -> list[sympy.Expr]:
     atoms = set().union(*(e.atoms(sympy.floor, sympy.Mod) for e in exprs)) if exprs else set()
     innermost = [a for a in atoms if not a.args[0].atoms(sympy.floor, sympy.Mod)]
@@ -84,9 +74,8 @@ def _split(atom: sympy.Expr) -> tuple[sympy.Expr, int]:
     """``(e, c)`` for ``floor(e/c)`` or ``e mod c``, with ``e`` integral."""
     if isinstance(atom, sympy.Mod):
         return atom.args[0], int(atom.args[1])
-    arg = atom.args[0]
-    den = math.lcm(*[int(t.as_coeff_Mul()[0].q) for t in sympy.Add.make_args(sympy.expand(arg))])
-    return sympy.expand(arg * den), den
+    den = index.denominator(atom.args[0])
+    return sympy.expand(atom.args[0] * den), den
 
 
 def solve(
@@ -114,8 +103,8 @@ def solve(
         if c <= 0:
             raise NotAffine(f"division by {c}")
         base = e.name if e.is_Symbol else f"e{len(quotients) + 1}"
-        q = index.var(_fresh(f"{base}_div{c}", taken))
-        r = index.var(_fresh(f"{base}_mod{c}", taken))
+        q = index.var(index.fresh_name(f"{base}_div{c}", taken))
+        r = index.var(index.fresh_name(f"{base}_mod{c}", taken))
         quotients.append(q)
         remainders.append(r)
         new_extents[r.name] = c
@@ -160,11 +149,11 @@ def solve(
         value = sympy.expand(transformed[row])
         if col is None or col >= n:
             if value != 0:
-                scale = math.lcm(*[int(sympy.Rational(t.as_coeff_Mul()[0]).q) for t in sympy.Add.make_args(value)])
+                scale = index.denominator(value)
                 conditions.append(Binary("==", Index(sympy.expand(value * scale)), Const(0)))
             continue
         value = sympy.expand(value - sum(reduced[row, j] * preference[j] for j in range(n) if j not in pivot_columns))
-        denominator = math.lcm(*[int(sympy.Rational(t.as_coeff_Mul()[0]).q) for t in sympy.Add.make_args(value)])
+        denominator = index.denominator(value)
         if denominator > 1:
             numerator = sympy.expand(value * denominator)
             conditions.append(Binary("==", Index(index.mod(numerator, denominator)), Const(0)))

@@ -57,9 +57,19 @@ def data_reads(expr: IndexExpr) -> list[AppliedUndef]:
     return sorted(expr.atoms(AppliedUndef), key=sympy.default_sort_key)
 
 
-def _denominator(expr: IndexExpr) -> int:
+def denominator(expr: IndexExpr) -> int:
     """The least common denominator of the rational coefficients of ``expr``."""
     return math.lcm(*[int(t.as_coeff_Mul()[0].q) for t in sympy.Add.make_args(sympy.expand(expr))])
+
+
+def fresh_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base2``, ``base3``... whichever is not in ``taken`` (it is added)."""
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}{n}"
+    taken.add(name)
+    return name
 
 
 def to_isl(expr: IndexExpr, prefix: str = "") -> str | None:
@@ -70,7 +80,7 @@ def to_isl(expr: IndexExpr, prefix: str = "") -> str | None:
     if expr.is_Symbol:
         return prefix + expr.name
     if isinstance(expr, sympy.floor):
-        den = _denominator(expr.args[0])
+        den = denominator(expr.args[0])
         num = to_isl(sympy.expand(expr.args[0] * den), prefix)
         return None if num is None else f"floor(({num})/{den})"
     if isinstance(expr, sympy.Mod):
@@ -109,7 +119,7 @@ def evaluate(expr: IndexExpr, env: Mapping[str, np.ndarray], read: ReadFn | None
         return env[expr.name]
     if isinstance(expr, sympy.floor):
         arg = expr.args[0]
-        den = _denominator(arg)
+        den = denominator(arg)
         return np.floor_divide(evaluate(sympy.expand(arg * den), env, read), int(den))
     if isinstance(expr, sympy.Mod):
         return np.mod(evaluate(expr.args[0], env, read), evaluate(expr.args[1], env, read))
@@ -156,7 +166,7 @@ def _print(expr: IndexExpr) -> tuple[str, int]:
         return f"{expr.func.__name__}[{', '.join(to_text(a) for a in expr.args)}]", _PREC_ATOM
     if isinstance(expr, sympy.floor):
         arg = expr.args[0]
-        den = _denominator(arg)
+        den = denominator(arg)
         num = sympy.expand(arg * den)
         return f"{_wrap(num, _PREC_MUL)}//{den}", _PREC_MUL
     if isinstance(expr, sympy.Mod):
