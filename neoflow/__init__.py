@@ -16,6 +16,8 @@ from neoflow.errors import (
     ShapeError,
     UnsupportedOpError,
 )
+from neoflow.autodiff import grad
+from neoflow.frontend import load_onnx, register_op
 from neoflow.ir import Graph, Op, Tensor, evaluate
 from neoflow.ir.text import parse_graph as graph
 from neoflow.ir.text import parse_op as op

@@ -49,6 +49,8 @@ def _program_text(program: str) -> str:
 
 
 def _load_graph(args: argparse.Namespace) -> Graph:
+    if args.program.endswith(".onnx"):
+        return neoflow.load_onnx(args.program, shapes=dict(args.shape))
     return neoflow.graph(
         _program_text(args.program), shapes=dict(args.shape), dtypes=dict(args.dtype), dtype=args.default_dtype
     )
@@ -73,10 +75,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     graph = _load_graph(args)
     for op in graph.ops:
         print("\n".join(_describe_op(op)))
-    inputs = ", ".join(str(t) for t in graph.inputs)
+    inputs = ", ".join(str(t) for t in graph.free_inputs)
+    params = sum(v.size for v in graph.parameters.values())
     print(
         f"graph: {len(graph.ops)} op{'s' if len(graph.ops) != 1 else ''}; inputs {inputs}; "
-        f"outputs {', '.join(graph.outputs)}"
+        f"{len(graph.parameters)} parameters ({params} values); outputs {', '.join(graph.outputs)}"
     )
     return 0
 
@@ -86,7 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     given = dict(args.input)
     rng = np.random.default_rng(args.seed)
     inputs: dict[str, np.ndarray] = {}
-    for tensor in graph.inputs:
+    for tensor in graph.free_inputs:
         if tensor.name in given:
             try:
                 inputs[tensor.name] = np.load(given.pop(tensor.name), allow_pickle=False)
@@ -101,7 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
     if given:
         raise InputError(
-            f"'{next(iter(given))}' is not an input of the graph (inputs: {', '.join(t.name for t in graph.inputs)})"
+            f"'{next(iter(given))}' is not an input of the graph (inputs: {', '.join(t.name for t in graph.free_inputs)})"
         )
     start = time.perf_counter()
     outputs = evaluate_graph(graph, inputs)
@@ -156,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def program_command(name: str, help_text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("program", help="statements in the text language, or a file holding them")
+        sub.add_argument("program", help="statements in the text language, a file holding them, or an .onnx model")
         sub.add_argument(
             "--shape",
             action="append",

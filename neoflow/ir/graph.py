@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from neoflow.errors import ShapeError
 from neoflow.ir.op import Op, Tensor
@@ -14,14 +17,19 @@ class Graph:
 
     Build one with ``Graph.from_ops``, which orders the ops and checks that
     every tensor is defined once and that no op depends on itself.
+    ``parameters`` holds values for some inputs (an ONNX model's initializers);
+    evaluation uses them for inputs the caller does not give.
     """
 
     ops: tuple[Op, ...]
     inputs: tuple[Tensor, ...]
     outputs: tuple[str, ...]
+    parameters: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
-    def from_ops(ops: list[Op], outputs: list[str] | None = None) -> Graph:
+    def from_ops(
+        ops: list[Op], outputs: list[str] | None = None, parameters: Mapping[str, np.ndarray] | None = None
+    ) -> Graph:
         """Order ``ops`` topologically; inputs are the tensors no op defines;
         outputs default to the tensors no op reads."""
         producers: dict[str, Op] = {}
@@ -63,7 +71,12 @@ class Graph:
         for name in outputs:
             if name not in producers:
                 raise ShapeError(f"output '{name}' is not defined by any op")
-        return Graph(tuple(order), tuple(inputs.values()), tuple(outputs))
+        return Graph(tuple(order), tuple(inputs.values()), tuple(outputs), dict(parameters or {}))
+
+    @property
+    def free_inputs(self) -> tuple[Tensor, ...]:
+        """The inputs without a parameter value: what a caller must give."""
+        return tuple(t for t in self.inputs if t.name not in self.parameters)
 
     @property
     def tensors(self) -> dict[str, Tensor]:

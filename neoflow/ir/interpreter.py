@@ -245,7 +245,7 @@ def _evaluate(op: Op, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def evaluate_graph(graph: Graph, inputs: Mapping[str, np.ndarray], keep: bool = False) -> dict[str, np.ndarray]:
     """Evaluate ``graph``; returns its outputs by name (every tensor if ``keep``)."""
-    values = _check_inputs(graph.inputs, inputs, "graph")
+    values = _check_inputs(graph.inputs, {**graph.parameters, **inputs}, "graph")
     for op in graph.ops:
         values[op.name] = _evaluate(op, values)
     names = list(values) if keep else graph.outputs

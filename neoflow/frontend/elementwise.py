@@ -1,0 +1,106 @@
+"""Element-wise ONNX ops (with numpy broadcasting) as tensor expressions."""
+
+from __future__ import annotations
+
+from neoflow.errors import UnsupportedOpError
+from neoflow.frontend.context import NodeContext
+from neoflow.frontend.context import ONNX_DTYPES
+from neoflow.frontend.registry import converter
+
+UNARY = {
+    "Relu": "max({0}, 0)", "Abs": "abs({0})", "Neg": "-{0}", "Sqrt": "sqrt({0})", "Exp": "exp({0})",
+    "Log": "log({0})", "Tanh": "tanh({0})", "Sigmoid": "sigmoid({0})", "Reciprocal": "1 / {0}",
+    "Softplus": "log(1 + exp({0}))", "Identity": "{0}", "Not": "!{0}", "Floor": None,
+}
+BINARY = {
+    "Add": "{0} + {1}", "Sub": "{0} - {1}", "Mul": "{0} * {1}", "Div": "{0} / {1}", "Pow": "pow({0}, {1})",
+    "Equal": "{0} == {1}", "Less": "{0} < {1}", "Greater": "{0} > {1}", "LessOrEqual": "{0} <= {1}",
+    "GreaterOrEqual": "{0} >= {1}", "And": "{0} && {1}", "Or": "{0} || {1}", "PRelu": "Select({0} >= 0, {0}, {0} * {1})",
+}
+
+
+@converter(*[k for k, v in UNARY.items() if v])
+def unary(ctx: NodeContext) -> None:
+    ctx.elementwise(UNARY[ctx.node.op_type], [0])
+
+
+@converter(*BINARY)
+def binary(ctx: NodeContext) -> None:
+    ctx.elementwise(BINARY[ctx.node.op_type], [0, 1])
+
+
+@converter("Dropout")
+def dropout(ctx: NodeContext) -> None:
+    ctx.elementwise("{0}", [0])  # inference: identity, and the mask keeps everything
+    if len(ctx.node.output) > 1 and ctx.node.output[1]:
+        import numpy as np
+
+        ctx.set_constant(1, np.ones(ctx.shape(0), dtype=bool))
+
+
+@converter("LeakyRelu")
+def leaky_relu(ctx: NodeContext) -> None:
+    alpha = float(ctx.attr("alpha", 0.01))
+    ctx.elementwise(f"Select({{0}} >= 0, {{0}}, {alpha!r} * {{0}})", [0])
+
+
+@converter("Elu")
+def elu(ctx: NodeContext) -> None:
+    alpha = float(ctx.attr("alpha", 1.0))
+    ctx.elementwise(f"Select({{0}} > 0, {{0}}, {alpha!r} * (exp({{0}}) - 1))", [0])
+
+
+@converter("Selu")
+def selu(ctx: NodeContext) -> None:
+    alpha = float(ctx.attr("alpha", 1.67326319217681884765625))
+    gamma = float(ctx.attr("gamma", 1.05070102214813232421875))
+    ctx.elementwise(f"{gamma!r} * Select({{0}} > 0, {{0}}, {alpha!r} * (exp({{0}}) - 1))", [0])
+
+
+@converter("HardSigmoid")
+def hard_sigmoid(ctx: NodeContext) -> None:
+    alpha, beta = float(ctx.attr("alpha", 0.2)), float(ctx.attr("beta", 0.5))
+    ctx.elementwise(f"max(min({alpha!r} * {{0}} + {beta!r}, 1), 0)", [0])
+
+
+@converter("Clip")
+def clip(ctx: NodeContext) -> None:
+    if ctx.opset < 11:
+        low, high = ctx.attr("min"), ctx.attr("max")
+    else:
+        low = ctx.require_constant(1, "Clip's min").item() if ctx.has_input(1) else None
+        high = ctx.require_constant(2, "Clip's max").item() if ctx.has_input(2) else None
+    text = "{0}"
+    if low is not None:
+        text = f"max({text}, {float(low)!r})"
+    if high is not None:
+        text = f"min({text}, {float(high)!r})"
+    ctx.elementwise(text, [0])
+
+
+@converter("Sum", "Mean", "Max", "Min")
+def variadic(ctx: NodeContext) -> None:
+    n = len(ctx.node.input)
+    op = ctx.node.op_type
+    if op in ("Max", "Min"):
+        text = "{0}"
+        for i in range(1, n):
+            text = f"{op.lower()}({text}, {{{i}}})"
+    else:
+        text = " + ".join(f"{{{i}}}" for i in range(n))
+        if op == "Mean":
+            text = f"({text}) / {n}"
+    ctx.elementwise(text)
+
+
+@converter("Where")
+def where(ctx: NodeContext) -> None:
+    ctx.elementwise("Select({0}, {1}, {2})")
+
+
+@converter("Cast")
+def cast(ctx: NodeContext) -> None:
+    to = ONNX_DTYPES.get(int(ctx.attr("to")))
+    if to is None:
+        raise ctx.fail(f"Cast to ONNX type {ctx.attr('to')} is not supported", UnsupportedOpError)
+    ctx.elementwise(f"{to}({{0}})", [0], dtype=to)

@@ -1,0 +1,198 @@
+"""ONNX model → neoflow Graph."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+
+from neoflow.errors import InputError, NeoflowError, ParseError, UnsupportedOpError
+from neoflow.frontend import elementwise, linalg, nn, reduce, shape  # noqa: F401  (they register converters)
+from neoflow.frontend.context import ONNX_DTYPES, Model, NodeContext, to_array
+from neoflow.frontend.registry import CONVERTERS, CUSTOM_EXPRESSIONS
+from neoflow.ir.graph import Graph
+from neoflow.ir.interpreter import evaluate_op
+from neoflow.ir.op import Tensor
+
+CUSTOM_DOMAIN = "neoflow"
+
+
+def read_model(source: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
+    """Load and check a model; a missing, truncated, non-ONNX or invalid file is an ``InputError``."""
+    if isinstance(source, onnx.ModelProto):
+        model = source
+    else:
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise InputError(f"no such file: '{path}'")
+        try:
+            with open(path, "rb") as f:
+                model = onnx.ModelProto.FromString(f.read())
+        except (DecodeError, ValueError, RuntimeError) as err:
+            raise InputError(f"'{path}' is not an ONNX model (or is truncated): {err}") from None
+        if not model.graph.node and not model.graph.output:
+            raise InputError(f"'{path}' is not an ONNX model (it holds no graph)")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid model"
+        raise InputError(f"the model fails onnx.checker: {first}") from None
+    return model
+
+
+def _input_shape(value: onnx.ValueInfoProto, given: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
+    if value.name in given:
+        return tuple(int(d) for d in given[value.name])
+    dims = []
+    for d, dim in enumerate(value.type.tensor_type.shape.dim):
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif d == 0:
+            dims.append(1)  # a dynamic batch dimension defaults to 1 unless a shape is given
+        else:
+            raise InputError(f"input '{value.name}' has dynamic dimension {d} ('{dim.dim_param}'); "
+                             f"give its shape (--shape {value.name}=...)")
+    return tuple(dims)
+
+
+def load_onnx(source: str | os.PathLike | onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None = None
+              ) -> Graph:
+    """Import an ONNX model (path or ModelProto) as a Graph of tensor-expression ops.
+
+    Initializers become parameters (``graph.parameters``); constant
+    sub-computations (shape arithmetic, ``Constant``, ``ConstantOfShape``) are
+    folded at import; ``shapes`` binds input shapes by ONNX name (a dynamic batch
+    dimension defaults to 1).  Errors name the node and the cause."""
+    model_proto = read_model(source)
+    given = dict(shapes or {})
+    opset = next((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+    model = Model()
+    initializers = {t.name for t in model_proto.graph.initializer}
+    for tensor in model_proto.graph.initializer:
+        value = to_array(tensor)
+        name = model.name_for(tensor.name)
+        model.constants[name] = value
+        model.tensors[name] = Tensor(name, tuple(value.shape), _dtype(value.dtype, tensor.name))
+    graph_inputs = []
+    for value in model_proto.graph.input:
+        if value.name in initializers:
+            continue
+        name = model.name_for(value.name)
+        elem = value.type.tensor_type.elem_type
+        if elem not in ONNX_DTYPES:
+            raise UnsupportedOpError(f"input '{value.name}' has an unsupported element type {elem}")
+        model.tensors[name] = Tensor(name, _input_shape(value, given), ONNX_DTYPES[elem])
+        graph_inputs.append(name)
+    unknown = set(given) - {v.name for v in model_proto.graph.input}
+    if unknown:
+        raise InputError(f"--shape names '{sorted(unknown)[0]}', which is not an input of the model")
+    for info in [*model_proto.graph.value_info, *model_proto.graph.output]:
+        dims = info.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") for d in dims):
+            model.declared[info.name] = tuple(d.dim_value for d in dims)
+    for node in model_proto.graph.node:
+        _convert(node, model, opset)
+    outputs = [model.name_for(o.name) for o in model_proto.graph.output]
+    for onnx_name, name in zip([o.name for o in model_proto.graph.output], outputs, strict=True):
+        if name in model.constants and not any(op.name == name for op in model.ops):
+            _materialise(model, name)
+        if name not in model.tensors:
+            raise InputError(f"output '{onnx_name}' is never computed")
+    used = {t.name for op in model.ops for t in op.inputs}
+    parameters = {n: v for n, v in model.constants.items() if n in used}
+    graph = Graph.from_ops(model.ops, outputs, parameters)
+    object.__setattr__(graph, "onnx_names", {v: k for k, v in model.names.items()})
+    return graph
+
+
+def _dtype(dtype: np.dtype, name: str) -> str:
+    text = str(dtype)
+    if text not in ("float32", "float64", "float16", "int32", "int64", "bool"):
+        raise UnsupportedOpError(f"tensor '{name}' has unsupported dtype {text}")
+    return text
+
+
+def _materialise(model: Model, name: str) -> None:
+    """Turn a folded constant that is a graph output into an op (a copy of a parameter)."""
+    source = model.fresh(f"{name}_value")
+    value = model.constants[name]
+    model.constants[source] = value
+    model.tensors[source] = Tensor(source, value.shape, str(value.dtype))
+    from neoflow.frontend.context import index_vars
+    from neoflow.ir.build import build_op
+    from neoflow.ir.syntax import parse
+
+    v = index_vars(value.ndim)
+    op = build_op(parse(f"{name}[{', '.join(v)}] = {source}[{', '.join(v)}]")[0], model.tensors, value.shape)
+    model.ops.append(op)
+    model.tensors[name] = op.output
+
+
+def _convert(node: onnx.NodeProto, model: Model, opset: int) -> None:
+    ctx = NodeContext(node, model, opset)
+    try:
+        if node.domain == CUSTOM_DOMAIN or node.op_type in CUSTOM_EXPRESSIONS:
+            _custom(ctx)
+            return
+        if node.domain not in ("", "ai.onnx"):
+            raise ctx.fail(f"op domain '{node.domain}' is not supported", UnsupportedOpError)
+        convert = CONVERTERS.get(node.op_type)
+        if convert is None:
+            raise ctx.fail(f"op type '{node.op_type}' is not supported", UnsupportedOpError)
+        before = len(model.ops)
+        convert(ctx)
+        _fold(ctx, before)
+    except NeoflowError as err:
+        raise err.with_context(node=ctx.label) from None
+    except (ValueError, TypeError, KeyError, IndexError) as err:  # a malformed attribute, most likely
+        raise UnsupportedOpError(f"{node.op_type}: bad attribute or input ({type(err).__name__}: {err})",
+                                 node=ctx.label) from None
+
+
+def _fold(ctx: NodeContext, before: int) -> None:
+    """If every input of the node is a constant, evaluate its ops now and keep the values."""
+    inputs = [i for i in range(len(ctx.node.input)) if ctx.has_input(i)]
+    if not inputs or not all(ctx.constant(i) is not None for i in inputs):
+        return
+    new_ops = ctx.model.ops[before:]
+    del ctx.model.ops[before:]
+    values = dict(ctx.model.constants)
+    for op in new_ops:
+        values[op.name] = evaluate_op(op, {t.name: values[t.name] for t in op.inputs})
+    for k in range(len(ctx.node.output)):
+        if ctx.node.output[k]:
+            ctx.set_constant(k, values[ctx.output(k)])
+
+
+def _custom(ctx: NodeContext) -> None:
+    """A node carrying its op in the text language (attribute ``expression``), or one
+    whose type was registered with ``register_op``: ``Out`` and ``In0, In1, ...``
+    name its output and inputs."""
+    text = ctx.attr("expression") or CUSTOM_EXPRESSIONS.get(ctx.node.op_type)
+    if not text:
+        raise ctx.fail(f"custom op '{ctx.node.op_type}' carries no 'expression' attribute and is not registered "
+                       f"(neoflow.register_op)", UnsupportedOpError)
+    import re
+
+    names = {f"In{i}": ctx.input(i) for i in range(len(ctx.node.input))}
+    names["Out"] = ctx.output()
+    try:
+        lhs, sep, rhs = text.partition("=")
+        if not sep:
+            raise ParseError("expected 'Out[...] = ...'")
+        renamed = re.sub(r"\b(In\d+|Out)\b(?=\s*\[)", lambda m: names.get(m.group(1), m.group(1)), text)
+        from neoflow.ir.build import build_op
+        from neoflow.ir.syntax import Assign, parse
+
+        statements = [s for s in parse(renamed) if isinstance(s, Assign)]
+        if len(statements) != 1 or statements[0].target.name != names["Out"]:
+            raise ParseError("the expression must be one statement defining Out")
+        visible = {name: ctx.model.tensors[name] for key, name in names.items() if key != "Out"}
+        op = build_op(statements[0], visible, ctx.model.declared.get(ctx.node.output[0]))
+    except NeoflowError as err:
+        raise ctx.fail(f"in the expression of custom op '{ctx.node.op_type}': {err}", type(err)) from None
+    ctx.model.ops.append(op)
+    ctx.model.tensors[op.name] = op.output

@@ -1,0 +1,160 @@
+"""Convolution, pooling, normalisation and LRN as tensor expressions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from neoflow.errors import UnsupportedOpError
+from neoflow.frontend.context import NodeContext, index_vars
+from neoflow.frontend.registry import converter
+
+
+def _window(ctx: NodeContext, spatial: Sequence[int], kernel: Sequence[int], ceil_mode: bool = False
+            ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Strides, dilations, begin pads and output sizes of a sliding window (ONNX rules)."""
+    k = len(kernel)
+    strides = list(ctx.attr("strides", [1] * k))
+    dilations = list(ctx.attr("dilations", [1] * k))
+    pads = list(ctx.attr("pads", [0] * (2 * k)))
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0] * (2 * k)
+        for d in range(k):
+            out = -(-spatial[d] // strides[d])
+            total = max(0, (out - 1) * strides[d] + dilations[d] * (kernel[d] - 1) + 1 - spatial[d])
+            small, large = total // 2, total - total // 2
+            pads[d], pads[d + k] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    elif auto_pad == "VALID":
+        pads = [0] * (2 * k)
+    elif auto_pad != "NOTSET":
+        raise ctx.fail(f"auto_pad '{auto_pad}' is not valid", UnsupportedOpError)
+    sizes = []
+    for d in range(k):
+        span = spatial[d] + pads[d] + pads[d + k] - dilations[d] * (kernel[d] - 1) - 1
+        out = (-(-span // strides[d]) if ceil_mode else span // strides[d]) + 1
+        if ceil_mode and (out - 1) * strides[d] >= spatial[d] + pads[d]:
+            out -= 1
+        if out <= 0:
+            raise ctx.fail(f"window {kernel[d]} does not fit spatial size {spatial[d]} (dimension {d})")
+        sizes.append(out)
+    return strides, dilations, pads[:k], sizes
+
+
+def _taps(outs: Sequence[str], strides, dilations, pads, spatial, taps: Sequence[str]) -> tuple[list[str], str]:
+    """Input positions ``o*stride + r*dilation - pad`` and the guard keeping them inside."""
+    positions, guards = [], []
+    for d, (o, r) in enumerate(zip(outs, taps, strict=True)):
+        pos = f"{o}*{strides[d]} + {r}*{dilations[d]} - {pads[d]}"
+        positions.append(pos)
+        if pads[d] or (True):
+            guards.append(f"{pos} >= 0 && {pos} < {spatial[d]}")
+    return positions, " && ".join(guards)
+
+
+def _needs_guard(strides, dilations, pads, sizes, kernel, spatial) -> bool:
+    return any(p != 0 or (o - 1) * s + (k - 1) * dl >= n
+               for p, o, s, k, dl, n in zip(pads, sizes, strides, kernel, dilations, spatial, strict=True))
+
+
+@converter("Conv")
+def conv(ctx: NodeContext) -> None:
+    x, w = ctx.input(0), ctx.input(1)
+    (n, c, *spatial), (m, cg, *kernel) = ctx.shape(0), ctx.shape(1)
+    group = int(ctx.attr("group", 1))
+    if c != cg * group or m % group:
+        raise ctx.fail(f"Conv: {c} input channels, weight {list(ctx.shape(1))} and group {group} do not fit")
+    strides, dilations, pads, sizes = _window(ctx, spatial, kernel)
+    out = index_vars(2 + len(spatial))
+    taps = index_vars(len(kernel), "r")
+    positions, guard = _taps(out[2:], strides, dilations, pads, spatial, taps)
+    channel = "k0" if group == 1 else f"{out[1]}//{m // group}*{cg} + k0"
+    read = f"{x}[{out[0]}, {channel}, {', '.join(positions)}]"
+    if _needs_guard(strides, dilations, pads, sizes, kernel, spatial):
+        read = f"Select({guard}, {read}, 0)"
+    body = f"ReduceAdd({{k0, {', '.join(taps)}}}, {read} * {w}[{out[1]}, k0, {', '.join(taps)}])"
+    if ctx.has_input(2):
+        body += f" + {ctx.input(2)}[{out[1]}]"
+    ctx.define(body, (n, m, *sizes))
+
+
+@converter("MaxPool", "AveragePool")
+def pool(ctx: NodeContext) -> None:
+    x = ctx.input(0)
+    n, c, *spatial = ctx.shape(0)
+    kernel = list(ctx.attr("kernel_shape"))
+    if len(ctx.node.output) > 1 and ctx.node.output[1]:
+        raise ctx.fail("MaxPool's indices output is not supported", UnsupportedOpError)
+    strides, dilations, pads, sizes = _window(ctx, spatial, kernel, bool(ctx.attr("ceil_mode", 0)))
+    out = index_vars(2 + len(spatial))
+    taps = index_vars(len(kernel), "r")
+    positions, guard = _taps(out[2:], strides, dilations, pads, spatial, taps)
+    axes = ", ".join(f"{t}: {k}" for t, k in zip(taps, kernel, strict=True))
+    read = f"{x}[{out[0]}, {out[1]}, {', '.join(positions)}]"
+    guarded = _needs_guard(strides, dilations, pads, sizes, kernel, spatial)
+    if ctx.node.op_type == "MaxPool":
+        body = f"ReduceMax({{{axes}}}, {f'Select({guard}, {read}, -inf)' if guarded else read})"
+    elif not guarded:
+        body = f"ReduceAdd({{{axes}}}, {read}) / {math.prod(kernel)}"
+    elif int(ctx.attr("count_include_pad", 0)):
+        inside = " && ".join(
+            f"{p} >= -{pads[d]} && {p} < {spatial[d] + ctx_pad_end(ctx, d, len(kernel))}"
+            for d, p in enumerate(positions))
+        body = (f"ReduceAdd({{{axes}}}, Select({guard}, {read}, 0)) / "
+                f"ReduceAdd({{{axes}}}, Select({inside}, 1.0, 0.0))")
+    else:
+        body = f"ReduceAdd({{{axes}}}, Select({guard}, {read}, 0)) / ReduceAdd({{{axes}}}, Select({guard}, 1.0, 0.0))"
+    ctx.define(body, (n, c, *sizes))
+
+
+def ctx_pad_end(ctx: NodeContext, d: int, k: int) -> int:
+    """The end padding of spatial dimension ``d`` (for count_include_pad)."""
+    pads = list(ctx.attr("pads", [0] * (2 * k)))
+    return pads[d + k]
+
+
+@converter("GlobalAveragePool", "GlobalMaxPool")
+def global_pool(ctx: NodeContext) -> None:
+    x = ctx.input(0)
+    n, c, *spatial = ctx.shape(0)
+    taps = index_vars(len(spatial), "r")
+    read = f"{x}[i0, i1, {', '.join(taps)}]"
+    if ctx.node.op_type == "GlobalMaxPool":
+        body = f"ReduceMax({{{', '.join(taps)}}}, {read})"
+    else:
+        body = f"ReduceAdd({{{', '.join(taps)}}}, {read}) / {math.prod(spatial)}"
+    ctx.define(lambda v: body, (n, c, *[1] * len(spatial)))
+
+
+@converter("BatchNormalization")
+def batch_norm(ctx: NodeContext) -> None:
+    if int(ctx.attr("training_mode", 0)) or len([o for o in ctx.node.output if o]) > 1:
+        raise ctx.fail("BatchNormalization in training mode is compiled by the training compiler, not imported",
+                       UnsupportedOpError)
+    eps = float(ctx.attr("epsilon", 1e-5))
+    x, scale, bias, mean, var = (ctx.input(i) for i in range(5))
+    shape = ctx.shape(0)
+
+    def body(v: list[str]) -> str:
+        return (f"({x}[{', '.join(v)}] - {mean}[{v[1]}]) / sqrt({var}[{v[1]}] + {eps!r}) * {scale}[{v[1]}] "
+                f"+ {bias}[{v[1]}]")
+
+    ctx.define(body, shape)
+
+
+@converter("LRN")
+def lrn(ctx: NodeContext) -> None:
+    x = ctx.input(0)
+    shape = ctx.shape(0)
+    size = int(ctx.attr("size"))
+    alpha, beta, bias = float(ctx.attr("alpha", 1e-4)), float(ctx.attr("beta", 0.75)), float(ctx.attr("bias", 1.0))
+    low = (size - 1) // 2
+
+    def body(v: list[str]) -> str:
+        rest = ", ".join(v[2:])
+        channel = f"{v[1]} + r0 - {low}"
+        square = f"{x}[{v[0]}, {channel}, {rest}] * {x}[{v[0]}, {channel}, {rest}]"
+        total = f"ReduceAdd({{r0: {size}}}, Select({channel} >= 0 && {channel} < {shape[1]}, {square}, 0))"
+        return f"{x}[{', '.join(v)}] / pow({bias!r} + {alpha / size!r} * {total}, {beta!r})"
+
+    ctx.define(body, shape)
