@@ -35,27 +35,41 @@ def value(name: str, *shape: int) -> onnx.ValueInfoProto:
 
 
 def mlp() -> None:
-    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["a"]),
-             helper.make_node("Gemm", ["a", "w2", "b2"], ["logits"], transB=1)]
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1),
+        helper.make_node("Relu", ["h"], ["a"]),
+        helper.make_node("Gemm", ["a", "w2", "b2"], ["logits"], transB=1),
+    ]
     inits = [weight("w1", 128, 64), weight("b1", 128), weight("w2", 10, 128), weight("b2", 10)]
     save("mlp", nodes, [value("x", 32, 64)], [value("logits", 32, 10)], inits)
 
 
 def cnn() -> None:
     nodes = [
-        helper.make_node("Conv", ["x", "c1", "cb1"], ["h1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["h1"], ["a1"]),
+        helper.make_node("Conv", ["x", "c1", "cb1"], ["h1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["h1"], ["a1"]),
         helper.make_node("MaxPool", ["a1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
-        helper.make_node("Conv", ["p1", "c2", "cb2"], ["h2"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["h2"], ["a2"]),
+        helper.make_node("Conv", ["p1", "c2", "cb2"], ["h2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["h2"], ["a2"]),
         helper.make_node("MaxPool", ["a2"], ["p2"], kernel_shape=[2, 2], strides=[2, 2]),
-        helper.make_node("Flatten", ["p2"], ["f"]), helper.make_node("Gemm", ["f", "w", "b"], ["logits"], transB=1),
+        helper.make_node("Flatten", ["p2"], ["f"]),
+        helper.make_node("Gemm", ["f", "w", "b"], ["logits"], transB=1),
     ]
-    inits = [weight("c1", 8, 1, 3, 3), weight("cb1", 8), weight("c2", 16, 8, 3, 3), weight("cb2", 16),
-             weight("w", 10, 64), weight("b", 10)]
+    inits = [
+        weight("c1", 8, 1, 3, 3),
+        weight("cb1", 8),
+        weight("c2", 16, 8, 3, 3),
+        weight("cb2", 16),
+        weight("w", 10, 64),
+        weight("b", 10),
+    ]
     save("cnn", nodes, [value("x", 32, 1, 8, 8)], [value("logits", 32, 10)], inits)
 
 
-CAPSULE = ("Out[b, k, p, q, i, j] = ReduceAdd({{c, r, s, t}}, In0[b, c, p*{stride}+r, q*{stride}+s, i, t] "
-           "* In1[k, c, r, s, t, j])")
+CAPSULE = (
+    "Out[b, k, p, q, i, j] = ReduceAdd({{c, r, s, t}}, In0[b, c, p*{stride}+r, q*{stride}+s, i, t] "
+    "* In1[k, c, r, s, t, j])"
+)
 
 
 def capsule() -> None:
@@ -64,10 +78,16 @@ def capsule() -> None:
         helper.make_node("CapsuleConv", ["x6", "k1"], ["c1"], domain="neoflow", expression=CAPSULE.format(stride=1)),
         helper.make_node("Relu", ["c1"], ["a1"]),
         helper.make_node("CapsuleConv", ["a1", "k2"], ["c2"], domain="neoflow", expression=CAPSULE.format(stride=2)),
-        helper.make_node("Flatten", ["c2"], ["f"]), helper.make_node("Gemm", ["f", "w", "b"], ["logits"], transB=1),
+        helper.make_node("Flatten", ["c2"], ["f"]),
+        helper.make_node("Gemm", ["f", "w", "b"], ["logits"], transB=1),
     ]
-    inits = [numpy_helper.from_array(np.array([32, 1, 8, 8, 1, 1], np.int64), "caps_shape"),
-             weight("k1", 4, 1, 3, 3, 1, 2), weight("k2", 4, 4, 3, 3, 2, 2), weight("w", 10, 4 * 2 * 2 * 2), weight("b", 10)]
+    inits = [
+        numpy_helper.from_array(np.array([32, 1, 8, 8, 1, 1], np.int64), "caps_shape"),
+        weight("k1", 4, 1, 3, 3, 1, 2),
+        weight("k2", 4, 4, 3, 3, 2, 2),
+        weight("w", 10, 4 * 2 * 2 * 2),
+        weight("b", 10),
+    ]
     save("capsule", nodes, [value("x", 32, 1, 8, 8)], [value("logits", 32, 10)], inits)
 
 
@@ -78,13 +98,21 @@ def four_op() -> None:
         "DepthToSpace": "Out[n, c, h, w] = In0[n, c*4+h%2*2+w%2, h//2, w//2]",
         "Concat": "Out[n, c, h, w] = Select(c<3, In0[n, c, h, w], In1[n, c-3, h, w])",
     }
-    nodes = [helper.make_node("Padding", ["A"], ["B"], domain="neoflow", expression=texts["Padding"]),
-             helper.make_node("DilatedConv", ["B", "C"], ["D"], domain="neoflow", expression=texts["DilatedConv"]),
-             helper.make_node("DepthToSpace", ["D"], ["E"], domain="neoflow", expression=texts["DepthToSpace"]),
-             helper.make_node("Concat", ["A", "E"], ["F"], domain="neoflow", expression=texts["Concat"])]
+    nodes = [
+        helper.make_node("Padding", ["A"], ["B"], domain="neoflow", expression=texts["Padding"]),
+        helper.make_node("DilatedConv", ["B", "C"], ["D"], domain="neoflow", expression=texts["DilatedConv"]),
+        helper.make_node("DepthToSpace", ["D"], ["E"], domain="neoflow", expression=texts["DepthToSpace"]),
+        helper.make_node("Concat", ["A", "E"], ["F"], domain="neoflow", expression=texts["Concat"]),
+    ]
     graph_value_info = [value("B", 1, 3, 228, 228)]  # the padding's output shape cannot be inferred
-    graph = helper.make_graph(nodes, "four_op", [value("A", 1, 3, 224, 224)], [value("F", 1, 19, 224, 224)],
-                              [weight("C", 64, 3, 3, 3)], value_info=graph_value_info)
+    graph = helper.make_graph(
+        nodes,
+        "four_op",
+        [value("A", 1, 3, 224, 224)],
+        [value("F", 1, 19, 224, 224)],
+        [weight("C", 64, 3, 3, 3)],
+        value_info=graph_value_info,
+    )
     model = helper.make_model(graph, opset_imports=OPSET, producer_name="neoflow models/build.py")
     onnx.checker.check_model(model)
     onnx.save(model, HERE / "four_op.onnx")

@@ -18,11 +18,17 @@ from neoflow.ir.op import Op, Tensor
 from neoflow.ir.syntax import Assign, parse
 
 ONNX_DTYPES = {
-    onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64", onnx.TensorProto.FLOAT16: "float16",
-    onnx.TensorProto.INT32: "int32", onnx.TensorProto.INT64: "int64", onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.BOOL: "bool",
 }
-_RESERVED = re.compile(r"^([ikr]\d+|true|false|inf|nan|tensor|Select|Reduce\w*|exp|log|sqrt|tanh|sigmoid|abs|pow|"
-                       r"max|min|float\d+|int\d+|bool)$")
+_RESERVED = re.compile(
+    r"^([ikr]\d+|true|false|inf|nan|tensor|Select|Reduce\w*|exp|log|sqrt|tanh|sigmoid|abs|pow|"
+    r"max|min|float\d+|int\d+|bool)$"
+)
 
 
 def index_vars(rank: int, prefix: str = "i") -> list[str]:
@@ -33,8 +39,9 @@ def index_vars(rank: int, prefix: str = "i") -> list[str]:
 def broadcast_index(shape: Sequence[int], out_shape: Sequence[int], names: Sequence[str]) -> str:
     """Indices reading a tensor of ``shape`` broadcast (numpy rules) to ``out_shape``."""
     offset = len(out_shape) - len(shape)
-    return ", ".join("0" if size == 1 and out_shape[offset + d] != 1 else names[offset + d]
-                     for d, size in enumerate(shape))
+    return ", ".join(
+        "0" if size == 1 and out_shape[offset + d] != 1 else names[offset + d] for d, size in enumerate(shape)
+    )
 
 
 @dataclass
@@ -133,8 +140,14 @@ class NodeContext:
         dtype = str(value.dtype) if str(value.dtype) in dt.DTYPES else "float32"
         self.model.tensors[name] = Tensor(name, tuple(value.shape), dtype)
 
-    def define(self, body: str | Callable[[list[str]], str], shape: Sequence[int], k: int = 0,
-               dtype: str | None = None, name: str | None = None) -> str:
+    def define(
+        self,
+        body: str | Callable[[list[str]], str],
+        shape: Sequence[int],
+        k: int = 0,
+        dtype: str | None = None,
+        name: str | None = None,
+    ) -> str:
         """Define output ``k`` (or an internal tensor ``name``) as ``body`` over the
         index variables ``i0, i1, ...`` of ``shape``; returns its name."""
         out = name or self.output(k)
@@ -153,7 +166,10 @@ class NodeContext:
         elements) with numpy broadcasting of the inputs."""
         idx = list(range(len(self.node.input))) if inputs is None else list(inputs)
         shapes = [self.shape(i) for i in idx]
-        out_shape = tuple(np.broadcast_shapes(*shapes)) if shapes else ()
+        try:
+            out_shape = tuple(np.broadcast_shapes(*shapes)) if shapes else ()
+        except ValueError:
+            raise self.fail(f"input shapes {' and '.join(str(list(s)) for s in shapes)} do not broadcast") from None
         names = index_vars(len(out_shape))
         reads = []
         for i, shape in zip(idx, shapes, strict=True):

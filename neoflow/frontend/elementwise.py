@@ -8,14 +8,34 @@ from neoflow.frontend.context import ONNX_DTYPES
 from neoflow.frontend.registry import converter
 
 UNARY = {
-    "Relu": "max({0}, 0)", "Abs": "abs({0})", "Neg": "-{0}", "Sqrt": "sqrt({0})", "Exp": "exp({0})",
-    "Log": "log({0})", "Tanh": "tanh({0})", "Sigmoid": "sigmoid({0})", "Reciprocal": "1 / {0}",
-    "Softplus": "log(1 + exp({0}))", "Identity": "{0}", "Not": "!{0}", "Floor": None,
+    "Relu": "max({0}, 0)",
+    "Abs": "abs({0})",
+    "Neg": "-{0}",
+    "Sqrt": "sqrt({0})",
+    "Exp": "exp({0})",
+    "Log": "log({0})",
+    "Tanh": "tanh({0})",
+    "Sigmoid": "sigmoid({0})",
+    "Reciprocal": "1 / {0}",
+    "Softplus": "log(1 + exp({0}))",
+    "Identity": "{0}",
+    "Not": "!{0}",
+    "Floor": None,
 }
 BINARY = {
-    "Add": "{0} + {1}", "Sub": "{0} - {1}", "Mul": "{0} * {1}", "Div": "{0} / {1}", "Pow": "pow({0}, {1})",
-    "Equal": "{0} == {1}", "Less": "{0} < {1}", "Greater": "{0} > {1}", "LessOrEqual": "{0} <= {1}",
-    "GreaterOrEqual": "{0} >= {1}", "And": "{0} && {1}", "Or": "{0} || {1}", "PRelu": "Select({0} >= 0, {0}, {0} * {1})",
+    "Add": "{0} + {1}",
+    "Sub": "{0} - {1}",
+    "Mul": "{0} * {1}",
+    "Div": "{0} / {1}",
+    "Pow": "pow({0}, {1})",
+    "Equal": "{0} == {1}",
+    "Less": "{0} < {1}",
+    "Greater": "{0} > {1}",
+    "LessOrEqual": "{0} <= {1}",
+    "GreaterOrEqual": "{0} >= {1}",
+    "And": "{0} && {1}",
+    "Or": "{0} || {1}",
+    "PRelu": "Select({0} >= 0, {0}, {0} * {1})",
 }
 
 

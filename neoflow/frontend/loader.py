@@ -20,8 +20,9 @@ from neoflow.ir.op import Tensor
 CUSTOM_DOMAIN = "neoflow"
 
 
-def read_model(source: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """Load and check a model; a missing, truncated, non-ONNX or invalid file is an ``InputError``."""
+def read_model(source: str | os.PathLike | onnx.ModelProto, check: bool = True) -> onnx.ModelProto:
+    """Load and (unless ``check`` is False) check a model; a missing, truncated,
+    non-ONNX or invalid file is an ``InputError``."""
     if isinstance(source, onnx.ModelProto):
         model = source
     else:
@@ -35,6 +36,8 @@ def read_model(source: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
             raise InputError(f"'{path}' is not an ONNX model (or is truncated): {err}") from None
         if not model.graph.node and not model.graph.output:
             raise InputError(f"'{path}' is not an ONNX model (it holds no graph)")
+    if not check:
+        return model
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as err:
@@ -53,20 +56,23 @@ def _input_shape(value: onnx.ValueInfoProto, given: Mapping[str, Sequence[int]])
         elif d == 0:
             dims.append(1)  # a dynamic batch dimension defaults to 1 unless a shape is given
         else:
-            raise InputError(f"input '{value.name}' has dynamic dimension {d} ('{dim.dim_param}'); "
-                             f"give its shape (--shape {value.name}=...)")
+            raise InputError(
+                f"input '{value.name}' has dynamic dimension {d} ('{dim.dim_param}'); "
+                f"give its shape (--shape {value.name}=...)"
+            )
     return tuple(dims)
 
 
-def load_onnx(source: str | os.PathLike | onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None = None
-              ) -> Graph:
+def load_onnx(
+    source: str | os.PathLike | onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None = None, check: bool = True
+) -> Graph:
     """Import an ONNX model (path or ModelProto) as a Graph of tensor-expression ops.
 
     Initializers become parameters (``graph.parameters``); constant
     sub-computations (shape arithmetic, ``Constant``, ``ConstantOfShape``) are
     folded at import; ``shapes`` binds input shapes by ONNX name (a dynamic batch
     dimension defaults to 1).  Errors name the node and the cause."""
-    model_proto = read_model(source)
+    model_proto = read_model(source, check)
     given = dict(shapes or {})
     opset = next((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     model = Model()
@@ -148,8 +154,9 @@ def _convert(node: onnx.NodeProto, model: Model, opset: int) -> None:
     except NeoflowError as err:
         raise err.with_context(node=ctx.label) from None
     except (ValueError, TypeError, KeyError, IndexError) as err:  # a malformed attribute, most likely
-        raise UnsupportedOpError(f"{node.op_type}: bad attribute or input ({type(err).__name__}: {err})",
-                                 node=ctx.label) from None
+        raise UnsupportedOpError(
+            f"{node.op_type}: bad attribute or input ({type(err).__name__}: {err})", node=ctx.label
+        ) from None
 
 
 def _fold(ctx: NodeContext, before: int) -> None:
@@ -173,8 +180,11 @@ def _custom(ctx: NodeContext) -> None:
     name its output and inputs."""
     text = ctx.attr("expression") or CUSTOM_EXPRESSIONS.get(ctx.node.op_type)
     if not text:
-        raise ctx.fail(f"custom op '{ctx.node.op_type}' carries no 'expression' attribute and is not registered "
-                       f"(neoflow.register_op)", UnsupportedOpError)
+        raise ctx.fail(
+            f"custom op '{ctx.node.op_type}' carries no 'expression' attribute and is not registered "
+            f"(neoflow.register_op)",
+            UnsupportedOpError,
+        )
     import re
 
     names = {f"In{i}": ctx.input(i) for i in range(len(ctx.node.input))}

@@ -10,8 +10,9 @@ from neoflow.frontend.context import NodeContext, index_vars
 from neoflow.frontend.registry import converter
 
 
-def _window(ctx: NodeContext, spatial: Sequence[int], kernel: Sequence[int], ceil_mode: bool = False
-            ) -> tuple[list[int], list[int], list[int], list[int]]:
+def _window(
+    ctx: NodeContext, spatial: Sequence[int], kernel: Sequence[int], ceil_mode: bool = False
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """Strides, dilations, begin pads and output sizes of a sliding window (ONNX rules)."""
     k = len(kernel)
     strides = list(ctx.attr("strides", [1] * k))
@@ -53,8 +54,10 @@ def _taps(outs: Sequence[str], strides, dilations, pads, spatial, taps: Sequence
 
 
 def _needs_guard(strides, dilations, pads, sizes, kernel, spatial) -> bool:
-    return any(p != 0 or (o - 1) * s + (k - 1) * dl >= n
-               for p, o, s, k, dl, n in zip(pads, sizes, strides, kernel, dilations, spatial, strict=True))
+    return any(
+        p != 0 or (o - 1) * s + (k - 1) * dl >= n
+        for p, o, s, k, dl, n in zip(pads, sizes, strides, kernel, dilations, spatial, strict=True)
+    )
 
 
 @converter("Conv")
@@ -99,9 +102,9 @@ def pool(ctx: NodeContext) -> None:
     elif int(ctx.attr("count_include_pad", 0)):
         inside = " && ".join(
             f"{p} >= -{pads[d]} && {p} < {spatial[d] + ctx_pad_end(ctx, d, len(kernel))}"
-            for d, p in enumerate(positions))
-        body = (f"ReduceAdd({{{axes}}}, Select({guard}, {read}, 0)) / "
-                f"ReduceAdd({{{axes}}}, Select({inside}, 1.0, 0.0))")
+            for d, p in enumerate(positions)
+        )
+        body = f"ReduceAdd({{{axes}}}, Select({guard}, {read}, 0)) / ReduceAdd({{{axes}}}, Select({inside}, 1.0, 0.0))"
     else:
         body = f"ReduceAdd({{{axes}}}, Select({guard}, {read}, 0)) / ReduceAdd({{{axes}}}, Select({guard}, 1.0, 0.0))"
     ctx.define(body, (n, c, *sizes))
@@ -129,15 +132,17 @@ def global_pool(ctx: NodeContext) -> None:
 @converter("BatchNormalization")
 def batch_norm(ctx: NodeContext) -> None:
     if int(ctx.attr("training_mode", 0)) or len([o for o in ctx.node.output if o]) > 1:
-        raise ctx.fail("BatchNormalization in training mode is compiled by the training compiler, not imported",
-                       UnsupportedOpError)
+        raise ctx.fail(
+            "BatchNormalization in training mode is compiled by the training compiler, not imported", UnsupportedOpError
+        )
     eps = float(ctx.attr("epsilon", 1e-5))
     x, scale, bias, mean, var = (ctx.input(i) for i in range(5))
     shape = ctx.shape(0)
 
     def body(v: list[str]) -> str:
-        return (f"({x}[{', '.join(v)}] - {mean}[{v[1]}]) / sqrt({var}[{v[1]}] + {eps!r}) * {scale}[{v[1]}] "
-                f"+ {bias}[{v[1]}]")
+        return (
+            f"({x}[{', '.join(v)}] - {mean}[{v[1]}]) / sqrt({var}[{v[1]}] + {eps!r}) * {scale}[{v[1]}] + {bias}[{v[1]}]"
+        )
 
     ctx.define(body, shape)
 

@@ -8,12 +8,16 @@ from neoflow.frontend.context import NodeContext, index_vars
 from neoflow.frontend.registry import converter
 
 
-def _reduce(ctx: NodeContext, x: str, shape, axes: list[int], kind: str, term: str, keep: bool,
-            name: str | None = None) -> str:
+def _reduce(
+    ctx: NodeContext, x: str, shape, axes: list[int], kind: str, term: str, keep: bool, name: str | None = None
+) -> str:
     """Define ``name`` (or output 0) as ``kind`` of ``term`` over ``axes``; ``term`` uses
     ``{}`` for the element read."""
-    out_shape = [1 if d in axes else s for d, s in enumerate(shape)] if keep else [
-        s for d, s in enumerate(shape) if d not in axes]
+    out_shape = (
+        [1 if d in axes else s for d, s in enumerate(shape)]
+        if keep
+        else [s for d, s in enumerate(shape) if d not in axes]
+    )
 
     def body(v: list[str]) -> str:
         it = iter(v)
@@ -46,8 +50,9 @@ def softmax(ctx: NodeContext) -> None:
     v = index_vars(len(shape))
     kept = ", ".join("0" if d in axes else n for d, n in enumerate(v))
     shifted = ctx.define(f"{x}[{', '.join(v)}] - {peak}[{kept}]", shape, name=ctx.model.fresh(f"{ctx.output()}_shift"))
-    total = _reduce(ctx, shifted, shape, axes, "ReduceAdd", "exp({})", True,
-                    name=ctx.model.fresh(f"{ctx.output()}_sum"))
+    total = _reduce(
+        ctx, shifted, shape, axes, "ReduceAdd", "exp({})", True, name=ctx.model.fresh(f"{ctx.output()}_sum")
+    )
     if ctx.node.op_type == "Softmax":
         ctx.define(f"exp({shifted}[{', '.join(v)}]) / {total}[{kept}]", shape)
     else:
@@ -55,9 +60,14 @@ def softmax(ctx: NodeContext) -> None:
 
 
 REDUCTIONS = {
-    "ReduceSum": ("ReduceAdd", "{}"), "ReduceMean": ("ReduceAdd", "{}"), "ReduceMax": ("ReduceMax", "{}"),
-    "ReduceMin": ("ReduceMin", "{}"), "ReduceProd": ("ReduceMul", "{}"), "ReduceSumSquare": ("ReduceAdd", "{0} * {0}"),
-    "ReduceL2": ("ReduceAdd", "{0} * {0}"), "ReduceL1": ("ReduceAdd", "abs({})"),
+    "ReduceSum": ("ReduceAdd", "{}"),
+    "ReduceMean": ("ReduceAdd", "{}"),
+    "ReduceMax": ("ReduceMax", "{}"),
+    "ReduceMin": ("ReduceMin", "{}"),
+    "ReduceProd": ("ReduceMul", "{}"),
+    "ReduceSumSquare": ("ReduceAdd", "{0} * {0}"),
+    "ReduceL2": ("ReduceAdd", "{0} * {0}"),
+    "ReduceL1": ("ReduceAdd", "abs({})"),
 }
 
 

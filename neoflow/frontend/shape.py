@@ -23,11 +23,11 @@ def reshape_to(ctx: NodeContext, x: str, in_shape, out_shape, name: str | None =
         raise ctx.fail(f"cannot reshape {list(in_shape)} into {list(out_shape)}")
 
     def body(v: list[str]) -> str:
-        strides = [math.prod(out_shape[d + 1:]) for d in range(len(out_shape))]
+        strides = [math.prod(out_shape[d + 1 :]) for d in range(len(out_shape))]
         flat = " + ".join(f"{s}*{n}" for s, n in zip(strides, v, strict=True) if out_shape[v.index(n)] > 1) or "0"
         parts = []
         for d, size in enumerate(in_shape):
-            inner = math.prod(in_shape[d + 1:])
+            inner = math.prod(in_shape[d + 1 :])
             parts.append("0" if size == 1 else f"({flat})//{inner}%{size}")
         return f"{x}[{', '.join(parts)}]"
 
@@ -88,6 +88,8 @@ def unsqueeze(ctx: NodeContext) -> None:
 def transpose(ctx: NodeContext) -> None:
     shape = ctx.shape(0)
     perm = list(ctx.attr("perm", list(range(len(shape)))[::-1]))
+    if sorted(perm) != list(range(len(shape))):
+        raise ctx.fail(f"Transpose: perm {perm} is not a permutation of the {len(shape)} axes", UnsupportedOpError)
     x = ctx.input(0)
 
     def body(v: list[str]) -> str:
@@ -141,11 +143,9 @@ def constant_of_shape(ctx: NodeContext) -> None:
 def shape_of(ctx: NodeContext) -> None:
     shape = np.asarray(ctx.shape(0), dtype=np.int64)
     start, end = int(ctx.attr("start", 0)), ctx.attr("end")
-    ctx.set_constant(0, shape[start: None if end is None else int(end)])
+    ctx.set_constant(0, shape[start : None if end is None else int(end)])
 
 
 @converter("Size")
 def size_of(ctx: NodeContext) -> None:
     ctx.set_constant(0, np.asarray(math.prod(ctx.shape(0)), dtype=np.int64))
-
-

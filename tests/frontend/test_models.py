@@ -71,8 +71,12 @@ def test_register_op_for_models_without_the_expression() -> None:
     from onnx import TensorProto, helper
 
     node = helper.make_node("Scale3", ["x"], ["y"], domain="mydomain")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mydomain", 1)])
     neoflow.register_op("Scale3", "Out[i, j] = In0[i, j] * 3")
     loaded = neoflow.load_onnx(model)

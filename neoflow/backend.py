@@ -1,0 +1,108 @@
+"""``onnx.backend.base.Backend`` for neoflow, so onnx's own test runner drives it.
+
+    import neoflow.backend as backend
+    rep = backend.prepare(model, "CPU")
+    outputs = rep.run([x])
+
+Models run through the reference interpreter (compiled targets come later).
+A run with input shapes other than the ones the model was prepared for
+re-imports the model with those shapes (once per distinct set of shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+from onnx.backend.base import Backend, BackendRep
+
+from neoflow.errors import InputError
+from neoflow.frontend import load_onnx, read_model
+from neoflow.ir.graph import Graph
+from neoflow.ir.interpreter import evaluate_graph
+
+
+class NeoflowRep(BackendRep):
+    """A prepared model: imported graphs by input shapes."""
+
+    def __init__(self, model: onnx.ModelProto, check: bool = True) -> None:
+        self.model = model
+        self.check = check
+        initializers = {t.name for t in model.graph.initializer}
+        self.input_names = [v.name for v in model.graph.input if v.name not in initializers]
+        self.output_names = [v.name for v in model.graph.output]
+        self.graphs: dict[tuple, Graph] = {(): load_onnx(model, check=check)}
+
+    def graph_for(self, shapes: dict[str, tuple[int, ...]]) -> Graph:
+        """The graph imported for these input shapes."""
+        default = self.graphs[()]
+        names = {onnx_name: name for name, onnx_name in getattr(default, "onnx_names", {}).items()}
+        if all(default.tensors[names[n]].shape == s for n, s in shapes.items()):
+            return default
+        key = tuple(sorted(shapes.items()))
+        if key not in self.graphs:
+            self.graphs[key] = load_onnx(self.model, shapes=shapes, check=self.check)
+        return self.graphs[key]
+
+    def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        """Run on ``inputs`` (a list in the model's input order, a dict, or one array)."""
+        if isinstance(inputs, dict):
+            given = dict(inputs)
+        else:
+            values = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+            if len(values) != len(self.input_names):
+                raise InputError(f"the model takes {len(self.input_names)} inputs, {len(values)} given")
+            given = dict(zip(self.input_names, values, strict=True))
+        arrays = {name: np.asarray(value) for name, value in given.items()}
+        graph = self.graph_for({name: a.shape for name, a in arrays.items()})
+        names = {onnx_name: name for name, onnx_name in graph.onnx_names.items()}
+        outputs = evaluate_graph(graph, {names[n]: a for n, a in arrays.items()})
+        return tuple(outputs[names[n]] for n in self.output_names)
+
+
+class NeoflowBackend(Backend):
+    """The neoflow ONNX backend (CPU)."""
+
+    @classmethod
+    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> NeoflowRep:
+        super().prepare(model, device, **kwargs)
+        return NeoflowRep(read_model(model))
+
+    @classmethod
+    def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any):
+        return cls.prepare(model, device, **kwargs).run(inputs)
+
+    @classmethod
+    def run_node(
+        cls,
+        node: onnx.NodeProto,
+        inputs: Sequence[np.ndarray],
+        device: str = "CPU",
+        outputs_info: Sequence[tuple] | None = None,
+        **kwargs: Any,
+    ) -> tuple[np.ndarray, ...]:
+        values = [np.asarray(v) for v in inputs]
+        graph_inputs = [
+            helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for name, v in zip(node.input, values, strict=False)
+            if name
+        ]
+        graph_outputs = [onnx.ValueInfoProto(name=name) for name in node.output if name]
+        graph = helper.make_graph([node], "run_node", graph_inputs, graph_outputs)
+        opset = kwargs.get("opset_version", onnx.defs.onnx_opset_version())
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid(node.domain, opset)])
+        rep = NeoflowRep(model, check=False)  # outputs have no declared types
+        return rep.run([v for name, v in zip(node.input, values, strict=False) if name])
+
+    @classmethod
+    def supports_device(cls, device: str) -> bool:
+        return device.upper().startswith("CPU")
+
+
+prepare = NeoflowBackend.prepare
+run_model = NeoflowBackend.run_model
+run_node = NeoflowBackend.run_node
+supports_device = NeoflowBackend.supports_device
