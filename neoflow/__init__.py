@@ -7,6 +7,7 @@ The public API so far::
     neoflow.evaluate(op_or_graph, {"A": a, "B": b})
 """
 
+from neoflow.autodiff import grad
 from neoflow.errors import (
     CompileError,
     InputError,
@@ -16,7 +17,6 @@ from neoflow.errors import (
     ShapeError,
     UnsupportedOpError,
 )
-from neoflow.autodiff import grad
 from neoflow.frontend import load_onnx, register_op
 from neoflow.ir import Graph, Op, Tensor, evaluate
 from neoflow.ir.text import parse_graph as graph
@@ -37,6 +37,9 @@ __all__ = [
     "UnsupportedOpError",
     "__version__",
     "evaluate",
+    "grad",
     "graph",
+    "load_onnx",
     "op",
+    "register_op",
 ]

@@ -103,9 +103,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"{tensor.name}=file.npy or --random"
             )
     if given:
-        raise InputError(
-            f"'{next(iter(given))}' is not an input of the graph (inputs: {', '.join(t.name for t in graph.free_inputs)})"
-        )
+        names = ", ".join(t.name for t in graph.free_inputs)
+        raise InputError(f"'{next(iter(given))}' is not an input of the graph (inputs: {names})")
     start = time.perf_counter()
     outputs = evaluate_graph(graph, inputs)
     elapsed = time.perf_counter() - start

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from neoflow.errors import UnsupportedOpError
-from neoflow.frontend.context import NodeContext
-from neoflow.frontend.context import ONNX_DTYPES
+from neoflow.frontend.context import ONNX_DTYPES, NodeContext
 from neoflow.frontend.registry import converter
 
 UNARY = {

@@ -190,7 +190,7 @@ def _custom(ctx: NodeContext) -> None:
     names = {f"In{i}": ctx.input(i) for i in range(len(ctx.node.input))}
     names["Out"] = ctx.output()
     try:
-        lhs, sep, rhs = text.partition("=")
+        _lhs, sep, _rhs = text.partition("=")
         if not sep:
             raise ParseError("expected 'Out[...] = ...'")
         renamed = re.sub(r"\b(In\d+|Out)\b(?=\s*\[)", lambda m: names.get(m.group(1), m.group(1)), text)
