@@ -5,8 +5,8 @@
     outputs = rep.run([x])
 
 Models run through the reference interpreter (compiled targets come later).
-A run with input shapes other than the ones the model was prepared for
-re-imports the model with those shapes (once per distinct set of shapes).
+A model is imported when it first runs, for the shapes of its inputs (and the
+values of its integer and scalar inputs); other shapes import it again, once each.
 """
 
 from __future__ import annotations
@@ -34,18 +34,20 @@ class NeoflowRep(BackendRep):
         initializers = {t.name for t in model.graph.initializer}
         self.input_names = [v.name for v in model.graph.input if v.name not in initializers]
         self.output_names = [v.name for v in model.graph.output]
-        self.graphs: dict[tuple, Graph] = {(): load_onnx(model, check=check)}
+        self.graphs: dict[tuple, Graph] = {}
 
-    def graph_for(self, shapes: dict[str, tuple[int, ...]]) -> Graph:
-        """The graph imported for these input shapes."""
-        default = self.graphs[()]
-        names = {onnx_name: name for name, onnx_name in getattr(default, "onnx_names", {}).items()}
-        if all(default.tensors[names[n]].shape == s for n, s in shapes.items()):
-            return default
-        key = tuple(sorted(shapes.items()))
+    def graph_for(self, arrays: dict[str, np.ndarray]) -> tuple[Graph, set[str]]:
+        """The graph imported for these inputs, and the inputs it binds as constants.
+
+        Integer and scalar inputs are bound as import-time constants (they are
+        shapes, axes or clip bounds in practice), so the graph is specialised to
+        their values; other inputs only fix their shapes."""
+        bound = {n: a for n, a in arrays.items() if a.ndim == 0 or np.issubdtype(a.dtype, np.integer)}
+        shapes = {n: a.shape for n, a in arrays.items() if n not in bound}
+        key = (tuple(sorted(shapes.items())), tuple(sorted((n, a.tobytes(), a.shape) for n, a in bound.items())))
         if key not in self.graphs:
-            self.graphs[key] = load_onnx(self.model, shapes=shapes, check=self.check)
-        return self.graphs[key]
+            self.graphs[key] = load_onnx(self.model, shapes=shapes, check=self.check, constants=bound)
+        return self.graphs[key], set(bound)
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         """Run on ``inputs`` (a list in the model's input order, a dict, or one array)."""
@@ -57,9 +59,9 @@ class NeoflowRep(BackendRep):
                 raise InputError(f"the model takes {len(self.input_names)} inputs, {len(values)} given")
             given = dict(zip(self.input_names, values, strict=True))
         arrays = {name: np.asarray(value) for name, value in given.items()}
-        graph = self.graph_for({name: a.shape for name, a in arrays.items()})
+        graph, bound = self.graph_for(arrays)
         names = {onnx_name: name for name, onnx_name in graph.onnx_names.items()}
-        outputs = evaluate_graph(graph, {names[n]: a for n, a in arrays.items()})
+        outputs = evaluate_graph(graph, {names[n]: a for n, a in arrays.items() if n not in bound})
         return tuple(outputs[names[n]] for n in self.output_names)
 
 
@@ -69,7 +71,8 @@ class NeoflowBackend(Backend):
     @classmethod
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> NeoflowRep:
         super().prepare(model, device, **kwargs)
-        return NeoflowRep(read_model(model))
+        rep = NeoflowRep(read_model(model))
+        return rep
 
     @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any):

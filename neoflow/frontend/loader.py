@@ -64,24 +64,29 @@ def _input_shape(value: onnx.ValueInfoProto, given: Mapping[str, Sequence[int]])
 
 
 def load_onnx(
-    source: str | os.PathLike | onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None = None, check: bool = True
+    source: str | os.PathLike | onnx.ModelProto,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    check: bool = True,
+    constants: Mapping[str, np.ndarray] | None = None,
 ) -> Graph:
     """Import an ONNX model (path or ModelProto) as a Graph of tensor-expression ops.
 
     Initializers become parameters (``graph.parameters``); constant
     sub-computations (shape arithmetic, ``Constant``, ``ConstantOfShape``) are
     folded at import; ``shapes`` binds input shapes by ONNX name (a dynamic batch
-    dimension defaults to 1).  Errors name the node and the cause."""
+    dimension defaults to 1); ``constants`` binds inputs to values known at
+    import (shape or axes inputs).  Errors name the node and the cause."""
     model_proto = read_model(source, check)
     given = dict(shapes or {})
     opset = next((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     model = Model()
-    initializers = {t.name for t in model_proto.graph.initializer}
-    for tensor in model_proto.graph.initializer:
-        value = to_array(tensor)
-        name = model.name_for(tensor.name)
+    bound = {name: np.asarray(v) for name, v in (constants or {}).items()}
+    initializers = {t.name for t in model_proto.graph.initializer} | set(bound)
+    values = [(t.name, to_array(t)) for t in model_proto.graph.initializer if t.name not in bound]
+    for onnx_name, value in [*values, *bound.items()]:
+        name = model.name_for(onnx_name)
         model.constants[name] = value
-        model.tensors[name] = Tensor(name, tuple(value.shape), _dtype(value.dtype, tensor.name))
+        model.tensors[name] = Tensor(name, tuple(value.shape), _dtype(value.dtype, onnx_name))
     graph_inputs = []
     for value in model_proto.graph.input:
         if value.name in initializers:
