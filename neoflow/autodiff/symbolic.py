@@ -88,6 +88,7 @@ def _cast_function(dtype: str) -> type[sympy.Function]:
 
 _CASTS = {dtype: _cast_function(dtype) for dtype in dt.DTYPES}
 _UNARY_TO = {
+    "erf": sympy.erf,
     "exp": sympy.exp,
     "log": sympy.log,
     "tanh": sympy.tanh,
@@ -95,7 +96,14 @@ _UNARY_TO = {
     "sigmoid": Sigmoid,
     "abs": VAbs,
 }
-_UNARY_FROM = {sympy.exp: "exp", sympy.log: "log", sympy.tanh: "tanh", Sigmoid: "sigmoid", VAbs: "abs"}
+_UNARY_FROM = {
+    sympy.erf: "erf",
+    sympy.exp: "exp",
+    sympy.log: "log",
+    sympy.tanh: "tanh",
+    Sigmoid: "sigmoid",
+    VAbs: "abs",
+}
 
 
 class Translator:
@@ -122,6 +130,8 @@ class Translator:
                 return -self.to_sympy(node.x)
             if node.op in _UNARY_TO:
                 return _UNARY_TO[node.op](self.to_sympy(node.x))
+            if node.op != "!":
+                raise TypeError(f"no derivative rule for '{node.op}'")
         if isinstance(node, Binary):
             if node.op in COMPARISONS:
                 return _COMPARE[node.op](self.to_sympy(node.a), self.to_sympy(node.b))
@@ -149,7 +159,7 @@ class Translator:
             return self.values[expr]
         if expr.is_Integer:
             return Const(int(expr))
-        if expr.is_Number:
+        if expr.is_Number or expr.is_NumberSymbol or (expr.is_number and not expr.free_symbols):
             return Const(float(expr))
         if expr.is_Add:
             return self._sum(expr)

@@ -123,3 +123,24 @@ def cast(ctx: NodeContext) -> None:
     if to is None:
         raise ctx.fail(f"Cast to ONNX type {ctx.attr('to')} is not supported", UnsupportedOpError)
     ctx.elementwise(f"{to}({{0}})", [0], dtype=to)
+
+
+@converter("Mod")
+def mod(ctx: NodeContext) -> None:
+    if int(ctx.attr("fmod", 0)):
+        raise ctx.fail("Mod with fmod=1 is not supported", UnsupportedOpError)
+    ctx.elementwise("{0} % {1}", [0, 1])
+
+
+@converter("CastLike")
+def cast_like(ctx: NodeContext) -> None:
+    to = ctx.tensor(1).dtype
+    ctx.elementwise(f"{to}({{0}})", [0], dtype=to)
+
+
+@converter("Gelu")
+def gelu(ctx: NodeContext) -> None:
+    if ctx.attr("approximate", "none") == "tanh":
+        ctx.elementwise("0.5 * {0} * (1 + tanh(0.7978845608028654 * ({0} + 0.044715 * {0} * {0} * {0})))", [0])
+    else:
+        ctx.elementwise("0.5 * {0} * (1 + erf({0} * 0.7071067811865476))", [0])

@@ -10,7 +10,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from neoflow.errors import InputError, NeoflowError, ParseError, UnsupportedOpError
-from neoflow.frontend import elementwise, linalg, nn, reduce, shape  # noqa: F401  (they register converters)
+from neoflow.frontend import elementwise, indexing, linalg, nn, reduce, shape  # noqa: F401  (they register converters)
 from neoflow.frontend.context import ONNX_DTYPES, Model, NodeContext, to_array
 from neoflow.frontend.registry import CONVERTERS, CUSTOM_EXPRESSIONS
 from neoflow.ir.graph import Graph
@@ -121,7 +121,9 @@ def load_onnx(
 
 def _dtype(dtype: np.dtype, name: str) -> str:
     text = str(dtype)
-    if text not in ("float32", "float64", "float16", "int32", "int64", "bool"):
+    from neoflow.ir.dtypes import DTYPES
+
+    if text not in DTYPES:
         raise UnsupportedOpError(f"tensor '{name}' has unsupported dtype {text}")
     return text
 

@@ -163,3 +163,48 @@ def lrn(ctx: NodeContext) -> None:
         return f"{x}[{', '.join(v)}] / pow({bias!r} + {alpha / size!r} * {total}, {beta!r})"
 
     ctx.define(body, shape)
+
+
+@converter("LayerNormalization")
+def layer_norm(ctx: NodeContext) -> None:
+    if len([o for o in ctx.node.output if o]) > 1:
+        raise ctx.fail("LayerNormalization's Mean/InvStdDev outputs are not supported", UnsupportedOpError)
+    _normalize(ctx, int(ctx.attr("axis", -1)) % len(ctx.shape(0)), float(ctx.attr("epsilon", 1e-5)), "last")
+
+
+@converter("InstanceNormalization")
+def instance_norm(ctx: NodeContext) -> None:
+    _normalize(ctx, 2, float(ctx.attr("epsilon", 1e-5)), "channel")
+
+
+def _normalize(ctx: NodeContext, axis: int, eps: float, affine: str) -> None:
+    """(x - mean) / sqrt(var + eps) * scale + bias over the axes from ``axis`` on;
+    ``scale``/``bias`` are indexed by those axes (``last``) or by the channel."""
+    x, shape = ctx.input(0), ctx.shape(0)
+    axes = list(range(axis, len(shape)))
+    count = math.prod(shape[a] for a in axes)
+    v = index_vars(len(shape))
+    kept = [n if d < axis else "0" for d, n in enumerate(v)]
+    reduced = [n if d < axis else f"k{d}" for d, n in enumerate(v)]
+    red_axes = ", ".join(f"k{d}" for d in axes)
+    mean_name = ctx.model.fresh(f"{ctx.output()}_mean")
+    keep_shape = [s if d < axis else 1 for d, s in enumerate(shape)]
+    ctx.define(f"ReduceAdd({{{red_axes}}}, {x}[{', '.join(reduced)}]) / {count}", keep_shape, name=mean_name)
+    centred = ctx.define(
+        f"{x}[{', '.join(v)}] - {mean_name}[{', '.join(kept)}]", shape, name=ctx.model.fresh(f"{ctx.output()}_centred")
+    )
+    var_name = ctx.define(
+        f"ReduceAdd({{{red_axes}}}, {centred}[{', '.join(reduced)}] * {centred}[{', '.join(reduced)}]) / {count}",
+        keep_shape,
+        name=ctx.model.fresh(f"{ctx.output()}_var"),
+    )
+    if affine == "last":
+        param = ", ".join(v[axis:])
+        scale_shape = ctx.shape(1)
+        param = ", ".join(v[len(shape) - len(scale_shape) :])
+    else:
+        param = v[1]
+    body = f"{centred}[{', '.join(v)}] / sqrt({var_name}[{', '.join(kept)}] + {eps!r}) * {ctx.input(1)}[{param}]"
+    if ctx.has_input(2):
+        body += f" + {ctx.input(2)}[{param}]"
+    ctx.define(body, shape)

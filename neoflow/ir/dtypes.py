@@ -16,8 +16,14 @@ DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
     "float16": np.dtype(np.float16),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
     "bool": np.dtype(np.bool_),
 }
 WEAK_INT = "weak_int"
@@ -25,7 +31,7 @@ WEAK_FLOAT = "weak_float"
 DEFAULT_FLOAT = "float32"
 
 _FLOATS = ("float16", "float32", "float64")
-_INTS = ("int32", "int64")
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
 def check_dtype(name: str) -> str:
@@ -52,7 +58,20 @@ def numpy_dtype(dtype: str) -> np.dtype:
 
 def _rank(dtype: str) -> tuple[int, int]:
     kind = 2 if dtype in _FLOATS else 1 if dtype in _INTS else 0
-    order = {"bool": 0, "int32": 1, "int64": 2, "float16": 1, "float32": 2, "float64": 3}
+    order = {
+        "bool": 0,
+        "int8": 1,
+        "uint8": 1,
+        "int16": 2,
+        "uint16": 2,
+        "int32": 3,
+        "uint32": 3,
+        "int64": 4,
+        "uint64": 4,
+        "float16": 1,
+        "float32": 2,
+        "float64": 3,
+    }
     return kind, order[dtype]
 
 

@@ -16,7 +16,7 @@ import sympy
 from neoflow.ir import dtypes
 from neoflow.ir.dtypes import WEAK_FLOAT, WEAK_INT
 
-UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs")
+UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs", "erf")
 BINARY_FUNCTIONS = ("pow", "max", "min")
 ARITHMETIC = ("+", "-", "*", "/", "//", "%")
 COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")

@@ -34,7 +34,15 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _erf_array(x: np.ndarray) -> np.ndarray:
+    return _erf(x).astype(np.asarray(x).dtype)
+
+
 _UNARY = {
+    "erf": _erf_array,
     "-": np.negative,
     "!": np.logical_not,
     "exp": np.exp,

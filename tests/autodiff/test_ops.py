@@ -199,3 +199,7 @@ def test_reductions() -> None:
 
 def test_repeated_reads_add_up() -> None:
     check("Y[i, j] = X[i, j] * X[i, j] + X[j, i] + X[i, i]", {"X": (3, 3)}, lambda X: X * X + X.T + X.diag()[:, None])
+
+
+def test_erf() -> None:
+    check("Y[i] = erf(X[i]) * X[i]", {"X": (5,)}, lambda X: torch.erf(X) * X)
