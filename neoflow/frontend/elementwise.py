@@ -19,7 +19,7 @@ UNARY = {
     "Softplus": "log(1 + exp({0}))",
     "Identity": "{0}",
     "Not": "!{0}",
-    "Floor": None,
+    "Erf": "erf({0})",
 }
 BINARY = {
     "Add": "{0} + {1}",

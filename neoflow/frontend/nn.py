@@ -167,8 +167,6 @@ def lrn(ctx: NodeContext) -> None:
 
 @converter("LayerNormalization")
 def layer_norm(ctx: NodeContext) -> None:
-    if len([o for o in ctx.node.output if o]) > 1:
-        raise ctx.fail("LayerNormalization's Mean/InvStdDev outputs are not supported", UnsupportedOpError)
     _normalize(ctx, int(ctx.attr("axis", -1)) % len(ctx.shape(0)), float(ctx.attr("epsilon", 1e-5)), "last")
 
 
@@ -190,6 +188,8 @@ def _normalize(ctx: NodeContext, axis: int, eps: float, affine: str) -> None:
     mean_name = ctx.model.fresh(f"{ctx.output()}_mean")
     keep_shape = [s if d < axis else 1 for d, s in enumerate(shape)]
     ctx.define(f"ReduceAdd({{{red_axes}}}, {x}[{', '.join(reduced)}]) / {count}", keep_shape, name=mean_name)
+    if len(ctx.node.output) > 1 and ctx.node.output[1]:
+        ctx.define(f"{mean_name}[{', '.join(v)}]", keep_shape, k=1)
     centred = ctx.define(
         f"{x}[{', '.join(v)}] - {mean_name}[{', '.join(kept)}]", shape, name=ctx.model.fresh(f"{ctx.output()}_centred")
     )
@@ -204,7 +204,52 @@ def _normalize(ctx: NodeContext, axis: int, eps: float, affine: str) -> None:
         param = ", ".join(v[len(shape) - len(scale_shape) :])
     else:
         param = v[1]
+    if len(ctx.node.output) > 2 and ctx.node.output[2]:
+        ctx.define(f"1 / sqrt({var_name}[{', '.join(v)}] + {eps!r})", keep_shape, k=2)
     body = f"{centred}[{', '.join(v)}] / sqrt({var_name}[{', '.join(kept)}] + {eps!r}) * {ctx.input(1)}[{param}]"
     if ctx.has_input(2):
         body += f" + {ctx.input(2)}[{param}]"
     ctx.define(body, shape)
+
+
+@converter("ConvTranspose")
+def conv_transpose(ctx: NodeContext) -> None:
+    x, w = ctx.input(0), ctx.input(1)
+    (n, c, *spatial), (c2, mg, *kernel) = ctx.shape(0), ctx.shape(1)
+    group = int(ctx.attr("group", 1))
+    k = len(kernel)
+    strides = list(ctx.attr("strides", [1] * k))
+    dilations = list(ctx.attr("dilations", [1] * k))
+    extra = list(ctx.attr("output_padding", [0] * k))
+    pads = list(ctx.attr("pads", [0] * (2 * k)))
+    wanted = ctx.attr("output_shape")
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    full = [(spatial[d] - 1) * strides[d] + dilations[d] * (kernel[d] - 1) + 1 + extra[d] for d in range(k)]
+    if wanted is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        target = list(wanted)[-k:] if wanted is not None else [spatial[d] * strides[d] for d in range(k)]
+        for d in range(k):
+            total = full[d] - target[d]
+            small, large = total // 2, total - total // 2
+            pads[d], pads[d + k] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    sizes = [full[d] - pads[d] - pads[d + k] for d in range(k)]
+    out = index_vars(2 + k)
+    taps = index_vars(k, "r")
+    cg = c // group
+    conditions, positions = [], []
+    for d in range(k):
+        num = f"{out[2 + d]} + {pads[d]} - {taps[d]}*{dilations[d]}"
+        positions.append(f"({num})//{strides[d]}")
+        if strides[d] > 1:
+            conditions.append(f"({num})%{strides[d]} == 0")
+        conditions.append(f"{num} >= 0 && ({num})//{strides[d]} < {spatial[d]}")
+    channel = "k0" if group == 1 else f"{out[1]}//{mg}*{cg} + k0"
+    out_channel = out[1] if group == 1 else f"{out[1]}%{mg}"
+    body = (
+        f"ReduceAdd({{k0, {', '.join(taps)} | {' && '.join(conditions)}}}, "
+        f"{x}[{out[0]}, {channel}, {', '.join(positions)}] * {w}[{channel}, {out_channel}, {', '.join(taps)}])"
+    )
+    if ctx.has_input(2):
+        body += f" + {ctx.input(2)}[{out[1]}]"
+    if c2 != c:
+        raise ctx.fail(f"ConvTranspose: weight {list(ctx.shape(1))} does not match {c} input channels")
+    ctx.define(body, (n, mg * group, *sizes))
