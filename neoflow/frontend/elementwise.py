@@ -45,7 +45,14 @@ def unary(ctx: NodeContext) -> None:
 
 @converter(*BINARY)
 def binary(ctx: NodeContext) -> None:
-    ctx.elementwise(BINARY[ctx.node.op_type], [0, 1])
+    op = ctx.node.op_type
+    dtype = ctx.tensor(0).dtype
+    if op == "Div" and not dtype.startswith("float"):  # integer division truncates toward zero
+        ctx.elementwise("Select({0} % {1} != 0 && ({0} < 0) != ({1} < 0), {0} // {1} + 1, {0} // {1})", [0, 1])
+    elif op == "Pow" and not dtype.startswith("float"):
+        ctx.elementwise(f"{dtype}(pow({{0}}, {{1}}))", [0, 1], dtype=dtype)
+    else:
+        ctx.elementwise(BINARY[op], [0, 1])
 
 
 @converter("Dropout")
@@ -90,10 +97,11 @@ def clip(ctx: NodeContext) -> None:
         low = ctx.require_constant(1, "Clip's min").item() if ctx.has_input(1) else None
         high = ctx.require_constant(2, "Clip's max").item() if ctx.has_input(2) else None
     text = "{0}"
+    as_int = not ctx.tensor(0).dtype.startswith("float")
     if low is not None:
-        text = f"max({text}, {float(low)!r})"
+        text = f"max({text}, {int(low) if as_int else float(low)!r})"
     if high is not None:
-        text = f"min({text}, {float(high)!r})"
+        text = f"min({text}, {int(high) if as_int else float(high)!r})"
     ctx.elementwise(text, [0])
 
 

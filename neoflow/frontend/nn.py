@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from collections.abc import Sequence
 
 from neoflow.errors import UnsupportedOpError
@@ -96,7 +98,9 @@ def pool(ctx: NodeContext) -> None:
     read = f"{x}[{out[0]}, {out[1]}, {', '.join(positions)}]"
     guarded = _needs_guard(strides, dilations, pads, sizes, kernel, spatial)
     if ctx.node.op_type == "MaxPool":
-        body = f"ReduceMax({{{axes}}}, {f'Select({guard}, {read}, -inf)' if guarded else read})"
+        dtype = ctx.tensor(0).dtype
+        lowest = "-inf" if dtype.startswith("float") else str(int(np.iinfo(dtype).min))
+        body = f"ReduceMax({{{axes}}}, {f'Select({guard}, {read}, {lowest})' if guarded else read})"
     elif not guarded:
         body = f"ReduceAdd({{{axes}}}, {read}) / {math.prod(kernel)}"
     elif int(ctx.attr("count_include_pad", 0)):

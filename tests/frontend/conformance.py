@@ -22,8 +22,7 @@ from .onnx_node_data import OP_TYPES, node_data_dir, op_type_of
 def selected_cases() -> tuple[Path, list[str]]:
     """The data directory and the node test names whose op type is in the list."""
     data = node_data_dir()
-    names = sorted(p.name for p in (data / "node").iterdir()
-                   if p.is_dir() and op_type_of(p) in OP_TYPES)
+    names = sorted(p.name for p in (data / "node").iterdir() if p.is_dir() and op_type_of(p) in OP_TYPES)
     return data, names
 
 
@@ -32,7 +31,8 @@ def run() -> tuple[int, list[tuple[str, str]]]:
     data, names = selected_cases()
     original = runner_module.load_model_tests
     runner_module.load_model_tests = lambda data_dir=None, kind=None: (
-        load_model_tests(data_dir=str(data), kind="node") if kind == "node" else [])
+        load_model_tests(data_dir=str(data), kind="node") if kind == "node" else []
+    )
     try:
         backend_test = onnx.backend.test.BackendTest(neoflow.backend, __name__)
     finally:

@@ -5,6 +5,7 @@ onnx version under $NEOFLOW_CACHE_DIR (default ~/.cache/neoflow)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import onnx
@@ -33,13 +34,16 @@ def node_data_dir() -> Path:
         for i, (inputs, outputs) in enumerate(case.data_sets or []):
             data = out / f"test_data_set_{i}"
             data.mkdir(parents=True, exist_ok=True)
-            for prefix, values, infos in (("input", inputs, case.model.graph.input),
-                                          ("output", outputs, case.model.graph.output)):
+            for prefix, values, infos in (
+                ("input", inputs, case.model.graph.input),
+                ("output", outputs, case.model.graph.output),
+            ):
                 for j, value in enumerate(values):
                     if not infos[j].type.HasField("tensor_type"):
                         continue
-                    proto = value if isinstance(value, onnx.TensorProto) else numpy_helper.from_array(
-                        value, infos[j].name)
+                    proto = (
+                        value if isinstance(value, onnx.TensorProto) else numpy_helper.from_array(value, infos[j].name)
+                    )
                     (data / f"{prefix}_{j}.pb").write_bytes(proto.SerializeToString())
         out.mkdir(parents=True, exist_ok=True)
         (out / "model.onnx").write_bytes(case.model.SerializeToString())
@@ -48,6 +52,10 @@ def node_data_dir() -> Path:
 
 
 def op_type_of(case_dir: Path) -> str:
-    """The op type a node test exercises (the model's single, or last, node)."""
+    """The op type a node test exercises: its model's node, or for an ``_expanded``
+    test (the op's function body spelled out) the op of the test it expands."""
+    base = re.sub(r"_expanded(_ver\d+)?$", "", case_dir.name)
+    if base != case_dir.name and (case_dir.parent / base).is_dir():
+        case_dir = case_dir.parent / base
     model = onnx.load(case_dir / "model.onnx", load_external_data=False)
     return model.graph.node[-1].op_type if model.graph.node else ""
