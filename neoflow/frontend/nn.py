@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
-from collections.abc import Sequence
 
 from neoflow.errors import UnsupportedOpError
 from neoflow.frontend.context import NodeContext, index_vars

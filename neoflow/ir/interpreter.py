@@ -25,7 +25,7 @@ from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op, Tensor
 
 #: Largest number of grid points evaluated at once.
-CHUNK_POINTS = 1 << 23
+CHUNK_POINTS = 1 << 26
 
 Mask = np.ndarray | None  # None: every point is live
 
@@ -151,7 +151,30 @@ class _OpEvaluator:
         b = self.eval(node.b, live).astype(operand, copy=False)
         return _BINARY[node.op](a, b)
 
+    def contract(self, node: Reduce, live: Mask, target: np.dtype) -> np.ndarray | None:
+        """``ReduceAdd`` of a product of two factors, by ``np.einsum`` (no product grid)."""
+        body = node.body
+        if node.kind != "ReduceAdd" or node.where is not None or not isinstance(body, Binary) or body.op != "*":
+            return None
+        operand = dt.numpy_dtype(body.operand_dtype)
+        a = self.eval(body.a, live).astype(operand, copy=False)
+        b = self.eval(body.b, live).astype(operand, copy=False)
+        if a.ndim != self.rank or b.ndim != self.rank or self.rank > 52:
+            return None
+        positions = {self.axes.index(axis) for axis in node.axes}
+        letters = [chr(ord("a") + i) if i < 26 else chr(ord("A") + i - 26) for i in range(self.rank)]
+        kept = "".join(letters[i] for i in range(self.rank) if i not in positions)
+        # reduced axes that neither factor spans still count their extent
+        scale = math.prod(self.extent[self.axes[p]] for p in positions if a.shape[p] == 1 and b.shape[p] == 1)
+        out = np.einsum(f"{''.join(letters)},{''.join(letters)}->{kept}", a, b)
+        if scale != 1:
+            out = out * scale
+        return np.expand_dims(out, tuple(sorted(positions))).astype(target, copy=False)
+
     def reduce(self, node: Reduce, live: Mask, target: np.dtype) -> np.ndarray:
+        contracted = self.contract(node, live, target)
+        if contracted is not None:
+            return contracted
         initial = _identity(node.kind, target)
         if node.where is None:
             body = self.eval(node.body, live).astype(target, copy=False)
