@@ -24,6 +24,19 @@ from neoflow.frontend import load_onnx, read_model
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_graph
 
+#: Node inputs that shape the graph (scales, bounds, pads): bound as constants when given at run time.
+STATIC_INPUTS = {
+    ("Resize", 1),
+    ("Resize", 2),
+    ("Resize", 3),
+    ("Upsample", 1),
+    ("Clip", 1),
+    ("Clip", 2),
+    ("Pad", 1),
+    ("Pad", 2),
+    ("Pad", 3),
+}
+
 
 class NeoflowRep(BackendRep):
     """A prepared model: imported graphs by input shapes."""
@@ -34,15 +47,21 @@ class NeoflowRep(BackendRep):
         initializers = {t.name for t in model.graph.initializer}
         self.input_names = [v.name for v in model.graph.input if v.name not in initializers]
         self.output_names = [v.name for v in model.graph.output]
+        self.static = {
+            name for node in model.graph.node for i, name in enumerate(node.input) if (node.op_type, i) in STATIC_INPUTS
+        }
         self.graphs: dict[tuple, Graph] = {}
 
     def graph_for(self, arrays: dict[str, np.ndarray]) -> tuple[Graph, set[str]]:
         """The graph imported for these inputs, and the inputs it binds as constants.
 
-        Integer and scalar inputs are bound as import-time constants (they are
-        shapes, axes or clip bounds in practice), so the graph is specialised to
-        their values; other inputs only fix their shapes."""
-        bound = {n: a for n, a in arrays.items() if a.ndim == 0 or np.issubdtype(a.dtype, np.integer)}
+        Integer and scalar inputs, and inputs feeding a static slot
+        (``STATIC_INPUTS``), are bound as import-time constants (shapes, axes,
+        scales, bounds), so the graph is specialised to their values; other
+        inputs only fix their shapes."""
+        bound = {
+            n: a for n, a in arrays.items() if a.ndim == 0 or np.issubdtype(a.dtype, np.integer) or n in self.static
+        }
         shapes = {n: a.shape for n, a in arrays.items() if n not in bound}
         key = (tuple(sorted(shapes.items())), tuple(sorted((n, a.tobytes(), a.shape) for n, a in bound.items())))
         if key not in self.graphs:

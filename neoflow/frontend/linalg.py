@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from neoflow.errors import UnsupportedOpError
 from neoflow.frontend.context import NodeContext, broadcast_index, index_vars
 from neoflow.frontend.registry import converter
 
@@ -48,3 +49,25 @@ def matmul(ctx: NodeContext) -> None:
     read_a = f"{a}[{', '.join(x for x in [ia, row, 'k0'] if x)}]"
     read_b = f"{b}[{', '.join(x for x in [ib, 'k0', col] if x)}]"
     ctx.define(f"ReduceAdd({{k0}}, {read_a} * {read_b})", out_shape)
+
+
+@converter("Einsum")
+def einsum(ctx: NodeContext) -> None:
+    equation = str(ctx.attr("equation")).replace(" ", "")
+    inputs_part, _, output = equation.partition("->")
+    terms = inputs_part.split(",")
+    if "..." in equation or len(terms) != len(ctx.node.input):
+        raise ctx.fail(f"Einsum '{equation}' (ellipsis or a term count mismatch) is not supported", UnsupportedOpError)
+    if not _:
+        output = "".join(sorted(c for c in set(inputs_part) - {","} if inputs_part.count(c) == 1))
+    sizes: dict[str, int] = {}
+    for i, term in enumerate(terms):
+        for letter, size in zip(term, ctx.shape(i), strict=True):
+            if sizes.setdefault(letter, size) != size:
+                raise ctx.fail(f"Einsum: '{letter}' has sizes {sizes[letter]} and {size}")
+    summed = sorted(set(sizes) - set(output))
+    names = {c: f"i{d}" for d, c in enumerate(output)} | {c: f"k{d}" for d, c in enumerate(summed)}
+    product = " * ".join(f"{ctx.input(i)}[{', '.join(names[c] for c in term)}]" for i, term in enumerate(terms))
+    if summed:
+        product = f"ReduceAdd({{{', '.join(f'{names[c]}: {sizes[c]}' for c in summed)}}}, {product})"
+    ctx.define(product, [sizes[c] for c in output])

@@ -10,7 +10,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from neoflow.errors import InputError, NeoflowError, ParseError, UnsupportedOpError
-from neoflow.frontend import elementwise, indexing, linalg, nn, reduce, shape  # noqa: F401  (they register converters)
+from neoflow.frontend import elementwise, indexing, linalg, nn, reduce, resize, shape  # noqa: F401  (they register converters)
 from neoflow.frontend.context import ONNX_DTYPES, Model, NodeContext, to_array
 from neoflow.frontend.registry import CONVERTERS, CUSTOM_EXPRESSIONS
 from neoflow.ir.graph import Graph

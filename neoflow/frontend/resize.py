@@ -1,0 +1,106 @@
+"""Resize and Upsample (nearest and linear) as tensor expressions.
+
+The source position of every output coordinate is computed at import time
+(ONNX's coordinate transformation modes), per axis, into small constant tables:
+nearest reads ``X[.., table[i], ..]``; linear mixes the two neighbours with
+constant weights.  A resized axis is thus a gather through a constant index
+table (its adjoint is a scatter-add); unchanged axes stay plain."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from neoflow.errors import UnsupportedOpError
+from neoflow.frontend.context import NodeContext
+from neoflow.frontend.registry import converter
+from neoflow.ir.op import Tensor
+
+
+def _source(mode: str, out: np.ndarray, scale: float, size_in: int, size_out: int) -> np.ndarray:
+    if mode == "half_pixel":
+        return (out + 0.5) / scale - 0.5
+    if mode == "half_pixel_symmetric":
+        adjustment = size_out / (scale * size_in)
+        offset = size_in / 2 * (1 - adjustment)
+        return offset + (out + 0.5) / scale - 0.5
+    if mode == "pytorch_half_pixel":
+        return (out + 0.5) / scale - 0.5 if size_out > 1 else np.zeros_like(out)
+    if mode == "align_corners":
+        return out * (size_in - 1) / (size_out - 1) if size_out > 1 else np.zeros_like(out)
+    if mode == "asymmetric":
+        return out / scale
+    raise UnsupportedOpError(f"coordinate_transformation_mode '{mode}' is not supported")
+
+
+def _nearest(x: np.ndarray, rule: str) -> np.ndarray:
+    if rule == "floor":
+        return np.floor(x)
+    if rule == "ceil":
+        return np.ceil(x)
+    half = np.isclose(x - np.floor(x), 0.5)
+    if rule == "round_prefer_ceil":
+        return np.where(half, np.ceil(x), np.round(x))
+    return np.where(half, np.floor(x), np.round(x))  # round_prefer_floor
+
+
+def _table(ctx: NodeContext, hint: str, values: np.ndarray, dtype: str) -> str:
+    name = ctx.model.fresh(f"{ctx.output()}_{hint}")
+    ctx.model.constants[name] = values.astype(dtype)
+    ctx.model.tensors[name] = Tensor(name, values.shape, dtype)
+    return name
+
+
+@converter("Resize", "Upsample")
+def resize(ctx: NodeContext) -> None:
+    shape = ctx.shape(0)
+    rank = len(shape)
+    if ctx.node.op_type == "Upsample":
+        scales = list(ctx.attr("scales")) if ctx.opset < 9 else list(ctx.require_constant(1, "Upsample's scales"))
+        sizes = None
+    else:
+        scales_input = 2 if ctx.opset >= 11 else 1
+        scales = ctx.constant(scales_input) if ctx.has_input(scales_input) else None
+        scales = None if scales is None or scales.size == 0 else [float(s) for s in scales]
+        sizes = ctx.constant(3) if ctx.has_input(3) else None
+        sizes = None if sizes is None or sizes.size == 0 else [int(s) for s in sizes]
+        if ctx.attr("axes") is not None or ctx.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+            raise ctx.fail("Resize with axes or keep_aspect_ratio_policy is not supported", UnsupportedOpError)
+    if sizes is not None:
+        scales = [o / i for o, i in zip(sizes, shape, strict=True)]
+    elif scales is not None:
+        sizes = [math.floor(s * i) for s, i in zip(scales, shape, strict=True)]
+    else:
+        raise ctx.fail("Resize needs constant scales or sizes", UnsupportedOpError)
+    mode = ctx.attr("mode", "nearest")
+    if mode not in ("nearest", "linear"):
+        raise ctx.fail(f"Resize mode '{mode}' is not supported", UnsupportedOpError)
+    legacy = ctx.node.op_type == "Upsample" or ctx.opset < 11
+    transform = "asymmetric" if legacy else ctx.attr("coordinate_transformation_mode", "half_pixel")
+    rule = "floor" if legacy else ctx.attr("nearest_mode", "round_prefer_floor")
+    x = ctx.input(0)
+    terms: list[tuple[list[str], list[str]]] = [([], [])]  # (indices, weight factors) per term
+    for d in range(rank):
+        if sizes[d] == shape[d] and scales[d] == 1.0:
+            terms = [([*idx, f"i{d}"], w) for idx, w in terms]
+            continue
+        source = _source(transform, np.arange(sizes[d], dtype=np.float64), scales[d], shape[d], sizes[d])
+        if mode == "nearest" or shape[d] == 1:
+            pick = np.clip(_nearest(source, rule) if mode == "nearest" else np.zeros_like(source), 0, shape[d] - 1)
+            table = _table(ctx, f"near{d}", pick, "int64")
+            terms = [([*idx, f"{table}[i{d}]"], w) for idx, w in terms]
+            continue
+        source = np.clip(source, 0, shape[d] - 1)
+        low = np.floor(source)
+        high = np.minimum(low + 1, shape[d] - 1)
+        frac = source - low
+        lo, hi = _table(ctx, f"lo{d}", low, "int64"), _table(ctx, f"hi{d}", high, "int64")
+        w_lo, w_hi = _table(ctx, f"wlo{d}", 1 - frac, "float32"), _table(ctx, f"whi{d}", frac, "float32")
+        terms = [
+            t
+            for idx, w in terms
+            for t in (([*idx, f"{lo}[i{d}]"], [*w, f"{w_lo}[i{d}]"]), ([*idx, f"{hi}[i{d}]"], [*w, f"{w_hi}[i{d}]"]))
+        ]
+    body = " + ".join(" * ".join([f"{x}[{', '.join(idx)}]", *w]) for idx, w in terms)
+    ctx.define(body, sizes)
