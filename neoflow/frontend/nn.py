@@ -249,7 +249,7 @@ def conv_transpose(ctx: NodeContext) -> None:
     channel = "k0" if group == 1 else f"{out[1]}//{mg}*{cg} + k0"
     out_channel = out[1] if group == 1 else f"{out[1]}%{mg}"
     body = (
-        f"ReduceAdd({{k0, {', '.join(taps)} | {' && '.join(conditions)}}}, "
+        f"ReduceAdd({{k0: {cg}, {', '.join(taps)} | {' && '.join(conditions)}}}, "
         f"{x}[{out[0]}, {channel}, {', '.join(positions)}] * {w}[{channel}, {out_channel}, {', '.join(taps)}])"
     )
     if ctx.has_input(2):
