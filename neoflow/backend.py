@@ -79,7 +79,7 @@ class NeoflowRep(BackendRep):
             given = dict(zip(self.input_names, values, strict=True))
         arrays = {name: np.asarray(value) for name, value in given.items()}
         graph, bound = self.graph_for(arrays)
-        names = {onnx_name: name for name, onnx_name in graph.onnx_names.items()}
+        names = {onnx_name: name for name, onnx_name in graph.source_names.items()}
         outputs = evaluate_graph(graph, {names[n]: a for n, a in arrays.items() if n not in bound})
         return tuple(outputs[names[n]] for n in self.output_names)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
@@ -115,8 +116,7 @@ def load_onnx(
     used = {t.name for op in model.ops for t in op.inputs}
     parameters = {n: v for n, v in model.constants.items() if n in used}
     graph = Graph.from_ops(model.ops, outputs, parameters)
-    object.__setattr__(graph, "onnx_names", {v: k for k, v in model.names.items()})
-    return graph
+    return dataclasses.replace(graph, source_names={v: k for k, v in model.names.items()})
 
 
 def _dtype(dtype: np.dtype, name: str) -> str:

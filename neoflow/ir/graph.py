@@ -18,13 +18,15 @@ class Graph:
     Build one with ``Graph.from_ops``, which orders the ops and checks that
     every tensor is defined once and that no op depends on itself.
     ``parameters`` holds values for some inputs (an ONNX model's initializers);
-    evaluation uses them for inputs the caller does not give.
+    evaluation uses them for inputs the caller does not give.  ``source_names``
+    maps tensor names to the names they had in the imported file.
     """
 
     ops: tuple[Op, ...]
     inputs: tuple[Tensor, ...]
     outputs: tuple[str, ...]
     parameters: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+    source_names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def from_ops(

@@ -31,7 +31,7 @@ def test_light_model_reproduces_the_shipped_output(name: str) -> None:
     model = onnx.load(path)
     graph = neoflow.load_onnx(path)
     initializers = {t.name for t in model.graph.initializer}
-    onnx_to_neoflow = {onnx_name: name for name, onnx_name in graph.onnx_names.items()}
+    onnx_to_neoflow = {onnx_name: name for name, onnx_name in graph.source_names.items()}
     inputs = {
         onnx_to_neoflow[v.name]: Runner.generate_dummy_data(v, seed=0, name=f"light_{name}", random=False)
         for v in model.graph.input
