@@ -1,0 +1,36 @@
+"""Converters checked one node at a time through neoflow.backend.run_node."""
+
+import numpy as np
+import torch
+import torch.nn.functional as tf
+from onnx import helper
+
+import neoflow.backend as backend
+
+
+def test_einsum() -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((2, 3, 4)).astype(np.float32), rng.standard_normal((2, 4, 5)).astype(np.float32)
+    out = backend.run_node(helper.make_node("Einsum", ["x", "y"], ["z"], equation="bij,bjk->bik"), [x, y])[0]
+    np.testing.assert_allclose(out, np.einsum("bij,bjk->bik", x, y), rtol=1e-5)
+    trace = backend.run_node(helper.make_node("Einsum", ["x"], ["z"], equation="ii"), [np.eye(3, dtype=np.float32)])
+    assert float(trace[0]) == 3.0
+
+
+def test_resize_nearest_and_linear_match_pytorch() -> None:
+    x = np.random.default_rng(1).standard_normal((1, 2, 3, 4)).astype(np.float32)
+    scales = np.array([1, 1, 2, 2], np.float32)
+    node = helper.make_node(
+        "Resize",
+        ["x", "", "scales"],
+        ["y"],
+        mode="nearest",
+        coordinate_transformation_mode="asymmetric",
+        nearest_mode="floor",
+    )
+    nearest = backend.run_node(node, [x, np.array([], np.float32), scales], opset_version=13)[0]
+    np.testing.assert_array_equal(nearest, tf.interpolate(torch.from_numpy(x), scale_factor=2, mode="nearest").numpy())
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear")
+    linear = backend.run_node(node, [x, np.array([], np.float32), scales], opset_version=13)[0]
+    expected = tf.interpolate(torch.from_numpy(x), scale_factor=2, mode="bilinear", align_corners=False).numpy()
+    np.testing.assert_allclose(linear, expected, rtol=1e-5, atol=1e-6)
