@@ -197,8 +197,7 @@ def _custom(ctx: NodeContext) -> None:
     names = {f"In{i}": ctx.input(i) for i in range(len(ctx.node.input))}
     names["Out"] = ctx.output()
     try:
-        _lhs, sep, _rhs = text.partition("=")
-        if not sep:
+        if "=" not in text:
             raise ParseError("expected 'Out[...] = ...'")
         renamed = re.sub(r"\b(In\d+|Out)\b(?=\s*\[)", lambda m: names.get(m.group(1), m.group(1)), text)
         from neoflow.ir.build import build_op

@@ -15,7 +15,8 @@ from neoflow.frontend.registry import converter
 def _window(
     ctx: NodeContext, spatial: Sequence[int], kernel: Sequence[int], ceil_mode: bool = False
 ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Strides, dilations, begin pads and output sizes of a sliding window (ONNX rules)."""
+    """Strides, dilations, pads (all begins, then all ends) and output sizes of a
+    sliding window (ONNX rules)."""
     k = len(kernel)
     strides = list(ctx.attr("strides", [1] * k))
     dilations = list(ctx.attr("dilations", [1] * k))
@@ -41,7 +42,7 @@ def _window(
         if out <= 0:
             raise ctx.fail(f"window {kernel[d]} does not fit spatial size {spatial[d]} (dimension {d})")
         sizes.append(out)
-    return strides, dilations, pads[:k], sizes
+    return strides, dilations, pads, sizes
 
 
 def _taps(outs: Sequence[str], strides, dilations, pads, spatial, taps: Sequence[str]) -> tuple[list[str], str]:
@@ -50,12 +51,13 @@ def _taps(outs: Sequence[str], strides, dilations, pads, spatial, taps: Sequence
     for d, (o, r) in enumerate(zip(outs, taps, strict=True)):
         pos = f"{o}*{strides[d]} + {r}*{dilations[d]} - {pads[d]}"
         positions.append(pos)
-        if pads[d] or (True):
-            guards.append(f"{pos} >= 0 && {pos} < {spatial[d]}")
+        guards.append(f"{pos} >= 0 && {pos} < {spatial[d]}")
     return positions, " && ".join(guards)
 
 
 def _needs_guard(strides, dilations, pads, sizes, kernel, spatial) -> bool:
+    """Whether some window position leaves the input (so reads need a guard)."""
+    pads = pads[: len(kernel)]
     return any(
         p != 0 or (o - 1) * s + (k - 1) * dl >= n
         for p, o, s, k, dl, n in zip(pads, sizes, strides, kernel, dilations, spatial, strict=True)
@@ -105,19 +107,12 @@ def pool(ctx: NodeContext) -> None:
         body = f"ReduceAdd({{{axes}}}, {read}) / {math.prod(kernel)}"
     elif int(ctx.attr("count_include_pad", 0)):
         inside = " && ".join(
-            f"{p} >= -{pads[d]} && {p} < {spatial[d] + ctx_pad_end(ctx, d, len(kernel))}"
-            for d, p in enumerate(positions)
+            f"{p} >= -{pads[d]} && {p} < {spatial[d] + pads[d + len(kernel)]}" for d, p in enumerate(positions)
         )
         body = f"ReduceAdd({{{axes}}}, Select({guard}, {read}, 0)) / ReduceAdd({{{axes}}}, Select({inside}, 1.0, 0.0))"
     else:
         body = f"ReduceAdd({{{axes}}}, Select({guard}, {read}, 0)) / ReduceAdd({{{axes}}}, Select({guard}, 1.0, 0.0))"
     ctx.define(body, (n, c, *sizes))
-
-
-def ctx_pad_end(ctx: NodeContext, d: int, k: int) -> int:
-    """The end padding of spatial dimension ``d`` (for count_include_pad)."""
-    pads = list(ctx.attr("pads", [0] * (2 * k)))
-    return pads[d + k]
 
 
 @converter("GlobalAveragePool", "GlobalMaxPool")
