@@ -17,17 +17,34 @@ from neoflow.ir.build import build_op
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.syntax import Assign, parse
 
-ONNX_DTYPES = {
-    onnx.TensorProto.FLOAT: "float32",
-    onnx.TensorProto.DOUBLE: "float64",
-    onnx.TensorProto.FLOAT16: "float16",
-    onnx.TensorProto.INT32: "int32",
-    onnx.TensorProto.INT64: "int64",
-    onnx.TensorProto.BOOL: "bool",
-}
+ONNX_DTYPES: dict[int, str] = {
+    getattr(onnx.TensorProto, name.upper()): name
+    for name in (
+        "float16",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "bfloat16",
+        "float8e4m3fn",
+        "float8e4m3fnuz",
+        "float8e5m2",
+        "float8e5m2fnuz",
+        "float4e2m1",
+        "int4",
+        "uint4",
+        "int2",
+        "uint2",
+    )
+} | {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64"}
 _RESERVED = re.compile(
     r"^([ikr]\d+|true|false|inf|nan|tensor|Select|Reduce\w*|exp|log|sqrt|tanh|sigmoid|abs|pow|"
-    r"max|min|float\d+|int\d+|bool)$"
+    r"max|min|erf|float\w+|u?int\d+|bfloat16|bool)$"
 )
 
 

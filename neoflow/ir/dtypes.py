@@ -8,6 +8,7 @@ strong is around.
 
 from __future__ import annotations
 
+import ml_dtypes  # ships with onnx: bfloat16, float8, float4 and sub-byte integer storage types
 import numpy as np
 
 from neoflow.errors import ParseError
@@ -25,13 +26,36 @@ DTYPES: dict[str, np.dtype] = {
     "uint32": np.dtype(np.uint32),
     "uint64": np.dtype(np.uint64),
     "bool": np.dtype(np.bool_),
+    # storage-only types (ONNX's bfloat16, float8, float4, int4/int2): computed in float32 / int32
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "float8e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "float8e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "float4e2m1": np.dtype(ml_dtypes.float4_e2m1fn),
+    "int4": np.dtype(ml_dtypes.int4),
+    "uint4": np.dtype(ml_dtypes.uint4),
+    "int2": np.dtype(ml_dtypes.int2),
+    "uint2": np.dtype(ml_dtypes.uint2),
 }
+STORAGE_FLOATS = ("bfloat16", "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz", "float4e2m1")
+STORAGE_INTS = ("int4", "uint4", "int2", "uint2")
 WEAK_INT = "weak_int"
 WEAK_FLOAT = "weak_float"
 DEFAULT_FLOAT = "float32"
 
-_FLOATS = ("float16", "float32", "float64")
-_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+_FLOATS = (
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "float8e4m3fn",
+    "float8e4m3fnuz",
+    "float8e5m2",
+    "float8e5m2fnuz",
+    "float4e2m1",
+)
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "int4", "uint4", "int2", "uint2")
 
 
 def check_dtype(name: str) -> str:
@@ -54,6 +78,17 @@ def concrete(dtype: str) -> str:
 def numpy_dtype(dtype: str) -> np.dtype:
     """The numpy dtype of a (possibly weak) neoflow dtype."""
     return DTYPES[concrete(dtype)]
+
+
+def compute_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype arithmetic on ``dtype`` values is carried out in
+    (float32 / int32 for the storage-only types)."""
+    name = concrete(dtype)
+    if name in STORAGE_FLOATS:
+        return DTYPES["float32"]
+    if name in STORAGE_INTS:
+        return DTYPES["int32"]
+    return DTYPES[name]
 
 
 def _rank(dtype: str) -> tuple[int, int]:

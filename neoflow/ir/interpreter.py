@@ -127,7 +127,8 @@ class _OpEvaluator:
             indices = [np.asarray(index.evaluate(i, self.env, self.read_data)) for i in node.indices]
             return self.gather(node.tensor, indices, live, node)
         if isinstance(node, Unary):
-            return _UNARY[node.op](self.eval(node.x, live).astype(target, copy=False))
+            work = dt.compute_dtype(node.dtype)
+            return _UNARY[node.op](self.eval(node.x, live).astype(work, copy=False)).astype(target, copy=False)
         if isinstance(node, Binary):
             return self.binary(node, live)
         if isinstance(node, Select):
@@ -142,14 +143,14 @@ class _OpEvaluator:
         raise TypeError(f"cannot evaluate {type(node).__name__}")
 
     def binary(self, node: Binary, live: Mask) -> np.ndarray:
-        operand = dt.numpy_dtype(node.operand_dtype)
+        operand = dt.compute_dtype(node.operand_dtype)
         a = self.eval(node.a, live).astype(operand if node.op not in ("&&", "||") else bool, copy=False)
         if node.op in ("&&", "||"):
             go_on = a if node.op == "&&" else ~a
             b = self.eval(node.b, go_on if live is None else live & go_on).astype(bool, copy=False)
             return np.logical_and(a, b) if node.op == "&&" else np.logical_or(a, b)
         b = self.eval(node.b, live).astype(operand, copy=False)
-        return _BINARY[node.op](a, b)
+        return _BINARY[node.op](a, b).astype(dt.numpy_dtype(node.dtype), copy=False)
 
     def contract(self, node: Reduce, live: Mask, target: np.dtype) -> np.ndarray | None:
         """``ReduceAdd`` of a product of two factors, by ``np.einsum`` (no product grid)."""
