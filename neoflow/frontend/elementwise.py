@@ -5,6 +5,7 @@ from __future__ import annotations
 from neoflow.errors import UnsupportedOpError
 from neoflow.frontend.context import ONNX_DTYPES, NodeContext
 from neoflow.frontend.registry import converter
+from neoflow.ir import dtypes as dt
 
 UNARY = {
     "Relu": "max({0}, 0)",
@@ -130,7 +131,13 @@ def cast(ctx: NodeContext) -> None:
     to = ONNX_DTYPES.get(int(ctx.attr("to")))
     if to is None:
         raise ctx.fail(f"Cast to ONNX type {ctx.attr('to')} is not supported", UnsupportedOpError)
-    ctx.elementwise(f"{to}({{0}})", [0], dtype=to)
+    value = "{0}"
+    if to.startswith("float8") and int(ctx.attr("saturate", 1)):  # out-of-range values clamp to the largest finite
+        import ml_dtypes
+
+        largest = float(ml_dtypes.finfo(dt.DTYPES[to]).max)
+        value = f"max(min({{0}}, {largest!r}), {-largest!r})"
+    ctx.elementwise(f"{to}({value})", [0], dtype=to)
 
 
 @converter("Mod")

@@ -56,6 +56,7 @@ def _table(ctx: NodeContext, hint: str, values: np.ndarray, dtype: str) -> str:
 def resize(ctx: NodeContext) -> None:
     shape = ctx.shape(0)
     rank = len(shape)
+    policy = "stretch"
     if ctx.node.op_type == "Upsample":
         scales = list(ctx.attr("scales")) if ctx.opset < 9 else list(ctx.require_constant(1, "Upsample's scales"))
         sizes = None
@@ -65,9 +66,27 @@ def resize(ctx: NodeContext) -> None:
         scales = None if scales is None or scales.size == 0 else [float(s) for s in scales]
         sizes = ctx.constant(3) if ctx.has_input(3) else None
         sizes = None if sizes is None or sizes.size == 0 else [int(s) for s in sizes]
-        if ctx.attr("axes") is not None or ctx.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
-            raise ctx.fail("Resize with axes or keep_aspect_ratio_policy is not supported", UnsupportedOpError)
-    if sizes is not None:
+        axes = ctx.attr("axes")
+        if axes is not None:  # scales/sizes name only these axes; the others stay
+            axes = [int(a) % rank for a in axes]
+            if scales is not None:
+                full = [1.0] * rank
+                for a, value in zip(axes, scales, strict=True):
+                    full[a] = value
+                scales = full
+            if sizes is not None:
+                full_sizes = list(shape)
+                for a, value in zip(axes, sizes, strict=True):
+                    full_sizes[a] = value
+                sizes = full_sizes
+        policy = ctx.attr("keep_aspect_ratio_policy", "stretch")
+        if sizes is not None and policy != "stretch":
+            chosen = axes if axes is not None else list(range(rank))
+            ratios = [sizes[a] / shape[a] for a in chosen]
+            ratio = min(ratios) if policy == "not_larger" else max(ratios)
+            sizes = [round(ratio * shape[a]) if a in chosen else shape[a] for a in range(rank)]
+            scales = [ratio if a in chosen else 1.0 for a in range(rank)]
+    if sizes is not None and not (ctx.node.op_type == "Resize" and policy != "stretch"):
         scales = [o / i for o, i in zip(sizes, shape, strict=True)]
     elif scales is not None:
         sizes = [math.floor(s * i) for s, i in zip(scales, shape, strict=True)]

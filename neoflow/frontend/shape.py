@@ -103,6 +103,10 @@ def transpose(ctx: NodeContext) -> None:
 
 @converter("Concat")
 def concat(ctx: NodeContext) -> None:
+    values = [ctx.constant(i) for i in range(len(ctx.node.input))]
+    if all(v is not None for v in values):  # shape arithmetic: fold directly (parts may be empty)
+        ctx.set_constant(0, np.concatenate(values, axis=int(ctx.attr("axis"))))
+        return
     names = [ctx.input(i) for i in range(len(ctx.node.input))]
     shapes = [ctx.shape(i) for i in range(len(names))]
     axis = _axis(ctx, int(ctx.attr("axis")), len(shapes[0]))
