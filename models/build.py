@@ -1,8 +1,9 @@
 """Build the example ONNX models with onnx.helper:  python models/build.py
 
 Writes mlp.onnx (64-128-10), cnn.onnx (LeNet-like, 1x8x8 digits), capsule.onnx
-(capsule-conv layers as neoflow custom ops + a classifier head) and
-four_op.onnx (the seed's four ops as custom ops).  Weights come from a fixed seed.
+(capsule-conv layers as neoflow custom ops + a classifier head),
+upsampler.onnx (ConvTranspose, DepthToSpace, Concat) and four_op.onnx (the
+seed's four ops as custom ops).  Weights come from a fixed seed.
 """
 
 from __future__ import annotations
@@ -91,6 +92,19 @@ def capsule() -> None:
     save("capsule", nodes, [value("x", 32, 1, 8, 8)], [value("logits", 32, 10)], inits)
 
 
+def upsampler() -> None:
+    nodes = [
+        helper.make_node(
+            "ConvTranspose", ["x", "t", "tb"], ["up"], strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1]
+        ),
+        helper.make_node("Conv", ["x", "c", "cb"], ["wide"], pads=[1, 1, 1, 1]),
+        helper.make_node("DepthToSpace", ["wide"], ["shuffled"], blocksize=2, mode="DCR"),
+        helper.make_node("Concat", ["up", "shuffled"], ["y"], axis=1),
+    ]
+    inits = [weight("t", 4, 3, 3, 3), weight("tb", 3), weight("c", 8, 4, 3, 3), weight("cb", 8)]
+    save("upsampler", nodes, [value("x", 2, 4, 5, 5)], [value("y", 2, 5, 10, 10)], inits)
+
+
 def four_op() -> None:
     texts = {
         "Padding": "Out[n, c, h, w] = Select(h>2 && h<226 && w>2 && w<226, In0[n, c, h-2, w-2], 0)",
@@ -122,4 +136,5 @@ if __name__ == "__main__":
     mlp()
     cnn()
     capsule()
+    upsampler()
     four_op()

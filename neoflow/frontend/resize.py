@@ -52,6 +52,35 @@ def _table(ctx: NodeContext, hint: str, values: np.ndarray, dtype: str) -> str:
     return name
 
 
+def _taps(
+    ctx: NodeContext, mode: str, rule: str, source: np.ndarray, size: int
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """(source index, weight) tables of every tap of one axis; weight None means 1."""
+    if mode == "nearest" or size == 1:
+        pick = _nearest(source, rule) if mode == "nearest" else np.zeros_like(source)
+        return [(np.clip(pick, 0, size - 1), None)]
+    if mode == "linear":
+        source = np.clip(source, 0, size - 1)
+        low = np.floor(source)
+        frac = source - low
+        return [(low, 1 - frac), (np.minimum(low + 1, size - 1), frac)]
+    a = float(ctx.attr("cubic_coeff_a", -0.75))
+    base = np.floor(source)
+    t = source - base
+    distances = [t + 1, t, 1 - t, 2 - t]
+    weights = [
+        ((a * s - 5 * a) * s + 8 * a) * s - 4 * a if k in (0, 3) else ((a + 2) * s - (a + 3)) * s * s + 1
+        for k, s in enumerate(distances)
+    ]
+    indices = [base + offset for offset in (-1, 0, 1, 2)]
+    if int(ctx.attr("exclude_outside", 0)):
+        inside = [(i >= 0) & (i <= size - 1) for i in indices]
+        weights = [np.where(m, w, 0.0) for w, m in zip(weights, inside, strict=True)]
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    return [(np.clip(i, 0, size - 1), w) for i, w in zip(indices, weights, strict=True)]
+
+
 @converter("Resize", "Upsample")
 def resize(ctx: NodeContext) -> None:
     shape = ctx.shape(0)
@@ -93,8 +122,10 @@ def resize(ctx: NodeContext) -> None:
     else:
         raise ctx.fail("Resize needs constant scales or sizes", UnsupportedOpError)
     mode = ctx.attr("mode", "nearest")
-    if mode not in ("nearest", "linear"):
+    if mode not in ("nearest", "linear", "cubic"):
         raise ctx.fail(f"Resize mode '{mode}' is not supported", UnsupportedOpError)
+    if int(ctx.attr("antialias", 0)) and any(s < 1 for s in scales):
+        raise ctx.fail("Resize with antialias when downsampling is not supported", UnsupportedOpError)
     legacy = ctx.node.op_type == "Upsample" or ctx.opset < 11
     transform = "asymmetric" if legacy else ctx.attr("coordinate_transformation_mode", "half_pixel")
     rule = "floor" if legacy else ctx.attr("nearest_mode", "round_prefer_floor")
@@ -105,21 +136,15 @@ def resize(ctx: NodeContext) -> None:
             terms = [([*idx, f"i{d}"], w) for idx, w in terms]
             continue
         source = _source(transform, np.arange(sizes[d], dtype=np.float64), scales[d], shape[d], sizes[d])
-        if mode == "nearest" or shape[d] == 1:
-            pick = np.clip(_nearest(source, rule) if mode == "nearest" else np.zeros_like(source), 0, shape[d] - 1)
-            table = _table(ctx, f"near{d}", pick, "int64")
-            terms = [([*idx, f"{table}[i{d}]"], w) for idx, w in terms]
-            continue
-        source = np.clip(source, 0, shape[d] - 1)
-        low = np.floor(source)
-        high = np.minimum(low + 1, shape[d] - 1)
-        frac = source - low
-        lo, hi = _table(ctx, f"lo{d}", low, "int64"), _table(ctx, f"hi{d}", high, "int64")
-        w_lo, w_hi = _table(ctx, f"wlo{d}", 1 - frac, "float32"), _table(ctx, f"whi{d}", frac, "float32")
+        taps = _taps(ctx, mode, rule, source, shape[d])
+        names = []
+        for k, (index, weight) in enumerate(taps):
+            table = _table(ctx, f"idx{d}_{k}", index, "int64")
+            names.append((table, None if weight is None else _table(ctx, f"w{d}_{k}", weight, "float32")))
         terms = [
-            t
+            ([*idx, f"{table}[i{d}]"], w if weight is None else [*w, f"{weight}[i{d}]"])
             for idx, w in terms
-            for t in (([*idx, f"{lo}[i{d}]"], [*w, f"{w_lo}[i{d}]"]), ([*idx, f"{hi}[i{d}]"], [*w, f"{w_hi}[i{d}]"]))
+            for table, weight in names
         ]
     body = " + ".join(" * ".join([f"{x}[{', '.join(idx)}]", *w]) for idx, w in terms)
     ctx.define(body, sizes)

@@ -81,3 +81,16 @@ def test_register_op_for_models_without_the_expression() -> None:
     neoflow.register_op("Scale3", "Out[i, j] = In0[i, j] * 3")
     loaded = neoflow.load_onnx(model)
     np.testing.assert_array_equal(neoflow.evaluate(loaded, {"x": np.ones((2, 3))})["y"], np.full((2, 3), 3.0))
+
+
+def test_upsampler_with_conv_transpose_depth_to_space_and_concat() -> None:
+    graph = neoflow.load_onnx(MODELS / "upsampler.onnx")
+    p = {k: torch.from_numpy(v) for k, v in params("upsampler.onnx").items()}
+    x = np.random.default_rng(4).standard_normal((2, 4, 5, 5)).astype(np.float32)
+    tx = torch.from_numpy(x)
+    up = tf.conv_transpose2d(tx, p["t"], p["tb"], stride=2, padding=1, output_padding=1)
+    wide = tf.conv2d(tx, p["c"], p["cb"], padding=1).numpy()
+    # DepthToSpace in DCR mode, as the ONNX spec defines it (PyTorch's pixel_shuffle is CRD)
+    shuffled = wide.reshape(2, 2, 2, 2, 5, 5).transpose(0, 3, 4, 1, 5, 2).reshape(2, 2, 10, 10)
+    expected = np.concatenate([up.detach().numpy(), shuffled], axis=1)
+    np.testing.assert_allclose(neoflow.evaluate(graph, {"x": x})["y"], expected, rtol=1e-4, atol=1e-5)
