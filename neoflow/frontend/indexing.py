@@ -144,39 +144,50 @@ def pad(ctx: NodeContext) -> None:
     x = ctx.input(0)
     out = [s + b + e for s, b, e in zip(shape, begin, end, strict=True)]
 
-    def body(v: list[str]) -> str:
-        inner = [f"{n} - {b}" if b else n for n, b in zip(v, begin, strict=True)]
-        if mode == "constant":
+    if mode == "constant":
+
+        def body(v: list[str]) -> str:
+            inner = [f"{n} - {b}" if b else n for n, b in zip(v, begin, strict=True)]
             guard = " && ".join(
                 f"{n} >= {b} && {n} < {b + s}"
-                for n, b, s in zip(v, begin, shape, strict=True)
-                if b or out[v.index(n)] != s
+                for d, (n, b, s) in enumerate(zip(v, begin, shape, strict=True))
+                if b or out[d] != s
             )
             read = f"{x}[{', '.join(inner)}]"
             return f"Select({guard}, {read}, {value!r})" if guard else read
-        text = f"{x}[{', '.join(inner)}]"
-        for d, (n, b, s) in enumerate(zip(v, begin, shape, strict=True)):
-            if not (b or end[d]):
-                continue
-            low, high = list(inner), list(inner)
-            if mode == "edge":
-                low[d], high[d] = "0", str(s - 1)
-            elif mode == "reflect":
-                low[d], high[d] = f"{b} - {n}", f"{2 * (s - 1) + b} - {n}"
-            else:
-                raise ctx.fail(f"Pad mode '{mode}' is not supported", UnsupportedOpError)
-            text = text.replace(
-                f"{x}[{', '.join(inner)}]",
-                f"Select({n} < {b}, {x}[{', '.join(low)}], "
-                f"Select({n} >= {b + s}, {x}[{', '.join(high)}], {x}[{', '.join(inner)}]))",
-                1,
-            )
-        return text
 
-    if mode != "constant" and rank and sum(1 for d in range(rank) if begin[d] or end[d]) > 1:
-        # pad one axis at a time so each step stays a simple three-way Select
-        raise ctx.fail(f"Pad mode '{mode}' on several axes at once is not supported", UnsupportedOpError)
-    ctx.define(body, out)
+        ctx.define(body, out)
+        return
+    if mode not in ("edge", "reflect", "wrap"):
+        raise ctx.fail(f"Pad mode '{mode}' is not supported", UnsupportedOpError)
+    padded = [d for d in range(rank) if begin[d] or end[d]]
+    current, current_shape = x, list(shape)
+    for step, d in enumerate(padded):  # one axis at a time: each step is a three-way Select
+        size, b = shape[d], begin[d]
+        target_shape = list(current_shape)
+        target_shape[d] = out[d]
+
+        def body(v: list[str], d: int = d, size: int = size, b: int = b, source: str = current) -> str:
+            n = v[d]
+            sources = {
+                "edge": ("0", str(size - 1)),
+                "reflect": (f"{b} - {n}", f"{2 * (size - 1) + b} - {n}"),
+                "wrap": (f"{n} + {size - b}", f"{n} - {b + size}"),
+            }[mode]
+
+            def read(position: str) -> str:
+                return f"{source}[{', '.join(position if k == d else m for k, m in enumerate(v))}]"
+
+            return (
+                f"Select({n} < {b}, {read(sources[0])}, Select({n} >= {b + size}, {read(sources[1])}, "
+                f"{read(f'{n} - {b}' if b else n)}))"
+            )
+
+        last = step == len(padded) - 1
+        current = ctx.define(body, target_shape, name=None if last else ctx.model.fresh(f"{ctx.output()}_pad{d}"))
+        current_shape = target_shape
+    if not padded:
+        ctx.elementwise("{0}", [0])
 
 
 @converter("DepthToSpace")

@@ -34,3 +34,11 @@ def test_resize_nearest_and_linear_match_pytorch() -> None:
     linear = backend.run_node(node, [x, np.array([], np.float32), scales], opset_version=13)[0]
     expected = tf.interpolate(torch.from_numpy(x), scale_factor=2, mode="bilinear", align_corners=False).numpy()
     np.testing.assert_allclose(linear, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pad_modes_on_several_axes_match_numpy() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    pads = np.array([1, 2, 2, 1], np.int64)  # begins, then ends
+    for mode in ("constant", "edge", "reflect", "wrap"):
+        out = backend.run_node(helper.make_node("Pad", ["x", "pads"], ["y"], mode=mode), [x, pads])[0]
+        np.testing.assert_array_equal(out, np.pad(x, ((1, 2), (2, 1)), mode=mode), err_msg=mode)
