@@ -61,22 +61,18 @@ _COMPARE: dict[str, type[sympy.Function]] = {
 }
 
 
-class VMax(sympy.Function):
-    nargs = 2
+def _extremum(name: str, compare: str) -> type[sympy.Function]:
+    """``max``/``min`` of two values; the first argument wins ties (``compare`` is ``>=``/``<=``)."""
 
-    def fdiff(self, argindex: int = 1) -> sympy.Expr:
-        a, b = self.args
-        first = _COMPARE[">="](a, b)
+    def fdiff(self: sympy.Function, argindex: int = 1) -> sympy.Expr:
+        first = _COMPARE[compare](*self.args)
         return Sel(first, 1, 0) if argindex == 1 else Sel(first, 0, 1)
 
+    return type(name, (sympy.Function,), {"nargs": 2, "fdiff": fdiff})
 
-class VMin(sympy.Function):
-    nargs = 2
 
-    def fdiff(self, argindex: int = 1) -> sympy.Expr:
-        a, b = self.args
-        first = _COMPARE["<="](a, b)
-        return Sel(first, 1, 0) if argindex == 1 else Sel(first, 0, 1)
+VMax = _extremum("VMax", ">=")
+VMin = _extremum("VMin", "<=")
 
 
 def _cast_function(dtype: str) -> type[sympy.Function]:

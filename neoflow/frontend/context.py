@@ -18,29 +18,7 @@ from neoflow.ir.op import Op, Tensor
 from neoflow.ir.syntax import Assign, parse
 
 ONNX_DTYPES: dict[int, str] = {
-    getattr(onnx.TensorProto, name.upper()): name
-    for name in (
-        "float16",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "bool",
-        "bfloat16",
-        "float8e4m3fn",
-        "float8e4m3fnuz",
-        "float8e5m2",
-        "float8e5m2fnuz",
-        "float4e2m1",
-        "int4",
-        "uint4",
-        "int2",
-        "uint2",
-    )
+    getattr(onnx.TensorProto, name.upper()): name for name in dt.DTYPES if name not in ("float32", "float64")
 } | {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64"}
 _RESERVED = re.compile(
     r"^([ikr]\d+|true|false|inf|nan|tensor|Select|Reduce\w*|exp|log|sqrt|tanh|sigmoid|abs|pow|"
