@@ -123,8 +123,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_grad(args: argparse.Namespace) -> int:
-    from neoflow.autodiff import grad
-
     graph = _load_graph(args)
     if len(graph.ops) != 1:
         raise InputError(
@@ -133,7 +131,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
     op = graph.ops[0]
     print(op)
     start = time.perf_counter()
-    adjoints = grad(op, args.wrt or None)
+    adjoints = neoflow.grad(op, args.wrt or None)
     elapsed = time.perf_counter() - start
     for name, adjoint in adjoints.items():
         info = adjoint.info

@@ -27,7 +27,18 @@ from neoflow.autodiff.symbolic import simplify
 from neoflow.errors import NeoflowError, NonInvertibleMapError
 from neoflow.ir import bounds, index
 from neoflow.ir.build import make_op
-from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, bound_variables, map_indices
+from neoflow.ir.expr import (
+    Binary,
+    Const,
+    Expr,
+    Index,
+    Read,
+    Reduce,
+    Select,
+    bound_variables,
+    map_children,
+    map_indices,
+)
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import to_text
 
@@ -96,8 +107,6 @@ def _rename_axis(node: Expr, old: str, new: str) -> Expr:
     if isinstance(node, Reduce):
         where = None if node.where is None else _rename_axis(node.where, old, new)
         return Reduce(node.kind, node.axes, node.extents, _rename_axis(node.body, old, new), where)
-    from neoflow.ir.expr import map_children
-
     return map_children(node, lambda child: _rename_axis(child, old, new))
 
 
@@ -285,8 +294,6 @@ def _tidy(cond: Expr) -> Expr:
 
 
 def _index(expr: sympy.Expr) -> Expr:
-    from neoflow.ir.expr import Index
-
     return Const(int(expr)) if expr.is_Integer else Index(expr)
 
 

@@ -4,14 +4,14 @@ constants, and a way to define its outputs as text-language statements."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from neoflow.errors import NeoflowError, ShapeError, UnsupportedOpError
+from neoflow.errors import NeoflowError, ParseError, ShapeError, UnsupportedOpError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.build import build_op
 from neoflow.ir.op import Op, Tensor
@@ -65,6 +65,36 @@ class Model:
             self.taken.add(name)
             self.names[onnx_name] = name
         return self.names[onnx_name]
+
+    def add_constant(self, name: str, value: np.ndarray, source: str | None = None) -> str:
+        """Register ``name`` as an import-time constant tensor holding ``value``."""
+        value = np.asarray(value)
+        if str(value.dtype) not in dt.DTYPES:
+            raise UnsupportedOpError(f"tensor '{source or name}' has unsupported dtype {value.dtype}")
+        self.constants[name] = value
+        self.tensors[name] = Tensor(name, tuple(value.shape), str(value.dtype))
+        return name
+
+    def add_statement(
+        self,
+        text: str,
+        out_shape: Sequence[int] | None = None,
+        dtype: str | None = None,
+        tensors: Mapping[str, Tensor] | None = None,
+    ) -> Op:
+        """Build the one statement in ``text`` over ``tensors`` (default: all so far) and add its op."""
+        statements = [s for s in parse(text) if isinstance(s, Assign)]
+        if len(statements) != 1:
+            raise ParseError(f"expected one statement, found {len(statements)}")
+        op = build_op(
+            statements[0],
+            self.tensors if tensors is None else tensors,
+            None if out_shape is None else tuple(out_shape),
+            dtype,
+        )
+        self.ops.append(op)
+        self.tensors[op.name] = op.output
+        return op
 
     def fresh(self, hint: str) -> str:
         """A new internal tensor name."""
@@ -129,11 +159,11 @@ class NodeContext:
 
     def set_constant(self, k: int, value: np.ndarray) -> None:
         """Define output ``k`` as an import-time constant."""
-        name = self.output(k)
-        value = np.asarray(value)
-        self.model.constants[name] = value
-        dtype = str(value.dtype) if str(value.dtype) in dt.DTYPES else "float32"
-        self.model.tensors[name] = Tensor(name, tuple(value.shape), dtype)
+        self.model.add_constant(self.output(k), value)
+
+    def constant_table(self, hint: str, values: np.ndarray, dtype: str) -> str:
+        """A new constant tensor (an index or weight table this node reads); returns its name."""
+        return self.model.add_constant(self.model.fresh(f"{self.output()}_{hint}"), np.asarray(values).astype(dtype))
 
     def define(
         self,
@@ -148,12 +178,7 @@ class NodeContext:
         out = name or self.output(k)
         names = index_vars(len(shape))
         text = body(names) if callable(body) else body
-        statement = f"{out}[{', '.join(names)}] = {text}" if shape else f"{out}[] = {text}"
-        parsed = parse(statement)
-        assert isinstance(parsed[0], Assign)
-        op = build_op(parsed[0], self.model.tensors, tuple(shape), dtype)
-        self.model.ops.append(op)
-        self.model.tensors[out] = op.output
+        self.model.add_statement(f"{out}[{', '.join(names)}] = {text}", shape, dtype)
         return out
 
     def elementwise(self, template: str, inputs: Sequence[int] | None = None, dtype: str | None = None) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
+
 from neoflow.errors import UnsupportedOpError
 from neoflow.frontend.context import ONNX_DTYPES, NodeContext
 from neoflow.frontend.registry import converter
@@ -60,8 +63,6 @@ def binary(ctx: NodeContext) -> None:
 def dropout(ctx: NodeContext) -> None:
     ctx.elementwise("{0}", [0])  # inference: identity, and the mask keeps everything
     if len(ctx.node.output) > 1 and ctx.node.output[1]:
-        import numpy as np
-
         ctx.set_constant(1, np.ones(ctx.shape(0), dtype=bool))
 
 
@@ -133,8 +134,6 @@ def cast(ctx: NodeContext) -> None:
         raise ctx.fail(f"Cast to ONNX type {ctx.attr('to')} is not supported", UnsupportedOpError)
     value = "{0}"
     if to.startswith("float8") and int(ctx.attr("saturate", 1)):  # out-of-range values clamp to the largest finite
-        import ml_dtypes
-
         largest = float(ml_dtypes.finfo(dt.DTYPES[to]).max)
         value = f"max(min({{0}}, {largest!r}), {-largest!r})"
     ctx.elementwise(f"{to}({value})", [0], dtype=to)

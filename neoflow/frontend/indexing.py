@@ -61,11 +61,7 @@ def gather(ctx: NodeContext) -> None:
     if indices.ndim == 0:
         ctx.define(lambda v: f"{x}[{', '.join([*v[:axis], str(int(indices)), *v[axis:]])}]", out)
         return
-    table = ctx.model.fresh(f"{ctx.output()}_indices")
-    ctx.model.constants[table] = indices
-    from neoflow.ir.op import Tensor
-
-    ctx.model.tensors[table] = Tensor(table, indices.shape, "int64")
+    table = ctx.constant_table("indices", indices, "int64")
 
     def body(v: list[str]) -> str:
         inner = v[axis : axis + indices.ndim]

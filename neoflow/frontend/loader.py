@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ from google.protobuf.message import DecodeError
 
 from neoflow.errors import InputError, NeoflowError, ParseError, UnsupportedOpError
 from neoflow.frontend import elementwise, indexing, linalg, nn, reduce, resize, shape  # noqa: F401  (they register converters)
-from neoflow.frontend.context import ONNX_DTYPES, Model, NodeContext, to_array
+from neoflow.frontend.context import ONNX_DTYPES, Model, NodeContext, index_vars, to_array
 from neoflow.frontend.registry import CONVERTERS, CUSTOM_EXPRESSIONS
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
@@ -85,9 +86,7 @@ def load_onnx(
     initializers = {t.name for t in model_proto.graph.initializer} | set(bound)
     values = [(t.name, to_array(t)) for t in model_proto.graph.initializer if t.name not in bound]
     for onnx_name, value in [*values, *bound.items()]:
-        name = model.name_for(onnx_name)
-        model.constants[name] = value
-        model.tensors[name] = Tensor(name, tuple(value.shape), _dtype(value.dtype, onnx_name))
+        model.add_constant(model.name_for(onnx_name), value, source=onnx_name)
     graph_inputs = []
     for value in model_proto.graph.input:
         if value.name in initializers:
@@ -119,29 +118,12 @@ def load_onnx(
     return dataclasses.replace(graph, source_names={v: k for k, v in model.names.items()})
 
 
-def _dtype(dtype: np.dtype, name: str) -> str:
-    text = str(dtype)
-    from neoflow.ir.dtypes import DTYPES
-
-    if text not in DTYPES:
-        raise UnsupportedOpError(f"tensor '{name}' has unsupported dtype {text}")
-    return text
-
-
 def _materialise(model: Model, name: str) -> None:
     """Turn a folded constant that is a graph output into an op (a copy of a parameter)."""
-    source = model.fresh(f"{name}_value")
     value = model.constants[name]
-    model.constants[source] = value
-    model.tensors[source] = Tensor(source, value.shape, str(value.dtype))
-    from neoflow.frontend.context import index_vars
-    from neoflow.ir.build import build_op
-    from neoflow.ir.syntax import parse
-
-    v = index_vars(value.ndim)
-    op = build_op(parse(f"{name}[{', '.join(v)}] = {source}[{', '.join(v)}]")[0], model.tensors, value.shape)
-    model.ops.append(op)
-    model.tensors[name] = op.output
+    source = model.add_constant(model.fresh(f"{name}_value"), value)
+    v = ", ".join(index_vars(value.ndim))
+    model.add_statement(f"{name}[{v}] = {source}[{v}]", value.shape)
 
 
 def _convert(node: onnx.NodeProto, model: Model, opset: int) -> None:
@@ -192,23 +174,13 @@ def _custom(ctx: NodeContext) -> None:
             f"(neoflow.register_op)",
             UnsupportedOpError,
         )
-    import re
-
     names = {f"In{i}": ctx.input(i) for i in range(len(ctx.node.input))}
     names["Out"] = ctx.output()
     try:
-        if "=" not in text:
-            raise ParseError("expected 'Out[...] = ...'")
+        if not re.match(r"\s*Out\s*\[", text):
+            raise ParseError("the expression must be one statement defining Out[...]")
         renamed = re.sub(r"\b(In\d+|Out)\b(?=\s*\[)", lambda m: names.get(m.group(1), m.group(1)), text)
-        from neoflow.ir.build import build_op
-        from neoflow.ir.syntax import Assign, parse
-
-        statements = [s for s in parse(renamed) if isinstance(s, Assign)]
-        if len(statements) != 1 or statements[0].target.name != names["Out"]:
-            raise ParseError("the expression must be one statement defining Out")
         visible = {name: ctx.model.tensors[name] for key, name in names.items() if key != "Out"}
-        op = build_op(statements[0], visible, ctx.model.declared.get(ctx.node.output[0]))
+        ctx.model.add_statement(renamed, ctx.model.declared.get(ctx.node.output[0]), tensors=visible)
     except NeoflowError as err:
         raise ctx.fail(f"in the expression of custom op '{ctx.node.op_type}': {err}", type(err)) from None
-    ctx.model.ops.append(op)
-    ctx.model.tensors[op.name] = op.output

@@ -15,7 +15,6 @@ import numpy as np
 from neoflow.errors import UnsupportedOpError
 from neoflow.frontend.context import NodeContext
 from neoflow.frontend.registry import converter
-from neoflow.ir.op import Tensor
 
 
 def _source(mode: str, out: np.ndarray, scale: float, size_in: int, size_out: int) -> np.ndarray:
@@ -43,13 +42,6 @@ def _nearest(x: np.ndarray, rule: str) -> np.ndarray:
     if rule == "round_prefer_ceil":
         return np.where(half, np.ceil(x), np.round(x))
     return np.where(half, np.floor(x), np.round(x))  # round_prefer_floor
-
-
-def _table(ctx: NodeContext, hint: str, values: np.ndarray, dtype: str) -> str:
-    name = ctx.model.fresh(f"{ctx.output()}_{hint}")
-    ctx.model.constants[name] = values.astype(dtype)
-    ctx.model.tensors[name] = Tensor(name, values.shape, dtype)
-    return name
 
 
 def _taps(
@@ -139,8 +131,8 @@ def resize(ctx: NodeContext) -> None:
         taps = _taps(ctx, mode, rule, source, shape[d])
         names = []
         for k, (index, weight) in enumerate(taps):
-            table = _table(ctx, f"idx{d}_{k}", index, "int64")
-            names.append((table, None if weight is None else _table(ctx, f"w{d}_{k}", weight, "float32")))
+            table = ctx.constant_table(f"idx{d}_{k}", index, "int64")
+            names.append((table, None if weight is None else ctx.constant_table(f"w{d}_{k}", weight, "float32")))
         terms = [
             ([*idx, f"{table}[i{d}]"], w if weight is None else [*w, f"{weight}[i{d}]"])
             for idx, w in terms
