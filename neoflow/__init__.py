@@ -8,6 +8,7 @@ The public API so far::
 """
 
 from neoflow.autodiff import grad
+from neoflow.autodiff.training import TrainSpec
 from neoflow.errors import (
     CompileError,
     InputError,
@@ -21,11 +22,13 @@ from neoflow.frontend import load_onnx, register_op
 from neoflow.ir import Graph, Op, Tensor, evaluate
 from neoflow.ir.text import parse_graph as graph
 from neoflow.ir.text import parse_op as op
+from neoflow.runtime import CompiledModel, compile, load
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CompileError",
+    "CompiledModel",
     "Graph",
     "InputError",
     "NeoflowError",
@@ -34,11 +37,14 @@ __all__ = [
     "ParseError",
     "ShapeError",
     "Tensor",
+    "TrainSpec",
     "UnsupportedOpError",
     "__version__",
+    "compile",
     "evaluate",
     "grad",
     "graph",
+    "load",
     "load_onnx",
     "op",
     "register_op",

@@ -11,11 +11,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from neoflow.errors import NeoflowError, ParseError, ShapeError, UnsupportedOpError
+from neoflow.errors import NeoflowError, ShapeError, UnsupportedOpError
 from neoflow.ir import dtypes as dt
-from neoflow.ir.build import build_op
 from neoflow.ir.op import Op, Tensor
-from neoflow.ir.syntax import Assign, parse
+from neoflow.ir.text import build_statement
 
 ONNX_DTYPES: dict[int, str] = {
     getattr(onnx.TensorProto, name.upper()): name for name in dt.DTYPES if name not in ("float32", "float64")
@@ -49,6 +48,9 @@ class Model:
     ops: list[Op] = field(default_factory=list)
     taken: set[str] = field(default_factory=set)
     declared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # ONNX value_info shapes
+    training: bool = False  # BatchNormalization uses batch statistics, Dropout drops
+    state_updates: dict[str, str] = field(default_factory=dict)  # parameter -> tensor with its next value
+    noise_inputs: list[str] = field(default_factory=list)  # inputs filled with uniform noise per run
 
     def name_for(self, onnx_name: str) -> str:
         """The neoflow tensor name for an ONNX value name (a valid, unique identifier)."""
@@ -83,15 +85,7 @@ class Model:
         tensors: Mapping[str, Tensor] | None = None,
     ) -> Op:
         """Build the one statement in ``text`` over ``tensors`` (default: all so far) and add its op."""
-        statements = [s for s in parse(text) if isinstance(s, Assign)]
-        if len(statements) != 1:
-            raise ParseError(f"expected one statement, found {len(statements)}")
-        op = build_op(
-            statements[0],
-            self.tensors if tensors is None else tensors,
-            None if out_shape is None else tuple(out_shape),
-            dtype,
-        )
+        op = build_statement(text, self.tensors if tensors is None else tensors, out_shape, dtype)
         self.ops.append(op)
         self.tensors[op.name] = op.output
         return op

@@ -9,6 +9,7 @@ from neoflow.errors import UnsupportedOpError
 from neoflow.frontend.context import ONNX_DTYPES, NodeContext
 from neoflow.frontend.registry import converter
 from neoflow.ir import dtypes as dt
+from neoflow.ir.op import Tensor
 
 UNARY = {
     "Relu": "max({0}, 0)",
@@ -61,9 +62,28 @@ def binary(ctx: NodeContext) -> None:
 
 @converter("Dropout")
 def dropout(ctx: NodeContext) -> None:
-    ctx.elementwise("{0}", [0])  # inference: identity, and the mask keeps everything
-    if len(ctx.node.output) > 1 and ctx.node.output[1]:
-        ctx.set_constant(1, np.ones(ctx.shape(0), dtype=bool))
+    """Inference: the identity (the mask keeps everything).  Training: a fresh
+    uniform noise input per run; elements whose noise is below the ratio are
+    dropped and the rest scaled by 1 / (1 - ratio)."""
+    if ctx.has_input(1) and ctx.constant(1) is None:
+        raise ctx.fail("the dropout ratio (input 1) must be a constant", UnsupportedOpError)
+    ratio = float(ctx.constant(1)) if ctx.has_input(1) else float(ctx.attr("ratio", 0.5))
+    if not 0 <= ratio < 1:
+        raise ctx.fail(f"the dropout ratio must be in [0, 1), got {ratio}")
+    shape = ctx.shape(0)
+    wants_mask = len(ctx.node.output) > 1 and ctx.node.output[1]
+    if not ctx.model.training or ratio == 0:
+        ctx.elementwise("{0}", [0])
+        if wants_mask:
+            ctx.set_constant(1, np.ones(shape, dtype=bool))
+        return
+    noise = ctx.model.fresh(f"{ctx.output()}_noise")
+    ctx.model.tensors[noise] = Tensor(noise, shape, "float32")
+    ctx.model.noise_inputs.append(noise)
+    x = ctx.input(0)
+    ctx.define(lambda v: f"Select({noise}[{', '.join(v)}] >= {ratio!r}, {x}[{', '.join(v)}] / {1 - ratio!r}, 0)", shape)
+    if wants_mask:
+        ctx.define(lambda v: f"{noise}[{', '.join(v)}] >= {ratio!r}", shape, k=1, dtype="bool")
 
 
 @converter("LeakyRelu")

@@ -70,6 +70,7 @@ def load_onnx(
     shapes: Mapping[str, Sequence[int]] | None = None,
     check: bool = True,
     constants: Mapping[str, np.ndarray] | None = None,
+    training: bool = False,
 ) -> Graph:
     """Import an ONNX model (path or ModelProto) as a Graph of tensor-expression ops.
 
@@ -77,11 +78,14 @@ def load_onnx(
     sub-computations (shape arithmetic, ``Constant``, ``ConstantOfShape``) are
     folded at import; ``shapes`` binds input shapes by ONNX name (a dynamic batch
     dimension defaults to 1); ``constants`` binds inputs to values known at
-    import (shape or axes inputs).  Errors name the node and the cause."""
+    import (shape or axes inputs).  With ``training``, BatchNormalization uses
+    batch statistics and updates its running statistics
+    (``graph.state_updates``) and Dropout drops by a noise input
+    (``graph.noise_inputs``).  Errors name the node and the cause."""
     model_proto = read_model(source, check)
     given = dict(shapes or {})
     opset = next((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), 1)
-    model = Model()
+    model = Model(training=training)
     bound = {name: np.asarray(v) for name, v in (constants or {}).items()}
     initializers = {t.name for t in model_proto.graph.initializer} | set(bound)
     values = [(t.name, to_array(t)) for t in model_proto.graph.initializer if t.name not in bound]
@@ -115,7 +119,12 @@ def load_onnx(
     used = {t.name for op in model.ops for t in op.inputs}
     parameters = {n: v for n, v in model.constants.items() if n in used}
     graph = Graph.from_ops(model.ops, outputs, parameters)
-    return dataclasses.replace(graph, source_names={v: k for k, v in model.names.items()})
+    return dataclasses.replace(
+        graph,
+        source_names={v: k for k, v in model.names.items()},
+        state_updates=dict(model.state_updates),
+        noise_inputs=tuple(model.noise_inputs),
+    )
 
 
 def _materialise(model: Model, name: str) -> None:

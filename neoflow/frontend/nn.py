@@ -130,13 +130,21 @@ def global_pool(ctx: NodeContext) -> None:
 
 @converter("BatchNormalization")
 def batch_norm(ctx: NodeContext) -> None:
-    if int(ctx.attr("training_mode", 0)) or len([o for o in ctx.node.output if o]) > 1:
+    """Inference: normalise with the running statistics.  Training: normalise
+    with the batch's mean and (biased) variance and update the running
+    statistics as ONNX specifies: ``running = running * momentum + batch * (1 - momentum)``."""
+    training_outputs = [o for o in ctx.node.output[1:] if o]
+    if not ctx.model.training and (int(ctx.attr("training_mode", 0)) or training_outputs):
         raise ctx.fail(
-            "BatchNormalization in training mode is compiled by the training compiler, not imported", UnsupportedOpError
+            "BatchNormalization in training mode is compiled by the training compiler (neoflow.compile with "
+            "train=...), not imported for inference",
+            UnsupportedOpError,
         )
     eps = float(ctx.attr("epsilon", 1e-5))
     x, scale, bias, mean, var = (ctx.input(i) for i in range(5))
     shape = ctx.shape(0)
+    if ctx.model.training:
+        mean, var = _batch_statistics(ctx, x, shape, mean, var, float(ctx.attr("momentum", 0.9)))
 
     def body(v: list[str]) -> str:
         return (
@@ -144,6 +152,34 @@ def batch_norm(ctx: NodeContext) -> None:
         )
 
     ctx.define(body, shape)
+
+
+def _batch_statistics(
+    ctx: NodeContext, x: str, shape: Sequence[int], running_mean: str, running_var: str, momentum: float
+) -> tuple[str, str]:
+    """Define the batch mean and variance per channel and the running statistics'
+    next values (outputs 1 and 2 of the node where it has them); returns the
+    names of the batch mean and variance."""
+    if running_mean not in ctx.model.constants or running_var not in ctx.model.constants:
+        raise ctx.fail("training needs the running mean and variance (inputs 3, 4) as initializers", UnsupportedOpError)
+    rest = index_vars(len(shape) - 2, "r")
+    axes = ", ".join(["r_n", *rest])
+    point = f"{x}[r_n, i0{''.join(', ' + r for r in rest)}]"
+    count = math.prod(shape) // shape[1]
+    out = ctx.output()
+    batch_mean = ctx.define(
+        f"ReduceAdd({{{axes}}}, {point}) / {count}", (shape[1],), name=ctx.model.fresh(f"{out}_mean")
+    )
+    centered = f"({point} - {batch_mean}[i0])"
+    batch_var = ctx.define(
+        f"ReduceAdd({{{axes}}}, {centered} * {centered}) / {count}", (shape[1],), name=ctx.model.fresh(f"{out}_var")
+    )
+    for k, (running, batch) in enumerate([(running_mean, batch_mean), (running_var, batch_var)], start=1):
+        has_output = len(ctx.node.output) > k and ctx.node.output[k]
+        target = ctx.output(k) if has_output else ctx.model.fresh(f"{running}_next")
+        ctx.define(f"{running}[i0] * {momentum!r} + {batch}[i0] * {1 - momentum!r}", (shape[1],), name=target)
+        ctx.model.state_updates[running] = target
+    return batch_mean, batch_var
 
 
 @converter("LRN")

@@ -20,6 +20,10 @@ class Graph:
     ``parameters`` holds values for some inputs (an ONNX model's initializers);
     evaluation uses them for inputs the caller does not give.  ``source_names``
     maps tensor names to the names they had in the imported file.
+    ``state_updates`` maps a parameter that the graph itself updates (a
+    BatchNormalization running mean in training mode) to the tensor holding
+    its next value; ``noise_inputs`` are inputs a runtime fills with fresh
+    uniform [0, 1) noise on every run (dropout masks in training mode).
     """
 
     ops: tuple[Op, ...]
@@ -27,6 +31,8 @@ class Graph:
     outputs: tuple[str, ...]
     parameters: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
     source_names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    state_updates: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    noise_inputs: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @staticmethod
     def from_ops(

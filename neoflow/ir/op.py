@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import sympy
+from sympy.core.function import AppliedUndef
 
-from neoflow.ir.expr import Expr, Reduce, reductions
+from neoflow.ir.expr import Expr, Index, Read, Reduce, map_children, map_indices, reductions
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,33 @@ class Op:
         from neoflow.ir.printer import print_op
 
         return print_op(self)
+
+
+def rename_tensors(op: Op, names: Mapping[str, str]) -> Op:
+    """A copy of ``op`` with tensors renamed by ``names`` (old → new) wherever
+    they appear: the output, the inputs, reads, and data-dependent indices."""
+    if not names:
+        return op
+
+    def index(expr: sympy.Expr) -> sympy.Expr:
+        return expr.replace(
+            lambda e: isinstance(e, AppliedUndef) and e.func.__name__ in names,
+            lambda e: sympy.Function(names[e.func.__name__])(*e.args),
+        )
+
+    def value(node: Expr) -> Expr:
+        node = map_indices(node, index) if isinstance(node, (Read, Index)) else map_children(node, value)
+        if isinstance(node, Read) and node.tensor in names:
+            return Read(names[node.tensor], node.indices, node.tensor_dtype)
+        return node
+
+    def tensor(t: Tensor) -> Tensor:
+        return Tensor(names.get(t.name, t.name), t.shape, t.dtype)
+
+    return replace(
+        op,
+        output=tensor(op.output),
+        body=value(op.body),
+        inputs=tuple(tensor(t) for t in op.inputs),
+        scatter=None if op.scatter is None else tuple(index(e) for e in op.scatter),
+    )

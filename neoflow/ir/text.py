@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 
 from neoflow.errors import ParseError
 from neoflow.ir import dtypes as dt
-from neoflow.ir.build import build_ops
+from neoflow.ir.build import build_op, build_ops
 from neoflow.ir.graph import Graph
-from neoflow.ir.op import Op
+from neoflow.ir.op import Op, Tensor
 from neoflow.ir.syntax import Assign, parse
 
 Shapes = Mapping[str, Sequence[int]]
@@ -59,3 +59,17 @@ def parse_op(
             raise ParseError(f"out_shape {list(out_shape)} disagrees with shapes['{name}'] = {list(shapes[name])}")
         shapes[name] = out_shape
     return build_ops(statements, shapes, dtypes or {}, dt.check_dtype(dtype))[0]
+
+
+def build_statement(
+    text: str,
+    tensors: Mapping[str, Tensor],
+    out_shape: Sequence[int] | None = None,
+    dtype: str | None = None,
+) -> Op:
+    """Build the one statement in ``text`` as an op reading the given ``tensors``
+    (by name); ``out_shape``/``dtype`` pin the output, else they are inferred."""
+    statements = [s for s in parse(text) if isinstance(s, Assign)]
+    if len(statements) != 1:
+        raise ParseError(f"expected one statement, found {len(statements)}")
+    return build_op(statements[0], tensors, None if out_shape is None else tuple(out_shape), dtype)

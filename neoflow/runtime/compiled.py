@@ -1,0 +1,348 @@
+"""Compiled models: ``neoflow.compile`` → ``CompiledModel`` with run / train_step / save / export_onnx."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from neoflow.autodiff.training import TrainingGraph, TrainSpec, build_training_graph, internal_names
+from neoflow.errors import CompileError, InputError
+from neoflow.frontend import load_onnx, read_model
+from neoflow.ir import dtypes as dt
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Tensor
+from neoflow.ir.printer import print_graph
+from neoflow.ir.text import parse_graph
+from neoflow.runtime.executor import EXECUTORS
+from neoflow.runtime.report import compile_report
+
+ModelSource = str | os.PathLike | onnx.ModelProto | Graph
+MANIFEST = "manifest.json"
+BUILD_FORMAT = "neoflow-build/1"
+
+
+def compile(
+    model: ModelSource,
+    target: str = "interp",
+    train: TrainSpec | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    parameters: Mapping[str, np.ndarray] | None = None,
+) -> CompiledModel:
+    """Compile an ONNX model (path or ModelProto), a ``.nf`` program or a ``Graph``.
+
+    ``train`` adds a training step (loss, reverse pass, optimizer update);
+    ``shapes`` binds input shapes by name; ``parameters`` gives values to graph
+    inputs, which then become parameters (trainable unless frozen).  Returns a
+    ``CompiledModel``.  Errors are ``neoflow`` errors with one-line messages."""
+    if target not in EXECUTORS:
+        raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
+    proto = None
+    if isinstance(model, Graph):
+        inference = model
+    elif isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".nf"):
+        path = Path(model)
+        if not path.is_file():
+            raise InputError(f"no such file: '{path}'")
+        inference = parse_graph(path.read_text(), shapes)
+    else:
+        proto = read_model(model)
+        inference = load_onnx(proto, shapes)
+    if parameters:
+        inference = _bind(inference, parameters)
+    forward = inference
+    if train is not None and proto is not None:
+        forward = dataclasses.replace(load_onnx(proto, shapes, training=True), parameters=inference.parameters)
+    training = build_training_graph(forward, train) if train is not None else None
+    return CompiledModel(inference, training, train, target, proto, dict(shapes or {}))
+
+
+def _bind(graph: Graph, parameters: Mapping[str, np.ndarray]) -> Graph:
+    """``graph`` with the given inputs turned into parameters."""
+    table = internal_names(graph)
+    inputs = {t.name: t for t in graph.inputs}
+    bound = dict(graph.parameters)
+    for name, value in parameters.items():
+        internal = table.get(name)
+        if internal not in inputs:
+            raise InputError(f"parameter '{name}' is not an input of the model")
+        array = np.asarray(value)
+        if array.shape != inputs[internal].shape:
+            raise InputError(
+                f"parameter '{name}' has shape {list(array.shape)}, expected {list(inputs[internal].shape)}"
+            )
+        bound[internal] = array.astype(dt.numpy_dtype(inputs[internal].dtype))
+    return dataclasses.replace(graph, parameters=bound)
+
+
+class CompiledModel:
+    """A model compiled for one target: inference, and a training step when
+    compiled with a ``TrainSpec``.  Tensors are named as in the model file."""
+
+    def __init__(
+        self,
+        inference: Graph,
+        training: TrainingGraph | None,
+        spec: TrainSpec | None,
+        target: str,
+        source: onnx.ModelProto | None,
+        shapes: dict[str, Sequence[int]],
+    ) -> None:
+        self.target = target
+        self.spec = spec
+        self.training = training
+        self.inference = inference
+        self.source = source
+        self.shapes = shapes
+        self.step = 0
+        self.lr = spec.lr if spec is not None else 0.0
+        self.last_prediction: np.ndarray | None = None
+        executor = EXECUTORS[target]
+        self._run = executor(inference, inference.outputs)
+        self._names = {name: source for source, name in internal_names(inference).items()}
+        if source is not None:
+            initializers = {t.name for t in source.graph.initializer}
+            self._parameter_names = [p for p in inference.parameters if self._names[p] in initializers]
+        else:
+            self._parameter_names = list(inference.parameters)
+        self._values = {p: np.array(inference.parameters[p]) for p in self._parameter_names}
+        self._train = self._gradients = None
+        if training is not None:
+            self._values.update({name: np.array(v) for name, v in training.state.items()})
+            keep = [training.loss, training.prediction, *training.updates.values()]
+            self._train = executor(training.graph, keep)
+            self._gradients = executor(training.graph, [training.loss, *training.gradients.values()])
+
+    # ----------------------------------------------------------------- running
+
+    def _source(self, name: str) -> str:
+        return self._names.get(name, name)
+
+    def _feed(self, graph: Graph, given: Mapping[str, np.ndarray], extra: Mapping[str, np.ndarray]) -> dict:
+        """Every input of ``graph``: the caller's (checked), parameters, state, ``extra``."""
+        table = {self._source(t.name): t for t in graph.free_inputs if t.name not in extra}
+        table = {k: t for k, t in table.items() if t.name not in self._values}
+        unknown = sorted(set(given) - set(table))
+        if unknown:
+            raise InputError(f"'{unknown[0]}' is not an input of the model (inputs: {', '.join(table)})")
+        values = {**graph.parameters, **{k: v for k, v in self._values.items()}, **extra}
+        for source, tensor in table.items():
+            if source not in given:
+                raise InputError(f"missing input '{source}' (expected shape {list(tensor.shape)}, {tensor.dtype})")
+            array = np.asarray(given[source])
+            if array.shape != tensor.shape:
+                raise InputError(f"input '{source}' has shape {list(array.shape)}, expected {list(tensor.shape)}")
+            values[tensor.name] = array.astype(dt.numpy_dtype(tensor.dtype), copy=False)
+        return values
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Inference with the current parameters: outputs by name."""
+        outputs = self._run.run(self._feed(self.inference, inputs, {}))
+        return {self._source(name): value for name, value in outputs.items()}
+
+    def _training_feed(self, batch: Mapping[str, np.ndarray]) -> dict:
+        training = self._require_training()
+        batch = dict(batch)
+        if training.labels is not None:
+            batch[self.spec.labels] = self._check_labels(training, batch)
+        noise = np.random.default_rng((self.spec.seed, self.step))
+        extra = {name: noise.random(training.graph.tensors[name].shape, np.float32) for name in training.noise}
+        extra[training.learning_rate] = np.float32(self.lr)
+        return self._feed(training.graph, batch, extra)
+
+    def _check_labels(self, training: TrainingGraph, batch: Mapping[str, np.ndarray]) -> np.ndarray:
+        labels: Tensor = training.labels
+        name = self.spec.labels
+        if name not in batch:
+            raise InputError(f"missing labels '{name}' (expected shape {list(labels.shape)}, {labels.dtype})")
+        array = np.asarray(batch[name])
+        if array.shape != labels.shape:
+            raise InputError(f"labels '{name}' have shape {list(array.shape)}, expected {list(labels.shape)}")
+        if labels.dtype == "int64":
+            if not np.issubdtype(array.dtype, np.integer):
+                raise InputError(f"labels '{name}' must be integer class indices, got {array.dtype}")
+            classes = training.graph.tensors[training.prediction].shape[1]
+            if array.size and (array.min() < 0 or array.max() >= classes):
+                bad = array[(array < 0) | (array >= classes)][0]
+                raise InputError(f"label {bad} in '{name}' is outside [0, {classes})")
+        return array
+
+    def train_step(self, batch: Mapping[str, np.ndarray]) -> float:
+        """One optimizer step on ``batch`` (data inputs and labels by name);
+        returns the loss before the step."""
+        training = self._require_training()
+        outputs = self._train.run(self._training_feed(batch))
+        for target, next_value in training.updates.items():
+            self._values[target] = outputs[next_value]
+        self.step += 1
+        self.last_prediction = outputs[training.prediction]
+        return float(outputs[training.loss])
+
+    def gradients(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The loss gradient of every trainable parameter on ``batch``, by name
+        (the parameters are not changed)."""
+        training = self._require_training()
+        outputs = self._gradients.run(self._training_feed(batch))
+        return {self._source(p): outputs[g] for p, g in training.gradients.items()}
+
+    def _require_training(self) -> TrainingGraph:
+        if self.training is None:
+            raise CompileError("the model was compiled for inference; compile with train=neoflow.TrainSpec(...)")
+        return self.training
+
+    # -------------------------------------------------------------- parameters
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The model's parameters (trained values), by name, as copies."""
+        return {self._source(p): self._values[p].copy() for p in self._parameter_names}
+
+    def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        """Replace some parameters' values (by name); shapes must match."""
+        table = {self._source(p): p for p in self._parameter_names}
+        for name, value in values.items():
+            if name not in table:
+                raise InputError(f"parameter '{name}' does not exist (the model has: {', '.join(sorted(table))})")
+            old = self._values[table[name]]
+            array = np.asarray(value)
+            if array.shape != old.shape:
+                raise InputError(f"parameter '{name}' has shape {list(array.shape)}, expected {list(old.shape)}")
+            self._values[table[name]] = array.astype(old.dtype)
+
+    def restore_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Set optimizer state tensors (as ``save`` wrote them); unknown names and
+        shape mismatches (a recompiled model) are skipped."""
+        if self.training is None:
+            return
+        for name in self.training.state:
+            if name in state and np.shape(state[name]) == self._values[name].shape:
+                self._values[name] = np.asarray(state[name], np.float32)
+
+    @property
+    def memory(self) -> dict[str, object]:
+        """The memory plans: ``"inference"`` and (when training) ``"training"``."""
+        plans = {"inference": self._run.plan}
+        if self._train is not None:
+            plans["training"] = self._train.plan
+        return plans
+
+    def report(self) -> str:
+        """The compile report: ops, loss, optimizer, parameters, saved activations, memory."""
+        return compile_report(self)
+
+    # ------------------------------------------------------------------ files
+
+    def export_onnx(self, path: str | os.PathLike) -> Path:
+        """Write the source ONNX model with the current parameter values as its
+        initializers (runs in any ONNX runtime); returns the path."""
+        if self.source is None:
+            raise CompileError("export_onnx needs a model imported from ONNX (this one was built from text)")
+        model = onnx.ModelProto()
+        model.CopyFrom(self.source)
+        values = {self._source(p): self._values[p] for p in self._parameter_names}
+        for k, tensor in enumerate(model.graph.initializer):
+            if tensor.name in values:
+                old = numpy_helper.to_array(tensor)
+                new = numpy_helper.from_array(values[tensor.name].astype(old.dtype), tensor.name)
+                model.graph.initializer[k].CopyFrom(new)
+        target = Path(path)
+        _write_atomically(target, model.SerializeToString())
+        return target
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write everything ``neoflow.load`` needs into ``directory``: the model
+        with its current parameters, the optimizer state, the training step
+        (text), a report and a manifest."""
+        directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise InputError(f"'{directory}' exists and is not a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        manifest = {
+            "format": BUILD_FORMAT,
+            "target": self.target,
+            "shapes": {k: list(v) for k, v in self.shapes.items()},
+            "train": None if self.spec is None else dataclasses.asdict(self.spec),
+            "step": self.step,
+            "lr": self.lr,
+        }
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".saving-") as scratch:
+            staging = Path(scratch)
+            if self.source is not None:
+                self.export_onnx(staging / "model.onnx")
+                manifest["model"] = "model.onnx"
+            else:
+                (staging / "model.nf").write_text(print_graph(self.inference) + "\n")
+                np.savez(staging / "parameters.npz", **{p: self._values[p] for p in self._parameter_names})
+                manifest["model"] = "model.nf"
+            if self.training is not None:
+                np.savez(staging / "state.npz", **{k: self._values[k] for k in self.training.state})
+                (staging / "train_step.nf").write_text(print_graph(self.training.graph) + "\n")
+            (staging / "report.txt").write_text(self.report() + "\n")
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            for item in staging.iterdir():
+                os.replace(item, directory / item.name)
+        return directory
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, so a failure leaves no half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def load(directory: str | os.PathLike, target: str | None = None, shapes: Mapping[str, Sequence[int]] | None = None):
+    """Load a model ``CompiledModel.save`` wrote (recompiling it for ``target``,
+    default the saved one, and ``shapes``, default the saved ones)."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise InputError(
+            f"'{directory}' is not a neoflow build directory (no {MANIFEST}; make one with neoflow compile)"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != BUILD_FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}")
+        spec = None
+        if manifest["train"] is not None:
+            spec = TrainSpec(
+                **{
+                    **manifest["train"],
+                    "betas": tuple(manifest["train"]["betas"]),
+                    "frozen": tuple(manifest["train"]["frozen"]),
+                }
+            )
+        model_path = directory / manifest["model"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise InputError(f"'{manifest_path}' is not a valid neoflow manifest ({err})") from None
+    parameters = None
+    if model_path.suffix == ".nf":
+        with np.load(directory / "parameters.npz") as saved:
+            parameters = {k: saved[k] for k in saved.files}
+    compiled = compile(
+        model_path,
+        target or manifest["target"],
+        spec,
+        shapes if shapes is not None else manifest["shapes"],
+        parameters,
+    )
+    state_path = directory / "state.npz"
+    if compiled.training is not None and state_path.is_file():
+        with np.load(state_path) as saved:
+            compiled.restore_state({k: saved[k] for k in saved.files})
+    compiled.step = int(manifest.get("step", 0))
+    compiled.lr = float(manifest.get("lr", compiled.lr))
+    return compiled
