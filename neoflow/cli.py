@@ -148,6 +148,101 @@ def cmd_grad(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_spec(args: argparse.Namespace) -> neoflow.TrainSpec | None:
+    if not args.train:
+        return None
+    return neoflow.TrainSpec(
+        loss=args.loss,
+        labels=args.labels,
+        output=args.output_name,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        momentum=args.momentum,
+        nesterov=args.nesterov,
+        weight_decay=args.weight_decay,
+        betas=tuple(args.betas),
+        eps=args.eps,
+        frozen=tuple(args.freeze),
+        seed=args.seed,
+    )
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    model = neoflow.compile(args.model, target=args.target, train=_train_spec(args), shapes=dict(args.shape))
+    elapsed = time.perf_counter() - start
+    out = model.save(args.output)
+    print(model.report())
+    written = ", ".join(sorted(p.name for p in out.iterdir() if not p.name.startswith(".")))
+    print(f"compiled in {elapsed:.2f} s; wrote {out}/ ({written})")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from neoflow.runtime.datasets import load_dataset
+    from neoflow.runtime.trainer import Trainer
+
+    if args.epochs < 1:
+        raise InputError(f"--epochs must be at least 1, got {args.epochs}")
+    model = neoflow.load(args.build)
+    if model.training is None:
+        raise InputError(f"'{args.build}' holds an inference build; compile it with --train")
+    if args.batch is not None and args.batch != model.training.data_inputs[0].shape[0]:
+        source = model.public_name(model.training.data_inputs[0].name)
+        shape = (args.batch, *model.training.data_inputs[0].shape[1:])
+        model = neoflow.load(args.build, shapes={**model.shapes, source: shape})
+    if args.lr is not None:
+        model.lr = args.lr
+    data = load_dataset(args.data, seed=args.seed)
+    trainer = Trainer(model, data, seed=args.seed)
+    print(
+        f"training on {data.name}: {len(trainer.x_train)} samples, {len(trainer.x_test)} test samples, "
+        f"batch {trainer.batch}, {args.epochs} epochs, target {model.target}"
+    )
+    results = _train_epochs(trainer, args.epochs, show_bar=not args.no_progress and sys.stderr.isatty())
+    out = model.export_onnx(args.output or Path(args.build) / "trained.onnx")
+    total = sum(r.seconds for r in results)
+    final = results[-1].test_accuracy
+    accuracy = f"test accuracy {final:.1%}" if final is not None else f"loss {results[-1].loss:.4f}"
+    print(f"{accuracy} after {len(results)} epochs in {total:.1f} s; wrote {out}")
+    return 0
+
+
+def _train_epochs(trainer: object, epochs: int, show_bar: bool) -> list:
+    """Run the epochs with a progress bar (on a terminal) and one line per epoch."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results = []
+    columns = (
+        TextColumn("epoch {task.fields[epoch]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]}  {task.fields[rate]:.0f} samples/s"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), disable=not show_bar, transient=True) as bar:
+        for number in range(1, epochs + 1):
+            task = bar.add_task("train", total=None, epoch=f"{number}/{epochs}", loss=0.0, acc="-", rate=0.0)
+
+            def update(p, task=task) -> None:
+                acc = "-" if p.accuracy is None else f"{p.accuracy:.1%}"
+                bar.update(task, completed=p.batch, total=p.batches, loss=p.loss, acc=acc, rate=p.samples_per_second)
+
+            result = trainer.epoch(number, update)
+            bar.remove_task(task)
+            results.append(result)
+            parts = [f"epoch {number}/{epochs}", f"loss {result.loss:.4f}"]
+            if result.train_accuracy is not None:
+                parts.append(f"train acc {result.train_accuracy:.1%}")
+            if result.test_accuracy is not None:
+                parts.append(f"test acc {result.test_accuracy:.1%}")
+            parts.append(f"{result.samples_per_second:.0f} samples/s")
+            parts.append(f"{result.seconds:.1f} s")
+            print("  ".join(parts), flush=True)
+    return results
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``neoflow`` command."""
     parser = argparse.ArgumentParser(prog="neoflow", description="A graph-level training compiler.")
@@ -200,6 +295,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="differentiate with respect to this input only (repeatable; default: all float inputs)",
     )
     grad.set_defaults(func=cmd_grad)
+
+    compile_help = "Compile an ONNX model or .nf program (optionally with a training step) into a build directory."
+    comp = commands.add_parser("compile", help=compile_help, description=compile_help)
+    comp.add_argument("model", help="an .onnx model or an .nf program")
+    comp.add_argument("-o", "--output", default="build", metavar="DIR", help="build directory to write (build)")
+    comp.add_argument("--target", default="interp", help="code generation target (interp)")
+    comp.add_argument(
+        "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"
+    )
+    comp.add_argument("--train", action="store_true", help="add a training step (loss, backward, optimizer)")
+    comp.add_argument("--loss", default="cross_entropy", help="cross_entropy, mse, or a scalar output's name")
+    comp.add_argument("--labels", default="labels", help="name of the label input (labels)")
+    comp.add_argument("--output-name", default=None, metavar="NAME", help="the model output the loss reads")
+    comp.add_argument("--optimizer", default="sgd", help="sgd, momentum, nesterov, adam or adamw (sgd)")
+    comp.add_argument("--lr", type=float, default=0.01, help="learning rate (0.01)")
+    comp.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0; 0.9 for momentum/nesterov)")
+    comp.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
+    comp.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (decoupled for adamw)")
+    comp.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="Adam betas")
+    comp.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (1e-8)")
+    comp.add_argument("--freeze", action="append", default=[], metavar="NAME", help="do not train this parameter")
+    comp.add_argument("--seed", type=int, default=0, help="dropout noise seed (0)")
+    comp.set_defaults(func=cmd_compile)
+
+    train_help = (
+        "Train a build directory made by 'neoflow compile --train' on a data set; write the trained ONNX model."
+    )
+    train = commands.add_parser("train", help=train_help, description=train_help)
+    train.add_argument("build", help="build directory from 'neoflow compile --train'")
+    train.add_argument("--data", required=True, help="'digits' (scikit-learn's 8x8 digits) or an .npz with x and y")
+    train.add_argument("--epochs", type=int, default=10, help="epochs (10)")
+    train.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
+    train.add_argument("--lr", type=float, default=None, help="learning rate (default: the compiled one)")
+    train.add_argument("--seed", type=int, default=0, help="seed for the split and shuffling (0)")
+    train.add_argument("-o", "--output", default=None, metavar="FILE", help="trained model (BUILD/trained.onnx)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=cmd_train)
     return parser
 
 

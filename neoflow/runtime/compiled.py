@@ -122,12 +122,13 @@ class CompiledModel:
 
     # ----------------------------------------------------------------- running
 
-    def _source(self, name: str) -> str:
+    def public_name(self, name: str) -> str:
+        """The name a tensor has in the model file (its graph name for text models)."""
         return self._names.get(name, name)
 
     def _feed(self, graph: Graph, given: Mapping[str, np.ndarray], extra: Mapping[str, np.ndarray]) -> dict:
         """Every input of ``graph``: the caller's (checked), parameters, state, ``extra``."""
-        table = {self._source(t.name): t for t in graph.free_inputs if t.name not in extra}
+        table = {self.public_name(t.name): t for t in graph.free_inputs if t.name not in extra}
         table = {k: t for k, t in table.items() if t.name not in self._values}
         unknown = sorted(set(given) - set(table))
         if unknown:
@@ -145,7 +146,7 @@ class CompiledModel:
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Inference with the current parameters: outputs by name."""
         outputs = self._run.run(self._feed(self.inference, inputs, {}))
-        return {self._source(name): value for name, value in outputs.items()}
+        return {self.public_name(name): value for name, value in outputs.items()}
 
     def _training_feed(self, batch: Mapping[str, np.ndarray]) -> dict:
         training = self._require_training()
@@ -190,7 +191,7 @@ class CompiledModel:
         (the parameters are not changed)."""
         training = self._require_training()
         outputs = self._gradients.run(self._training_feed(batch))
-        return {self._source(p): outputs[g] for p, g in training.gradients.items()}
+        return {self.public_name(p): outputs[g] for p, g in training.gradients.items()}
 
     def _require_training(self) -> TrainingGraph:
         if self.training is None:
@@ -201,11 +202,11 @@ class CompiledModel:
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The model's parameters (trained values), by name, as copies."""
-        return {self._source(p): self._values[p].copy() for p in self._parameter_names}
+        return {self.public_name(p): self._values[p].copy() for p in self._parameter_names}
 
     def set_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Replace some parameters' values (by name); shapes must match."""
-        table = {self._source(p): p for p in self._parameter_names}
+        table = {self.public_name(p): p for p in self._parameter_names}
         for name, value in values.items():
             if name not in table:
                 raise InputError(f"parameter '{name}' does not exist (the model has: {', '.join(sorted(table))})")
@@ -245,7 +246,7 @@ class CompiledModel:
             raise CompileError("export_onnx needs a model imported from ONNX (this one was built from text)")
         model = onnx.ModelProto()
         model.CopyFrom(self.source)
-        values = {self._source(p): self._values[p] for p in self._parameter_names}
+        values = {self.public_name(p): self._values[p] for p in self._parameter_names}
         for k, tensor in enumerate(model.graph.initializer):
             if tensor.name in values:
                 old = numpy_helper.to_array(tensor)
@@ -297,6 +298,9 @@ def _write_atomically(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(handle, "wb") as f:
             f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)

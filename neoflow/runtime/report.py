@@ -18,7 +18,7 @@ def _shape(shape: tuple[int, ...]) -> str:
 def compile_report(model: CompiledModel) -> str:
     """A human-readable report of ``model``: graph sizes, loss and optimizer,
     trainable/frozen parameters, saved activations, gradient forms and memory."""
-    name = model._source
+    name = model.public_name
     inference = model.inference
     lines = [f"neoflow compile report (target {model.target})"]
     lines.append(f"inference: {len(inference.ops)} ops; {model.memory['inference'].summary()}")
