@@ -204,7 +204,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     total = sum(r.seconds for r in results)
     final = results[-1].test_accuracy
     accuracy = f"test accuracy {final:.1%}" if final is not None else f"loss {results[-1].loss:.4f}"
-    print(f"{accuracy} after {len(results)} epochs in {total:.1f} s; wrote {out}")
+    print(f"{accuracy} after {len(results)} epoch{'s' if len(results) != 1 else ''} in {total:.1f} s; wrote {out}")
     return 0
 
 

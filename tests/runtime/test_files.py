@@ -18,8 +18,7 @@ MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 def _batches(count: int, seed: int = 3):
     rng = np.random.default_rng(seed)
     return [
-        {"x": rng.standard_normal((32, 1, 8, 8)).astype(np.float32), "y": rng.integers(0, 10, 32)}
-        for _ in range(count)
+        {"x": rng.standard_normal((32, 1, 8, 8)).astype(np.float32), "y": rng.integers(0, 10, 32)} for _ in range(count)
     ]
 
 
@@ -32,7 +31,11 @@ def test_save_load_resumes_training_exactly(tmp_path: Path) -> None:
     losses = [first.train_step(b) for b in batches[:3]]
     first.save(tmp_path / "build")
     assert {p.name for p in (tmp_path / "build").iterdir()} == {
-        "manifest.json", "model.onnx", "report.txt", "state.npz", "train_step.nf"
+        "manifest.json",
+        "model.onnx",
+        "report.txt",
+        "state.npz",
+        "train_step.nf",
     }
     resumed = neoflow.load(tmp_path / "build")
     assert resumed.step == 3

@@ -1,0 +1,95 @@
+"""neoflow compile --train and neoflow train, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from neoflow.cli import main
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def test_compile_train_digits_cnn_reaches_95_percent_and_exports_onnx(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("sklearn")
+    ort = pytest.importorskip("onnxruntime")
+    build = tmp_path / "build"
+    args = ["compile", str(MODELS / "cnn.onnx"), "--train", "--loss", "cross_entropy", "--labels", "y"]
+    assert main([*args, "--optimizer", "adam", "--lr", "1e-2", "-o", str(build)]) == 0
+    out = capsys.readouterr().out
+    assert "training step:" in out and "peak live memory" in out
+    assert json.loads((build / "manifest.json").read_text())["train"]["optimizer"] == "adam"
+    assert main(["train", str(build), "--data", "digits", "--epochs", "10", "--batch", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "epoch 10/10" in out
+    final = float(out.split("test accuracy ")[1].split("%")[0])
+    assert final >= 95.0, out
+    # the exported model predicts the same under onnxruntime as under neoflow
+    from sklearn.datasets import load_digits
+
+    x = (load_digits().data[:64] / 16.0).astype(np.float32).reshape(64, 1, 8, 8)
+    session = ort.InferenceSession(str(build / "trained.onnx"), providers=["CPUExecutionProvider"])
+    import neoflow
+
+    ours = neoflow.compile(build / "trained.onnx")
+    for half in (x[:32], x[32:]):
+        np.testing.assert_array_equal(
+            session.run(None, {"x": half})[0].argmax(1), ours.run({"x": half})["logits"].argmax(1)
+        )
+
+
+def test_train_from_npz_with_mse_and_another_batch(tmp_path: Path, capsys) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((100, 64)).astype(np.float32)
+    y = (x[:, :10] > 0).argmax(axis=1)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    build = tmp_path / "b"
+    assert (
+        main(["compile", str(MODELS / "mlp.onnx"), "--train", "--loss", "mse", "--labels", "t", "-o", str(build)]) == 0
+    )
+    capsys.readouterr()
+    out_file = tmp_path / "mlp_trained.onnx"
+    code = main(
+        [
+            "train",
+            str(build),
+            "--data",
+            str(tmp_path / "data.npz"),
+            "--epochs",
+            "2",
+            "--batch",
+            "16",
+            "-o",
+            str(out_file),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "batch 16" in out and "epoch 2/2" in out and out_file.is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "{models}", "--data", "digits"], "is not a neoflow build directory"),
+        (["train", "{build}", "--data", "nothing.npz"], "no such data set"),
+        (["train", "{build}", "--data", "{bad}"], "the data's samples have shape [5] (5 values)"),
+        (["train", "{build}", "--data", "digits", "--epochs", "0"], "--epochs must be at least 1"),
+        (["compile", "{models}/mlp.onnx", "--train", "--loss", "logits", "-o", "{tmp}/x"], "a loss must be a scalar"),
+        (["compile", "{models}/mlp.onnx", "--train", "--freeze", "w7", "-o", "{tmp}/x"], "'w7' does not exist"),
+    ],
+)
+def test_errors_are_one_line(tmp_path: Path, capsys, argv, message) -> None:
+    build = tmp_path / "build"
+    assert main(["compile", str(MODELS / "mlp.onnx"), "--train", "--labels", "y", "-o", str(build)]) == 0
+    np.savez(tmp_path / "bad.npz", x=np.zeros((40, 5)), y=np.zeros(40, np.int64))
+    capsys.readouterr()
+    names = {"models": MODELS, "build": build, "bad": tmp_path / "bad.npz", "tmp": tmp_path}
+    assert main([a.format(**names) for a in argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()  # no half-written build
