@@ -81,7 +81,7 @@ def backward(graph: Graph, loss: str, wrt: Sequence[str], stop: Collection[str] 
     parts: dict[str, list[Op]] = {name: [] for name in active}
     ops: list[Op] = []
     if loss in active:
-        ops.append(_statement(grad_name[loss], tensors[loss].shape, "1.0", {}))
+        ops.append(_statement(grad_name[loss], tensors[loss], "1.0", {}))
     for op in reversed(graph.ops):
         if op.name not in active:
             continue
@@ -95,9 +95,7 @@ def backward(graph: Graph, loss: str, wrt: Sequence[str], stop: Collection[str] 
             parts[name].append(ops[-1])
             if not only and len(parts[name]) == consumers[name]:
                 body = " + ".join(f"{p.name}[{{v}}]" for p in parts[name])
-                ops.append(
-                    _statement(grad_name[name], tensors[name].shape, body, {p.name: p.output for p in parts[name]})
-                )
+                ops.append(_statement(grad_name[name], tensors[name], body, {p.name: p.output for p in parts[name]}))
     reached = [name for name in wrt if name in active]
     saved = dict.fromkeys(n for op in ops for n in op.input_names if n in tensors)
     return Backward(
@@ -108,7 +106,7 @@ def backward(graph: Graph, loss: str, wrt: Sequence[str], stop: Collection[str] 
     )
 
 
-def _statement(name: str, shape: tuple[int, ...], body: str, tensors: dict[str, Tensor]) -> Op:
-    """``name[i0, ...] = body`` with ``{v}`` in ``body`` standing for the index list."""
-    variables = ", ".join(f"i{d}" for d in range(len(shape)))
-    return build_statement(f"{name}[{variables}] = {body.format(v=variables)}", tensors, shape)
+def _statement(name: str, like: Tensor, body: str, tensors: dict[str, Tensor]) -> Op:
+    """``name[i0, ...] = body`` shaped like ``like``, with ``{v}`` in ``body`` standing for the index list."""
+    variables = ", ".join(f"i{d}" for d in range(len(like.shape)))
+    return build_statement(f"{name}[{variables}] = {body.format(v=variables)}", tensors, like.shape, like.dtype)

@@ -1,0 +1,54 @@
+"""Training options: a loss the model computes, frozen parameters, the learning rate as an input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import neoflow
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+
+
+def test_a_scalar_output_the_model_computes_is_the_loss() -> None:
+    graph = neoflow.graph(
+        """W = tensor([3, 4])
+        X = tensor([5, 4])
+        Y[n, k] = ReduceAdd({c}, X[n, c] * W[k, c])
+        Energy[] = ReduceAdd({n, k}, Y[n, k] * Y[n, k]) * 0.5
+        """,
+        outputs=["Energy"],
+    )
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
+    model = neoflow.compile(graph, train=neoflow.TrainSpec(loss="Energy", lr=0.01), parameters={"W": w})
+    assert model.training.labels is None
+    wt = torch.tensor(w, requires_grad=True)
+    energy = 0.5 * ((torch.from_numpy(x) @ wt.T) ** 2).sum()
+    energy.backward()
+    np.testing.assert_allclose(model.gradients({"X": x})["W"], wt.grad.numpy(), rtol=1e-5)
+    assert model.train_step({"X": x}) == pytest.approx(energy.item(), rel=1e-6)
+    np.testing.assert_allclose(model.parameters()["W"], w - 0.01 * wt.grad.numpy(), rtol=1e-5)
+
+
+def test_frozen_parameters_stay_and_the_learning_rate_is_an_input() -> None:
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.1, frozen=("w1", "b1"))
+    model = neoflow.compile(MODELS_DIR / "mlp.onnx", train=spec)
+    assert model.training.trainable == ("w2", "b2")
+    assert "frozen or not reaching the loss: w1, b1" in model.report()
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((32, 64)).astype(np.float32), "y": rng.integers(0, 10, 32)}
+    start = model.parameters()
+    model.lr = 0.0
+    model.train_step(batch)
+    for name, value in model.parameters().items():
+        np.testing.assert_array_equal(value, start[name])
+    model.lr = 0.1
+    model.train_step(batch)
+    after = model.parameters()
+    np.testing.assert_array_equal(after["w1"], start["w1"])
+    assert not np.array_equal(after["w2"], start["w2"])
+    assert model.step == 2
