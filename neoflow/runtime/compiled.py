@@ -133,7 +133,7 @@ class CompiledModel:
         unknown = sorted(set(given) - set(table))
         if unknown:
             raise InputError(f"'{unknown[0]}' is not an input of the model (inputs: {', '.join(table)})")
-        values = {**graph.parameters, **{k: v for k, v in self._values.items()}, **extra}
+        values = {**graph.parameters, **self._values, **extra}
         for source, tensor in table.items():
             if source not in given:
                 raise InputError(f"missing input '{source}' (expected shape {list(tensor.shape)}, {tensor.dtype})")
