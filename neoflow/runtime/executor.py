@@ -33,4 +33,10 @@ class InterpreterExecutor:
         return {name: values[name] for name in self.keep}
 
 
-EXECUTORS = {"interp": InterpreterExecutor}
+def _cpu(graph: Graph, keep: Collection[str]):
+    from neoflow.runtime.cpu import CpuExecutor
+
+    return CpuExecutor(graph, keep)
+
+
+EXECUTORS = {"interp": InterpreterExecutor, "cpu": _cpu}

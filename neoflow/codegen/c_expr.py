@@ -1,0 +1,267 @@
+"""Tensor-expression values and sympy index expressions as C expressions.
+
+Every operation converts its operands to the dtype the reference interpreter
+computes in (``Binary.operand_dtype``, ``dtypes.compute_dtype``) and its
+result to the node's dtype, so compiled code rounds where the interpreter
+does.  Integer floor division and modulo follow Python (the helpers in
+``PRELUDE``); floating ``max``/``min`` propagate NaN like numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import sympy
+from sympy.core.function import AppliedUndef
+
+from neoflow.errors import CompileError
+from neoflow.ir import dtypes as dt
+from neoflow.ir.expr import Binary, Cast, Const, Expr, Index, Read, Reduce, Select, Unary
+from neoflow.ir.op import Tensor
+
+C_TYPES = {
+    "float16": "_Float16",
+    "float32": "float",
+    "float64": "double",
+    "int8": "int8_t",
+    "int16": "int16_t",
+    "int32": "int32_t",
+    "int64": "int64_t",
+    "uint8": "uint8_t",
+    "uint16": "uint16_t",
+    "uint32": "uint32_t",
+    "uint64": "uint64_t",
+    "bool": "_Bool",
+}
+
+PRELUDE = r"""
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#define floord(n, d) (((n) < 0) ? -((-(n) + (d) - 1) / (d)) : (n) / (d))
+#define min(x, y) ((x) < (y) ? (x) : (y))
+#define max(x, y) ((x) > (y) ? (x) : (y))
+static inline int64_t nf_fdiv(int64_t a, int64_t b) {
+    if (b == 0) return 0;
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static inline int64_t nf_mod(int64_t a, int64_t b) {
+    if (b == 0) return 0;
+    int64_t r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+static inline double nf_fmod(double a, double b) {
+    double r = fmod(a, b);
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+static inline int64_t nf_ipow(int64_t a, int64_t b) {
+    int64_t r = 1;
+    if (b < 0) return 0;
+    while (b) { if (b & 1) r *= a; a *= a; b >>= 1; }
+    return r;
+}
+#define NF_FMAX(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
+#define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
+#define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))
+#define NF_IMIN(a, b) ((a) < (b) ? (a) : (b))
+#ifdef _OPENMP
+void nf_set_threads(int n) { omp_set_num_threads(n); }
+#else
+void nf_set_threads(int n) { (void)n; }
+#endif
+"""
+
+_FLOAT_FUNCS = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "abs": "fabs", "erf": "erf"}
+
+
+def c_type(dtype: str) -> str:
+    """The C type holding values of ``dtype``; storage-only types are refused."""
+    name = dt.concrete(dtype)
+    if name not in C_TYPES:
+        raise CompileError(f"dtype {name} has no C type on the cpu target")
+    return C_TYPES[name]
+
+
+def _compute(dtype: str) -> str:
+    return str(dt.compute_dtype(dtype))
+
+
+def _is_float(dtype: str) -> bool:
+    return dt.is_float(dt.concrete(dtype))
+
+
+def _math(name: str, dtype: str) -> str:
+    """The C math function for ``name`` in ``dtype`` (``expf`` for float32/16, ``exp`` for float64)."""
+    return name if dt.concrete(dtype) == "float64" else f"{name}f"
+
+
+def _literal(value: object, dtype: str) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return f"INT64_C({value})" if abs(value) >= 2**31 else str(value)
+    number = float(value)
+    if math.isnan(number):
+        return "NAN"
+    if math.isinf(number):
+        return "INFINITY" if number > 0 else "(-INFINITY)"
+    text = repr(number)
+    return text if dt.concrete(dtype) == "float64" else f"{text}f"
+
+
+def cast(text: str, source: str, target: str) -> str:
+    """``text`` (of dtype ``source``) converted to ``target``."""
+    source, target = dt.concrete(source), dt.concrete(target)
+    if source == target:
+        return text
+    if target == "bool":
+        return f"(({text}) != 0)"
+    return f"(({c_type(target)})({text}))"
+
+
+class IndexPrinter:
+    """sympy index expressions as C ``int64_t`` expressions.  ``variable`` maps an
+    index variable to its C name; ``read`` renders a data-dependent read."""
+
+    def __init__(self, variable: Callable[[str], str], read: Callable[[str, Sequence[str]], str]) -> None:
+        self.variable = variable
+        self.read = read
+
+    def __call__(self, expr: sympy.Expr) -> str:
+        if expr.is_Integer:
+            return _literal(int(expr), "int64")
+        if expr.is_Symbol:
+            return self.variable(expr.name)
+        if isinstance(expr, AppliedUndef):
+            return f"((int64_t){self.read(expr.func.__name__, [self(a) for a in expr.args])})"
+        if isinstance(expr, sympy.floor):
+            inner = expr.args[0]
+            den = sympy.fraction(sympy.together(inner))[1]
+            if not den.is_Integer:
+                raise CompileError(f"index expression {expr} divides by a non-constant")
+            return f"nf_fdiv({self(sympy.expand(inner * den))}, {int(den)})"
+        if isinstance(expr, sympy.Mod):
+            return f"nf_mod({self(expr.args[0])}, {self(expr.args[1])})"
+        if expr.is_Add:
+            return "(" + " + ".join(self(a) for a in expr.args) + ")"
+        if expr.is_Mul:
+            coeff, rest = expr.as_coeff_Mul()
+            if not coeff.is_Integer:
+                raise CompileError(f"index expression {expr} has a fractional coefficient")
+            factors = [self(f) for f in sympy.Mul.make_args(rest)]
+            return (
+                "(" + " * ".join([_literal(int(coeff), "int64"), *factors]) + ")"
+                if coeff != 1
+                else ("(" + " * ".join(factors) + ")")
+            )
+        raise CompileError(f"index expression {expr} has no C form")
+
+
+def linear_index(indices: Sequence[str], shape: Sequence[int]) -> str:
+    """Row-major offset of ``indices`` (C expressions) in a tensor of ``shape``."""
+    if not shape:
+        return "0"
+    text = indices[0]
+    for size, idx in zip(shape[1:], indices[1:], strict=True):
+        text = f"({text}) * {size} + {idx}"
+    return text
+
+
+class ValuePrinter:
+    """Value expressions as C.  ``tensors`` gives each read tensor's shape and
+    C name; ``index`` prints index expressions; ``reduction`` names the C
+    variable holding a (separately computed) reduction's value."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor],
+        names: Mapping[str, str],
+        index: IndexPrinter,
+        reduction: Callable[[Reduce], str],
+    ) -> None:
+        self.tensors = tensors
+        self.names = names
+        self.index = index
+        self.reduction = reduction
+        self.on_branch: Callable[[Expr, bool], AbstractContextManager] = lambda cond, positive: nullcontext()
+
+    def read(self, tensor: str, indices: Sequence[str]) -> str:
+        """``tensor[indices]`` with C index expressions."""
+        return f"{self.names[tensor]}[{linear_index(indices, self.tensors[tensor].shape)}]"
+
+    def __call__(self, node: Expr, target: str | None = None) -> str:
+        """``node`` as C, converted to ``target`` (default: the node's dtype)."""
+        text = self._value(node)
+        return cast(text, node.dtype, target) if target is not None else text
+
+    def _value(self, node: Expr) -> str:
+        if isinstance(node, Const):
+            return _literal(node.value, node.dtype)
+        if isinstance(node, Index):
+            return self.index(node.expr)
+        if isinstance(node, Read):
+            return self.read(node.tensor, [self.index(i) for i in node.indices])
+        if isinstance(node, Reduce):
+            return self.reduction(node)
+        if isinstance(node, Cast):
+            return cast(self(node.x), node.x.dtype, node.to)
+        if isinstance(node, Select):
+            cond = self(node.cond, "bool")
+            with self.on_branch(node.cond, True):
+                a = self(node.a, node.dtype)
+            with self.on_branch(node.cond, False):
+                b = self(node.b, node.dtype)
+            return f"({cond} ? {a} : {b})"
+        if isinstance(node, Unary):
+            return self._unary(node)
+        if isinstance(node, Binary):
+            return self._binary(node)
+        raise CompileError(f"no C form for {type(node).__name__}")
+
+    def _unary(self, node: Unary) -> str:
+        if node.op == "!":
+            return f"(!{self(node.x, 'bool')})"
+        work = _compute(node.dtype)
+        x = self(node.x, work)
+        if node.op == "-":
+            return f"(-{x})"
+        if not _is_float(work):
+            if node.op == "abs":
+                return f"(({x}) < 0 ? -({x}) : ({x}))"
+            raise CompileError(f"'{node.op}' of an integer has no C form")
+        if node.op == "sigmoid":
+            return f"(1 / (1 + {_math('exp', work)}(-{x})))"
+        return f"{_math(_FLOAT_FUNCS[node.op], work)}({x})"
+
+    def _binary(self, node: Binary) -> str:
+        if node.op in ("&&", "||"):
+            a = self(node.a, "bool")
+            with self.on_branch(node.a, node.op == "&&"):
+                b = self(node.b, "bool")
+            return f"({a} {node.op} {b})"
+        operand = _compute(node.operand_dtype)
+        a, b = self(node.a, operand), self(node.b, operand)
+        floating = _is_float(operand)
+        if node.op in ("+", "-", "*", "<", "<=", ">", ">=", "==", "!="):
+            text = f"({a} {node.op} {b})"
+        elif node.op == "/":
+            text = f"({a} / {b})"
+        elif node.op == "//":
+            text = f"{_math('floor', operand)}({a} / {b})" if floating else f"nf_fdiv({a}, {b})"
+        elif node.op == "%":
+            text = f"nf_fmod({a}, {b})" if floating else f"nf_mod({a}, {b})"
+        elif node.op == "pow":
+            text = f"{_math('pow', operand)}({a}, {b})" if floating else f"nf_ipow({a}, {b})"
+        elif node.op in ("max", "min"):
+            text = f"NF_{'F' if floating else 'I'}{node.op.upper()}({a}, {b})"
+        else:
+            raise CompileError(f"operator '{node.op}' has no C form")
+        result = "bool" if node.dtype == "bool" else operand
+        return cast(text, result, node.dtype)

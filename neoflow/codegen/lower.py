@@ -1,0 +1,266 @@
+"""Lowering: an op → statements with isl iteration domains → a C loop nest from isl's AST generator.
+
+An op ``Out[x] = body`` becomes statements over isl sets:
+
+* for each reduction ``R`` in ``body`` (innermost first where they nest), an
+  *init* statement ``acc = identity`` over the enclosing points and an
+  *update* statement ``acc = acc (+) term`` over the enclosing points times
+  ``R``'s own axes, restricted to ``R``'s domain condition and to the guards of
+  the ``Select`` branches it sits in (the affine parts in isl, the rest as C
+  ``if``) — so a strided or parity domain from autodiff becomes a tight strided
+  loop and a read a ``Select`` skips is never performed;
+* a *store* statement ``Out[x] = body`` (reductions replaced by their
+  accumulators); a ``Select`` at the top of ``body`` whose condition is affine is
+  split into two stores on the two parts of the domain (the guard becomes loop
+  bounds).
+
+Their schedule keeps every output point's statements together (output
+indices outermost, then a statement position, then reduction axes), and isl's
+AST generator prints the loops.  Statements are C macros the loops call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import islpy as isl
+
+from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, cast, linear_index
+from neoflow.errors import CompileError
+from neoflow.ir import bounds
+from neoflow.ir.expr import Binary, Expr, Reduce, Select
+from neoflow.ir.op import Op
+
+PREFIX = bounds.PREFIX
+_IDENTITY = {
+    "ReduceAdd": "0",
+    "ReduceMul": "1",
+}
+_COMBINE = {"ReduceAdd": "{acc} + {x}", "ReduceMul": "{acc} * {x}"}
+
+
+@dataclass
+class Statement:
+    """One statement: a name, its variables, isl domain constraint, schedule and C body."""
+
+    name: str
+    variables: list[str]
+    constraint: str
+    schedule: list[str]
+    body: str
+
+
+@dataclass
+class _Scope:
+    """Where statements are being created: enclosing variables, the schedule
+    prefix, isl constraints and C guards that hold there."""
+
+    variables: list[str]
+    prefix: list[str]
+    constraints: list[str]
+    guards: list[str]
+    counter: list[int] = field(default_factory=lambda: [0])
+
+    def position(self) -> str:
+        self.counter[0] += 1
+        return str(self.counter[0] - 1)
+
+    def guarded(self, cond: Expr, printer: ValuePrinter, positive: bool) -> _Scope:
+        """This scope under ``cond`` (or its negation)."""
+        affine = bounds.condition_to_isl(cond, positive)
+        constraints = [*self.constraints, affine] if affine is not None else self.constraints
+        guards = self.guards
+        if affine is None or not _fully_affine(cond):
+            text = printer(cond, "bool")
+            guards = [*guards, text if positive else f"!{text}"]
+        return _Scope(self.variables, self.prefix, constraints, guards, self.counter)
+
+
+def _fully_affine(cond: Expr) -> bool:
+    """Whether ``condition_to_isl`` captures ``cond`` exactly (not just a necessary part)."""
+    if isinstance(cond, Binary) and cond.op in ("&&", "||"):
+        return _fully_affine(cond.a) and _fully_affine(cond.b)
+    return bounds.condition_to_isl(cond) is not None
+
+
+class Lowering:
+    """Lower one op to C: ``function(name)`` returns the C definition of a
+    function taking the output buffer, then the input buffers in ``op.inputs`` order."""
+
+    def __init__(self, op: Op) -> None:
+        if op.scatter is not None and op.reductions:
+            raise CompileError("a scatter op with reductions has no C lowering", op=op.name)
+        self.op = op
+        self.statements: list[Statement] = []
+        self.accumulators: list[tuple[str, str]] = []  # (C type, name)
+        self.extent = op.extent
+        tensors = {t.name: t for t in op.inputs}
+        tensors[op.name] = op.output
+        names = {t: f"t_{t}" for t in tensors}
+        self.index = IndexPrinter(lambda v: f"{PREFIX}{v}", lambda t, idx: self.values.read(t, idx))
+        self.values = ValuePrinter(tensors, names, self.index, self._reduction)
+        self.values.on_branch = self._branch
+        self._scope: _Scope | None = None
+        self._computed: dict[tuple, str] = {}
+
+    # --------------------------------------------------------------- statements
+
+    def _add(self, scope: _Scope, variables: list[str], body: str, schedule_tail: list[str] | None = None) -> None:
+        constraint = " and ".join(f"({c})" for c in scope.constraints) or "1 = 1"
+        if scope.guards:
+            body = f"if ({' && '.join(scope.guards)}) {{ {body} }}"
+        schedule = [*scope.prefix, scope.position(), *(schedule_tail or [])]
+        self.statements.append(Statement(f"S{len(self.statements)}", variables, constraint, schedule, body))
+
+    @contextmanager
+    def _branch(self, cond: Expr, positive: bool) -> Iterator[None]:
+        """Statements created while printing a ``Select`` branch (or the right side
+        of ``&&``/``||``) only run where ``cond`` is ``positive``."""
+        scope = self._scope
+        assert scope is not None
+        self._scope = scope.guarded(cond, self.values, positive)
+        try:
+            yield
+        finally:
+            self._scope = scope
+
+    def _reduction(self, node: Reduce) -> str:
+        """Create the init and update statements of ``node`` in the current scope
+        (once per scope); return its accumulator."""
+        scope = self._scope
+        assert scope is not None
+        key = (node, tuple(scope.variables), tuple(scope.constraints), tuple(scope.guards))
+        if key in self._computed:
+            return self._computed[key]
+        name = f"acc{len(self.accumulators)}"
+        self._computed[key] = name
+        dtype = node.dtype
+        self.accumulators.append((c_type(dtype), name))
+        self._add(scope, scope.variables, f"{name} = {self._identity(node)};")
+        inner_vars = [*scope.variables, *node.axes]
+        box = bounds.box_constraint({a: self.extent[a] for a in node.axes})
+        inner = _Scope(
+            inner_vars,
+            [*scope.prefix, scope.position(), *(PREFIX + a for a in node.axes)],
+            [*scope.constraints, box],
+            scope.guards,
+        )
+        self._scope = inner
+        if node.where is not None:
+            inner = inner.guarded(node.where, self.values, True)
+            self._scope = inner
+        term = self.values(node.body, dtype)
+        combine = self._combine(node, name, term)
+        self._add(inner, inner_vars, f"{name} = {combine};")
+        self._scope = scope
+        return name
+
+    def _identity(self, node: Reduce) -> str:
+        if node.kind in _IDENTITY:
+            return cast(_IDENTITY[node.kind], "int64", node.dtype)
+        floating = node.dtype.startswith("float")
+        if floating:
+            return "(-INFINITY)" if node.kind == "ReduceMax" else "INFINITY"
+        bits = {"int8": 8, "int16": 16, "int32": 32, "int64": 64, "uint8": 8, "uint16": 16, "uint32": 32, "uint64": 64}
+        if node.dtype == "bool":
+            return "0" if node.kind == "ReduceMax" else "1"
+        width = bits[node.dtype]
+        if node.dtype.startswith("u"):
+            return "0" if node.kind == "ReduceMax" else f"UINT{width}_MAX"
+        return f"INT{width}_MIN" if node.kind == "ReduceMax" else f"INT{width}_MAX"
+
+    def _combine(self, node: Reduce, acc: str, term: str) -> str:
+        if node.kind in _COMBINE:
+            return cast(_COMBINE[node.kind].format(acc=acc, x=term), node.dtype, node.dtype)
+        floating = node.dtype.startswith("float")
+        which = "MAX" if node.kind == "ReduceMax" else "MIN"
+        # numpy's max/min propagate NaN
+        return (
+            f"NF_{'F' if floating else 'I'}{which}({acc}, {term})"
+            if floating or node.dtype != "bool"
+            else (f"({acc} {'||' if which == 'MAX' else '&&'} {term})")
+        )
+
+    def _store(self, scope: _Scope, body: Expr) -> None:
+        op = self.op
+        self._scope = scope
+        value = self.values(body, op.dtype)
+        out = f"t_{op.name}"
+        if op.scatter is not None:
+            target = linear_index([self.index(e) for e in op.scatter], op.shape)
+            self._add(scope, scope.variables, f"{out}[{target}] += {value};")
+        else:
+            target = linear_index([f"{PREFIX}{v}" for v in op.indices], op.shape)
+            self._add(scope, scope.variables, f"{out}[{target}] = {value};")
+
+    def build(self) -> None:
+        """Create every statement of the op."""
+        op = self.op
+        outer = [*op.indices]
+        box = bounds.box_constraint({v: self.extent[v] for v in outer})
+        scope = _Scope(outer, [PREFIX + v for v in outer], [box], [])
+        body = op.body
+        if (
+            op.scatter is None
+            and isinstance(body, Select)
+            and _fully_affine(body.cond)
+            and not any(isinstance(n, Reduce) for n in body.cond.walk())
+        ):
+            self._store(scope.guarded(body.cond, self.values, True), body.a)
+            self._store(scope.guarded(body.cond, self.values, False), body.b)
+        else:
+            self._store(scope, body)
+
+    # ---------------------------------------------------------------------- C
+
+    def loops(self) -> str:
+        """The loop nest isl generates for the statements (C text calling them)."""
+        depth = max(len(s.schedule) for s in self.statements)
+        domains, schedules = [], []
+        for s in self.statements:
+            variables = ", ".join(PREFIX + v for v in s.variables)
+            domains.append(f"{s.name}[{variables}] : {s.constraint}")
+            times = [*s.schedule, *["0"] * (depth - len(s.schedule))]
+            schedules.append(f"{s.name}[{variables}] -> [{', '.join(times)}]")
+        domain = isl.UnionSet("{ " + "; ".join(domains) + " }")
+        schedule = isl.UnionMap("{ " + "; ".join(schedules) + " }").intersect_domain(domain)
+        build = isl.AstBuild.from_context(isl.Set("{ : }"))
+        return build.node_from_schedule_map(schedule).to_C_str()
+
+    def function(self, name: str) -> str:
+        """The C function computing the op (the output first, then the inputs)."""
+        self.build()
+        op = self.op
+        params = [f"{c_type(op.dtype)} *restrict t_{op.name}"]
+        params += [f"const {c_type(t.dtype)} *restrict t_{t.name}" for t in op.inputs]
+        lines = [f"void {name}({', '.join(params)}) {{"]
+        macros = []
+        for s in self.statements:
+            args = ", ".join(f"a{k}" for k in range(len(s.variables)))
+            binds = "".join(f"const int64_t {PREFIX}{v} = (a{k}); " for k, v in enumerate(s.variables))
+            macros.append(f"#define {s.name}({args}) do {{ {binds}{s.body} }} while (0)")
+        for ctype, acc in self.accumulators:
+            lines.append(f"    {ctype} {acc};")
+        if op.scatter is not None:
+            lines.append(f"    memset(t_{op.name}, 0, sizeof(*t_{op.name}) * {op.output.size});")
+        loops = self.loops()
+        parallel = op.scatter is None and any(self.extent[v] > 1 for v in op.indices)
+        private = f" private({', '.join(a for _, a in self.accumulators)})" if self.accumulators else ""
+        outer_dims = {f"c{k}" for k in range(len(op.indices))}
+        for line in loops.splitlines():
+            if parallel and line.startswith("for (int ") and line[9:].split(" ", 1)[0] in outer_dims:
+                lines.append(f"    #pragma omp parallel for{private}")
+            lines.append("    " + line)
+        lines.append("}")
+        undefs = [f"#undef {s.name}" for s in self.statements]
+        return "\n".join([*macros, *lines, *undefs])
+
+
+def lower_op(op: Op, name: str) -> str:
+    """The C function ``name`` computing ``op``."""
+    try:
+        return Lowering(op).function(name)
+    except CompileError as err:
+        raise err.with_context(op=op.name) from None

@@ -1,0 +1,80 @@
+"""The cpu target's executor: one C translation unit per graph, compiled, loaded with ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Collection, Mapping
+
+import numpy as np
+
+from neoflow.codegen.c_expr import PRELUDE
+from neoflow.codegen.compiler import load_library
+from neoflow.codegen.lower import lower_op
+from neoflow.errors import CompileError
+from neoflow.ir import dtypes as dt
+from neoflow.ir.graph import Graph
+from neoflow.ir.interpreter import evaluate_op
+from neoflow.runtime.memory import MemoryPlan, plan_memory
+
+
+def threads() -> int:
+    """Threads for compiled kernels: ``NEOFLOW_NUM_THREADS`` or all cores."""
+    value = os.environ.get("NEOFLOW_NUM_THREADS")
+    return max(1, int(value)) if value and value.isdigit() else os.cpu_count() or 1
+
+
+def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
+    """The C source of every op of ``graph`` that has a C lowering: returns the
+    source, the function name of each lowered op, and the ops left to the
+    interpreter with the reason."""
+    parts = [PRELUDE]
+    functions: dict[str, str] = {}
+    interpreted: dict[str, str] = {}
+    for k, op in enumerate(graph.ops):
+        name = f"nf_op{k}"
+        try:
+            parts.append(lower_op(op, name))
+        except CompileError as err:
+            interpreted[op.name] = err.message
+            continue
+        functions[op.name] = name
+    return "\n\n".join(parts) + "\n", functions, interpreted
+
+
+class CpuExecutor:
+    """Runs ``graph`` as compiled C kernels (ops without a C lowering run in the
+    interpreter and are listed in ``interpreted``), freeing tensors by ``plan``."""
+
+    target = "cpu"
+
+    def __init__(self, graph: Graph, keep: Collection[str]) -> None:
+        self.graph = graph
+        self.keep = tuple(dict.fromkeys(keep))
+        self.plan: MemoryPlan = plan_memory(graph, self.keep)
+        self.source, names, self.interpreted = module_source(graph)
+        self.library = load_library(self.source)
+        self.library.nf_set_threads(ctypes.c_int(threads()))
+        self.kernels = {}
+        for op in graph.ops:
+            if op.name in names:
+                function = getattr(self.library, names[op.name])
+                function.argtypes = [ctypes.c_void_p] * (1 + len(op.inputs))
+                function.restype = None
+                self.kernels[op.name] = function
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Evaluate the graph on ``inputs``; returns the kept tensors by name."""
+        values = dict(inputs)
+        for op, dead in zip(self.graph.ops, self.plan.free_after, strict=True):
+            kernel = self.kernels.get(op.name)
+            if kernel is None:
+                values[op.name] = evaluate_op(op, {name: values[name] for name in op.input_names})
+            else:
+                args = [np.ascontiguousarray(values[t.name], dtype=dt.numpy_dtype(t.dtype)) for t in op.inputs]
+                out = np.empty(op.shape, dt.numpy_dtype(op.dtype))
+                kernel(out.ctypes.data, *(a.ctypes.data for a in args))
+                values[op.name] = out
+            for name in dead:
+                values.pop(name, None)
+        return {name: values[name] for name in self.keep}
