@@ -98,7 +98,9 @@ class Lowering:
         self.extent = op.extent
         tensors = {t.name: t for t in op.inputs}
         tensors[op.name] = op.output
-        names = {t: f"t_{t}" for t in tensors}
+        # buffers are named by position, so ops that differ only in tensor names lower to the same C
+        names = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
+        names[op.name] = "out"
         self.index = IndexPrinter(lambda v: f"{PREFIX}{v}", lambda t, idx: self.values.read(t, idx))
         self.values = ValuePrinter(tensors, names, self.index, self._reduction)
         self.values.on_branch = self._branch
@@ -187,7 +189,7 @@ class Lowering:
         op = self.op
         self._scope = scope
         value = self.values(body, op.dtype)
-        out = f"t_{op.name}"
+        out = "out"
         if op.scatter is not None:
             target = linear_index([self.index(e) for e in op.scatter], op.shape)
             self._add(scope, scope.variables, f"{out}[{target}] += {value};")
@@ -233,8 +235,8 @@ class Lowering:
         """The C function computing the op (the output first, then the inputs)."""
         self.build()
         op = self.op
-        params = [f"{c_type(op.dtype)} *restrict t_{op.name}"]
-        params += [f"const {c_type(t.dtype)} *restrict t_{t.name}" for t in op.inputs]
+        params = [f"{c_type(op.dtype)} *restrict out"]
+        params += [f"const {c_type(t.dtype)} *restrict in{k}" for k, t in enumerate(op.inputs)]
         lines = [f"void {name}({', '.join(params)}) {{"]
         macros = []
         for s in self.statements:
@@ -244,7 +246,7 @@ class Lowering:
         for ctype, acc in self.accumulators:
             lines.append(f"    {ctype} {acc};")
         if op.scatter is not None:
-            lines.append(f"    memset(t_{op.name}, 0, sizeof(*t_{op.name}) * {op.output.size});")
+            lines.append(f"    memset(out, 0, sizeof(*out) * {op.output.size});")
         loops = self.loops()
         parallel = op.scatter is None and any(self.extent[v] > 1 for v in op.indices)
         private = f" private({', '.join(a for _, a in self.accumulators)})" if self.accumulators else ""

@@ -18,9 +18,10 @@ from neoflow.errors import CompileError, InputError
 from neoflow.frontend import load_onnx, read_model
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
-from neoflow.ir.op import Tensor
+from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import print_graph
 from neoflow.ir.text import parse_graph
+from neoflow.runtime.custom_op import CompiledOp
 from neoflow.runtime.executor import EXECUTORS
 from neoflow.runtime.report import compile_report
 
@@ -30,20 +31,26 @@ BUILD_FORMAT = "neoflow-build/1"
 
 
 def compile(
-    model: ModelSource,
+    model: ModelSource | Op,
     target: str = "interp",
     train: TrainSpec | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
     parameters: Mapping[str, np.ndarray] | None = None,
-) -> CompiledModel:
-    """Compile an ONNX model (path or ModelProto), a ``.nf`` program or a ``Graph``.
+    grad: bool = False,
+) -> CompiledModel | CompiledOp:
+    """Compile an ONNX model (path or ModelProto), a ``.nf`` program, a ``Graph``
+    or a single ``Op``.
 
     ``train`` adds a training step (loss, reverse pass, optimizer update);
     ``shapes`` binds input shapes by name; ``parameters`` gives values to graph
     inputs, which then become parameters (trainable unless frozen).  Returns a
-    ``CompiledModel``.  Errors are ``neoflow`` errors with one-line messages."""
+    ``CompiledModel``; for an ``Op``, a ``CompiledOp`` (with ``grad=True`` its
+    adjoints too: ``.run(inputs)``, ``.backward(inputs, {"dOut": ...})``).
+    Errors are ``neoflow`` errors with one-line messages."""
     if target not in EXECUTORS:
         raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
+    if isinstance(model, Op):
+        return CompiledOp(model, target, grad)
     proto = None
     if isinstance(model, Graph):
         inference = model

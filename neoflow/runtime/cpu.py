@@ -27,18 +27,22 @@ def threads() -> int:
 def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
     """The C source of every op of ``graph`` that has a C lowering: returns the
     source, the function name of each lowered op, and the ops left to the
-    interpreter with the reason."""
+    interpreter with the reason.  Ops that lower to the same code share one
+    function (buffers are passed by position)."""
     parts = [PRELUDE]
     functions: dict[str, str] = {}
     interpreted: dict[str, str] = {}
-    for k, op in enumerate(graph.ops):
-        name = f"nf_op{k}"
+    by_code: dict[str, str] = {}
+    for op in graph.ops:
         try:
-            parts.append(lower_op(op, name))
+            code = lower_op(op, "KERNEL")
         except CompileError as err:
             interpreted[op.name] = err.message
             continue
-        functions[op.name] = name
+        if code not in by_code:
+            by_code[code] = f"nf_kernel{len(by_code)}"
+            parts.append(code.replace("void KERNEL(", f"void {by_code[code]}(", 1))
+        functions[op.name] = by_code[code]
     return "\n\n".join(parts) + "\n", functions, interpreted
 
 

@@ -10,6 +10,7 @@ from onnx import numpy_helper
 from onnx.backend.test.runner import Runner
 
 import neoflow
+from tests.targets import evaluate_on
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 MODELS = [
@@ -26,7 +27,7 @@ MODELS = [
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_light_model_reproduces_the_shipped_output(name: str) -> None:
+def test_light_model_reproduces_the_shipped_output(name: str, target: str) -> None:
     path = LIGHT / f"light_{name}.onnx"
     model = onnx.load(path)
     graph = neoflow.load_onnx(path)
@@ -38,5 +39,5 @@ def test_light_model_reproduces_the_shipped_output(name: str) -> None:
         if v.name not in initializers
     }
     expected = numpy_helper.to_array(onnx.load_tensor(LIGHT / f"light_{name}_output_0.pb"))
-    out = neoflow.evaluate(graph, inputs)[graph.outputs[0]]
+    out = evaluate_on(target, graph, inputs)[graph.outputs[0]]
     np.testing.assert_allclose(out, expected, rtol=1e-3, atol=1e-7)  # the onnx runner's tolerances

@@ -53,8 +53,8 @@ def _batch(seed: int = 1) -> dict[str, np.ndarray]:
     return {"x": rng.standard_normal((6, 2, 5, 5)).astype(np.float32), "y": rng.integers(0, 3, 6)}
 
 
-def test_batchnorm_training_matches_pytorch_and_updates_running_statistics() -> None:
-    model = neoflow.compile(_model(0.0), train=neoflow.TrainSpec(labels="y", lr=0.1))
+def test_batchnorm_training_matches_pytorch_and_updates_running_statistics(target: str) -> None:
+    model = neoflow.compile(_model(0.0), target=target, train=neoflow.TrainSpec(labels="y", lr=0.1))
     assert set(model.training.trainable) == {"c", "scale", "bias", "w", "b"}
     start = model.parameters()
     p = {k: torch.tensor(v, requires_grad=True) for k, v in start.items() if k not in ("mean", "var", "ratio")}

@@ -20,8 +20,9 @@ def _relative(ours: np.ndarray, theirs: torch.Tensor) -> float:
     return float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
-def test_capsule_network_gradients_match_pytorch_and_loss_falls() -> None:
-    model = neoflow.compile(MODELS_DIR / "capsule.onnx", train=neoflow.TrainSpec(labels="y", optimizer="adam", lr=1e-2))
+def test_capsule_network_gradients_match_pytorch_and_loss_falls(target: str) -> None:
+    spec = neoflow.TrainSpec(labels="y", optimizer="adam", lr=1e-2)
+    model = neoflow.compile(MODELS_DIR / "capsule.onnx", target=target, train=spec)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)
     y = rng.integers(0, 10, 32)
@@ -36,19 +37,19 @@ def test_capsule_network_gradients_match_pytorch_and_loss_falls() -> None:
     assert all(b <= a * 1.5 for a, b in itertools.pairwise(losses))  # no blow-up on the way
 
 
-def test_four_op_graph_trains_against_a_random_target() -> None:
+def test_four_op_graph_trains_against_a_random_target(target: str) -> None:
     graph = neoflow.graph((MODELS_DIR / "four_op.nf").read_text())
     rng = np.random.default_rng(0)
     a0 = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
     c0 = (rng.standard_normal((64, 3, 3, 3)) / 5).astype(np.float32)
-    target = rng.standard_normal((1, 19, 224, 224)).astype(np.float32)
+    goal = rng.standard_normal((1, 19, 224, 224)).astype(np.float32)
     spec = neoflow.TrainSpec(loss="mse", labels="target", optimizer="sgd", lr=0.5)
-    model = neoflow.compile(graph, train=spec, parameters={"A": a0, "C": c0})
+    model = neoflow.compile(graph, target=target, train=spec, parameters={"A": a0, "C": c0})
     a, c = torch.tensor(a0, requires_grad=True), torch.tensor(c0, requires_grad=True)
-    F.mse_loss(four_op(a, c), torch.from_numpy(target)).backward()
-    grads = model.gradients({"target": target})
+    F.mse_loss(four_op(a, c), torch.from_numpy(goal)).backward()
+    grads = model.gradients({"target": goal})
     assert _relative(grads["A"], a.grad) < 1e-5
     assert _relative(grads["C"], c.grad) < 1e-5
-    losses = [model.train_step({"target": target}) for _ in range(3)]
+    losses = [model.train_step({"target": goal}) for _ in range(3)]
     assert losses[2] < losses[1] < losses[0]
     assert not np.array_equal(model.parameters()["A"], a0)

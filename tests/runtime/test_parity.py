@@ -36,9 +36,10 @@ OPTIMIZERS = {
 }
 
 
-def _losses(kind: str, optimizer: str, steps: int) -> tuple[list[float], list[float]]:
+def _losses(kind: str, optimizer: str, steps: int, target: str = "interp") -> tuple[list[float], list[float]]:
     settings, make_torch = OPTIMIZERS[optimizer]
-    model = neoflow.compile(MODELS_DIR / f"{kind}.onnx", train=neoflow.TrainSpec(labels="y", **settings))
+    spec = neoflow.TrainSpec(labels="y", **settings)
+    model = neoflow.compile(MODELS_DIR / f"{kind}.onnx", target=target, train=spec)
     params = {k: torch.tensor(v, requires_grad=True) for k, v in model.parameters().items()}
     forward = MODELS[kind](params)
     optim = make_torch(list(params.values()))
@@ -58,8 +59,8 @@ def _losses(kind: str, optimizer: str, steps: int) -> tuple[list[float], list[fl
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_first_20_steps_match_pytorch(kind: str, optimizer: str) -> None:
-    ours, theirs = _losses(kind, optimizer, 20)
+def test_first_20_steps_match_pytorch(kind: str, optimizer: str, target: str) -> None:
+    ours, theirs = _losses(kind, optimizer, 20, target)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4)
     assert ours[-1] < ours[0]  # it learns (the data is random, but 20 steps fit it a little)
 

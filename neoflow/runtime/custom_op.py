@@ -1,0 +1,69 @@
+"""A single op compiled with its adjoints: what a user with a new layer calls.
+
+layer = neoflow.compile(op, target="cpu", grad=True)
+out = layer.run({"A": a, "B": b})
+grads = layer.backward({"A": a, "B": b}, {"dC": dout})   # {"A": dA, "B": dB}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from neoflow.autodiff import grad as derive
+from neoflow.errors import CompileError, InputError
+from neoflow.ir import dtypes as dt
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Op
+from neoflow.runtime.executor import EXECUTORS
+
+
+class CompiledOp:
+    """``op`` compiled for ``target``; with ``grad``, its adjoints too (``adjoints``
+    maps input name → adjoint op; ``backward`` evaluates them)."""
+
+    def __init__(self, op: Op, target: str, grad: bool) -> None:
+        if target not in EXECUTORS:
+            raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
+        self.op = op
+        self.target = target
+        self.forward_graph = Graph.from_ops([op])
+        self._forward = EXECUTORS[target](self.forward_graph, [op.name])
+        self.adjoints: dict[str, Op] = derive(op) if grad else {}
+        self._backward = None
+        if self.adjoints:
+            self.backward_graph = Graph.from_ops(
+                [op, *self.adjoints.values()], outputs=[a.name for a in self.adjoints.values()]
+            )
+            self._backward = EXECUTORS[target](self.backward_graph, [a.name for a in self.adjoints.values()])
+
+    def _inputs(self, graph: Graph, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = {}
+        for tensor in graph.free_inputs:
+            if tensor.name not in given:
+                raise InputError(
+                    f"missing input '{tensor.name}' (expected shape {list(tensor.shape)})", op=self.op.name
+                )
+            array = np.asarray(given[tensor.name])
+            if array.shape != tensor.shape:
+                raise InputError(
+                    f"input '{tensor.name}' has shape {list(array.shape)}, expected {list(tensor.shape)}",
+                    op=self.op.name,
+                )
+            values[tensor.name] = array.astype(dt.numpy_dtype(tensor.dtype), copy=False)
+        return values
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The op's output on ``inputs`` (arrays by input name)."""
+        return self._forward.run(self._inputs(self.forward_graph, inputs))[self.op.name]
+
+    def backward(
+        self, inputs: Mapping[str, np.ndarray], output_grad: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """Adjoints of the op's inputs, by input name, given the inputs and the output
+        adjoint (``{"d<Out>": array}``)."""
+        if self._backward is None:
+            raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
+        outputs = self._backward.run(self._inputs(self.backward_graph, {**inputs, **output_grad}))
+        return {name: outputs[adjoint.name] for name, adjoint in self.adjoints.items()}
