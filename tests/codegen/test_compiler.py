@@ -1,0 +1,55 @@
+"""Building shared libraries: the cache, and clear errors."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.codegen import compiler
+from neoflow.errors import CompileError
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+SOURCE = "int nf_answer(void) { return 42; }\n"
+
+
+def test_library_is_cached_by_source(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NEOFLOW_CACHE_DIR", str(tmp_path))
+    first = compiler.build_library(SOURCE)
+    assert first.parent == tmp_path / "kernels" and first.with_suffix(".c").read_text() == SOURCE
+    stamp = first.stat().st_mtime_ns
+    assert compiler.build_library(SOURCE) == first and first.stat().st_mtime_ns == stamp
+    assert compiler.build_library(SOURCE + "\n") != first
+    assert compiler.load_library(SOURCE).nf_answer() == 42
+
+
+def test_missing_compiler_is_a_clear_error_and_interp_still_works(monkeypatch) -> None:
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(CompileError, match=r"no C compiler found \('no-such-cc'\); .* use target='interp'"):
+        neoflow.compile(neoflow.op("Y[i] = X[i] + 1", shapes={"X": (3,)}), target="cpu")
+    layer = neoflow.compile(neoflow.op("Y[i] = X[i] + 1", shapes={"X": (3,)}), target="interp")
+    np.testing.assert_array_equal(layer.run({"X": np.zeros(3)}), np.ones(3))
+
+
+def test_compile_failure_shows_the_compiler_output(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NEOFLOW_CACHE_DIR", str(tmp_path))
+    with pytest.raises(CompileError) as err:
+        compiler.build_library("int broken( {\n")
+    message = str(err.value)
+    assert "the C compiler failed" in message and "error" in message and "\n" not in message
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left behind
+
+
+def test_two_processes_compiling_at_once(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    code = "import sys; from neoflow.codegen import compiler; print(compiler.load_library(sys.argv[1]).nf_answer())"
+    env = {**__import__("os").environ, "NEOFLOW_CACHE_DIR": str(tmp_path)}
+    source = SOURCE + "/* race */\n"
+    runs = [subprocess.Popen([sys.executable, "-c", code, source], env=env, stdout=subprocess.PIPE) for _ in range(3)]
+    assert [p.communicate()[0].strip() for p in runs] == [b"42"] * 3
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
