@@ -4,7 +4,7 @@
     rep = backend.prepare(model, "CPU")
     outputs = rep.run([x])
 
-Models run through the reference interpreter (compiled targets come later).
+Models run through the reference interpreter, or compiled C with ``prepare(model, target="cpu")``.
 A model is imported when it first runs, for the shapes of its inputs (and the
 values of its integer and scalar inputs); other shapes import it again, once each.
 """
@@ -19,10 +19,11 @@ import onnx
 from onnx import helper
 from onnx.backend.base import Backend, BackendRep
 
-from neoflow.errors import InputError
+from neoflow.errors import CompileError, InputError
 from neoflow.frontend import load_onnx, read_model
 from neoflow.ir.graph import Graph
-from neoflow.ir.interpreter import evaluate_graph
+from neoflow.ir.interpreter import check_inputs, evaluate_graph
+from neoflow.runtime.executor import EXECUTORS
 
 #: Node inputs that shape the graph (scales, bounds, pads): bound as constants when given at run time.
 STATIC_INPUTS = {
@@ -41,9 +42,13 @@ STATIC_INPUTS = {
 class NeoflowRep(BackendRep):
     """A prepared model: imported graphs by input shapes."""
 
-    def __init__(self, model: onnx.ModelProto, check: bool = True) -> None:
+    def __init__(self, model: onnx.ModelProto, check: bool = True, target: str = "interp") -> None:
+        if target not in EXECUTORS:
+            raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
         self.model = model
         self.check = check
+        self.target = target
+        self.executors: dict[int, object] = {}
         initializers = {t.name for t in model.graph.initializer}
         self.input_names = [v.name for v in model.graph.input if v.name not in initializers]
         self.output_names = [v.name for v in model.graph.output]
@@ -80,7 +85,13 @@ class NeoflowRep(BackendRep):
         arrays = {name: np.asarray(value) for name, value in given.items()}
         graph, bound = self.graph_for(arrays)
         names = {onnx_name: name for name, onnx_name in graph.source_names.items()}
-        outputs = evaluate_graph(graph, {names[n]: a for n, a in arrays.items() if n not in bound})
+        feed = {names[n]: a for n, a in arrays.items() if n not in bound}
+        if self.target == "interp":
+            outputs = evaluate_graph(graph, feed)
+        else:
+            if id(graph) not in self.executors:
+                self.executors[id(graph)] = EXECUTORS[self.target](graph, graph.outputs)
+            outputs = self.executors[id(graph)].run(check_inputs(graph.inputs, {**graph.parameters, **feed}, "graph"))
         return tuple(outputs[names[n]] for n in self.output_names)
 
 
@@ -88,10 +99,11 @@ class NeoflowBackend(Backend):
     """The neoflow ONNX backend (CPU)."""
 
     @classmethod
-    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> NeoflowRep:
+    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", target: str = "interp", **kwargs: Any) -> NeoflowRep:
+        """Prepare ``model`` to run on ``target`` (``interp``, the reference
+        interpreter, or ``cpu``, compiled C)."""
         super().prepare(model, device, **kwargs)
-        rep = NeoflowRep(read_model(model))
-        return rep
+        return NeoflowRep(read_model(model), target=target)
 
     @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any):

@@ -84,31 +84,29 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    graph = _load_graph(args)
-    given = dict(args.input)
-    rng = np.random.default_rng(args.seed)
+def _random_or_given(tensors, given: dict[str, str], random: bool, seed: int) -> dict[str, np.ndarray]:
+    """Input arrays: from ``--input NAME=file.npy`` or (with ``--random``) random normal."""
+    rng = np.random.default_rng(seed)
     inputs: dict[str, np.ndarray] = {}
-    for tensor in graph.free_inputs:
-        if tensor.name in given:
+    for name, tensor in tensors:
+        if name in given:
             try:
-                inputs[tensor.name] = np.load(given.pop(tensor.name), allow_pickle=False)
+                inputs[name] = np.load(given.pop(name), allow_pickle=False)
             except (OSError, ValueError) as err:
-                raise InputError(f"cannot read input '{tensor.name}': {err}") from None
-        elif args.random:
-            inputs[tensor.name] = rng.standard_normal(tensor.shape).astype(tensor.dtype)
+                raise InputError(f"cannot read input '{name}': {err}") from None
+        elif random:
+            inputs[name] = rng.standard_normal(tensor.shape).astype(tensor.dtype)
         else:
             raise InputError(
-                f"no value for input '{tensor.name}' {list(tensor.shape)}: give --input "
-                f"{tensor.name}=file.npy or --random"
+                f"no value for input '{name}' {list(tensor.shape)}: give --input {name}=file.npy or --random"
             )
     if given:
-        names = ", ".join(t.name for t in graph.free_inputs)
+        names = ", ".join(name for name, _ in tensors)
         raise InputError(f"'{next(iter(given))}' is not an input of the graph (inputs: {names})")
-    start = time.perf_counter()
-    outputs = evaluate_graph(graph, inputs)
-    elapsed = time.perf_counter() - start
-    out_dir = Path(args.output) if args.output else None
+    return inputs
+
+
+def _report_outputs(outputs: dict[str, np.ndarray], out_dir: Path | None) -> None:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     for name, value in outputs.items():
@@ -118,6 +116,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         if out_dir is not None:
             np.save(out_dir / f"{name}.npy", value)
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    model = neoflow.load(args.program)
+    tensors = [(model.public_name(t.name), t) for t in model.inference.free_inputs]
+    inputs = _random_or_given(tensors, dict(args.input), args.random, args.seed)
+    start = time.perf_counter()
+    outputs = model.run(inputs)
+    elapsed = time.perf_counter() - start
+    _report_outputs(outputs, Path(args.output) if args.output else None)
+    print(f"target {model.target}: {elapsed:.4f} s for {len(model.inference.ops)} ops")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if Path(args.program).is_dir():
+        return _run_build(args)
+    graph = _load_graph(args)
+    inputs = _random_or_given([(t.name, t) for t in graph.free_inputs], dict(args.input), args.random, args.seed)
+    start = time.perf_counter()
+    outputs = evaluate_graph(graph, inputs)
+    elapsed = time.perf_counter() - start
+    _report_outputs(outputs, Path(args.output) if args.output else None)
     print(f"interpreter: {elapsed:.3f} s for {len(graph.ops)} ops")
     return 0
 
@@ -251,7 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     def program_command(name: str, help_text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("program", help="statements in the text language, a file holding them, or an .onnx model")
+        sub.add_argument(
+            "program",
+            help="statements in the text language, a file holding them, an .onnx model, or (run) a build directory",
+        )
         sub.add_argument(
             "--shape",
             action="append",
@@ -300,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp = commands.add_parser("compile", help=compile_help, description=compile_help)
     comp.add_argument("model", help="an .onnx model or an .nf program")
     comp.add_argument("-o", "--output", default="build", metavar="DIR", help="build directory to write (build)")
-    comp.add_argument("--target", default="interp", help="code generation target (interp)")
+    comp.add_argument(
+        "--target", default="interp", help="interp (reference interpreter) or cpu (C compiled with cc) (interp)"
+    )
     comp.add_argument(
         "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"
     )

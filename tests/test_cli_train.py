@@ -93,3 +93,27 @@ def test_errors_are_one_line(tmp_path: Path, capsys, argv, message) -> None:
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "x").exists()  # no half-written build
+
+
+def test_compile_for_cpu_writes_source_library_and_runs(tmp_path: Path, capsys) -> None:
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    build = tmp_path / "build"
+    assert (
+        main(["compile", str(MODELS / "cnn.onnx"), "--target", "cpu", "--train", "--labels", "y", "-o", str(build)])
+        == 0
+    )
+    names = {p.name for p in build.iterdir()}
+    assert {"inference.c", "inference.so", "train_step.c", "train_step.so", "manifest.json", "model.onnx"} <= names
+    assert "#pragma omp parallel for" in (build / "train_step.c").read_text()
+    capsys.readouterr()
+    x = np.random.default_rng(0).standard_normal((32, 1, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    assert main(["run", str(build), "--input", f"x={tmp_path / 'x.npy'}", "-o", str(tmp_path / "out")]) == 0
+    assert "target cpu" in capsys.readouterr().out
+    import neoflow
+
+    expected = neoflow.compile(MODELS / "cnn.onnx").run({"x": x})["logits"]
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "logits.npy"), expected, rtol=1e-5, atol=1e-6)

@@ -233,7 +233,8 @@ def _chunks(shape: tuple[int, ...], per_point: int) -> Iterator[tuple[slice, ...
     yield from cover((), 0)
 
 
-def _check_inputs(tensors: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray], owner: str) -> dict[str, np.ndarray]:
+def check_inputs(tensors: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray], owner: str) -> dict[str, np.ndarray]:
+    """``inputs`` for ``tensors``: each present, of the right shape, converted to its dtype."""
     arrays = {}
     for tensor in tensors:
         if tensor.name not in inputs:
@@ -252,7 +253,7 @@ def evaluate_op(op: Op, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 
     Inputs are converted to the dtype the op declares for them; a missing input
     or a wrong shape raises ``InputError``."""
-    arrays = _check_inputs(op.inputs, inputs, op.name)
+    arrays = check_inputs(op.inputs, inputs, op.name)
     return _evaluate(op, arrays)
 
 
@@ -277,7 +278,7 @@ def _evaluate(op: Op, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def evaluate_graph(graph: Graph, inputs: Mapping[str, np.ndarray], keep: bool = False) -> dict[str, np.ndarray]:
     """Evaluate ``graph``; returns its outputs by name (every tensor if ``keep``)."""
-    values = _check_inputs(graph.inputs, {**graph.parameters, **inputs}, "graph")
+    values = check_inputs(graph.inputs, {**graph.parameters, **inputs}, "graph")
     for op in graph.ops:
         values[op.name] = _evaluate(op, values)
     names = list(values) if keep else graph.outputs

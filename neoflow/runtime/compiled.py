@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -291,6 +292,10 @@ class CompiledModel:
             if self.training is not None:
                 np.savez(staging / "state.npz", **{k: self._values[k] for k in self.training.state})
                 (staging / "train_step.nf").write_text(print_graph(self.training.graph) + "\n")
+            for role, executor in (("inference", self._run), ("train_step", self._train)):
+                if getattr(executor, "source", None) is not None:
+                    (staging / f"{role}.c").write_text(executor.source)
+                    shutil.copyfile(executor.library_path, staging / f"{role}.so")
             (staging / "report.txt").write_text(self.report() + "\n")
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             for item in staging.iterdir():

@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 import numpy as np
 
 from neoflow.codegen.c_expr import PRELUDE
-from neoflow.codegen.compiler import load_library
+from neoflow.codegen.compiler import build_library
 from neoflow.codegen.lower import lower_op
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
@@ -57,7 +57,8 @@ class CpuExecutor:
         self.keep = tuple(dict.fromkeys(keep))
         self.plan: MemoryPlan = plan_memory(graph, self.keep)
         self.source, names, self.interpreted = module_source(graph)
-        self.library = load_library(self.source)
+        self.library_path = build_library(self.source)
+        self.library = ctypes.CDLL(str(self.library_path))
         self.library.nf_set_threads(ctypes.c_int(threads()))
         self.kernels = {}
         for op in graph.ops:

@@ -15,6 +15,15 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape)) or "scalar"
 
 
+def _interpreted(model: CompiledModel) -> list[str]:
+    """Lines naming the ops a compiled target left to the interpreter, and why."""
+    lines = []
+    for role, executor in (("inference", model._run), ("training step", model._train)):
+        for op, reason in getattr(executor, "interpreted", {}).items():
+            lines.append(f"  {role}: op '{op}' runs in the interpreter ({reason})")
+    return lines
+
+
 def compile_report(model: CompiledModel) -> str:
     """A human-readable report of ``model``: graph sizes, loss and optimizer,
     trainable/frozen parameters, saved activations, gradient forms and memory."""
@@ -22,6 +31,7 @@ def compile_report(model: CompiledModel) -> str:
     inference = model.inference
     lines = [f"neoflow compile report (target {model.target})"]
     lines.append(f"inference: {len(inference.ops)} ops; {model.memory['inference'].summary()}")
+    lines.extend(_interpreted(model))
     training = model.training
     if training is None:
         return "\n".join(lines)
