@@ -38,6 +38,7 @@ C_TYPES = {
 
 PRELUDE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <stddef.h>
 #include <string.h>
 #include <math.h>

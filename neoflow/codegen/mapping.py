@@ -61,9 +61,10 @@ def _operand(node: Expr) -> Read | None:
 
 
 def contraction(op: Op) -> Contraction | None:
-    """``op`` as a ``Contraction``, or None when it is not a sum of products of two different reads."""
+    """``op`` as a ``Contraction``, or None when it is not a sum of products of two
+    different reads over a whole box (a reduction with a domain condition is not)."""
     body = op.body
-    if op.scatter is not None or not isinstance(body, Reduce) or body.kind != "ReduceAdd":
+    if op.scatter is not None or not isinstance(body, Reduce) or body.kind != "ReduceAdd" or body.where is not None:
         return None
     product = body.body
     if not isinstance(product, Binary) or product.op != "*":

@@ -10,6 +10,7 @@ import numpy as np
 
 from neoflow.codegen.c_expr import PRELUDE
 from neoflow.codegen.compiler import build_library
+from neoflow.codegen.gemm import MICROKERNEL
 from neoflow.codegen.lower import lower_op
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
@@ -29,7 +30,7 @@ def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
     source, the function name of each lowered op, and the ops left to the
     interpreter with the reason.  Ops that lower to the same code share one
     function (buffers are passed by position)."""
-    parts = [PRELUDE]
+    parts = [PRELUDE, MICROKERNEL]
     functions: dict[str, str] = {}
     interpreted: dict[str, str] = {}
     by_code: dict[str, str] = {}

@@ -1,0 +1,238 @@
+"""Contractions on the CPU's register-blocked outer-product intrinsic (BLIS-style).
+
+For a float32 op ``Out[x] = ReduceAdd({r}, A[..] * B[..]) (+ epilogue)``, the best
+``outer_product`` mapping from ``neoflow.codegen.mapping`` gives the op variables
+fused onto the intrinsic's ``i`` (rows, from operand ``a``), ``j`` (columns, from
+``b``) and ``k`` (the reduction), and the batch variables left outside.  The
+emitted C then runs a blocked matrix product over the fused extents
+``M x N x K``:
+
+* blocks of ``b`` (``KC x NC``) and of ``a`` (``MC x KC``) are *packed* into
+  contiguous strips of ``NR`` columns / ``MR`` rows; packing evaluates the op's own
+  read expressions (padding guards included, out-of-range rows and columns as
+  zeros), so any index map the mapper accepts is handled the same way;
+* a ``MR x NR`` = 6 x 16 micro-kernel keeps 12 accumulators in ymm registers
+  (AVX2 + FMA intrinsics; GCC vector extensions where AVX2 is missing) and
+  streams the packed strips;
+* results are written back through the op's output index map, and the
+  epilogue (a bias, for instance) is added in the last ``KC`` block;
+* the ``MC`` loop is OpenMP-parallel, each thread packing its own ``a`` block.
+"""
+
+from __future__ import annotations
+
+import math
+
+from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
+from neoflow.codegen.mapping import Mapping, contraction, mappings
+from neoflow.ir.expr import Binary, Expr, Reduce
+from neoflow.ir.op import Op
+
+MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
+MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
+
+MICROKERNEL = r"""
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+    __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+    __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+        __m256 x;
+        x = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
+        x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
+        x = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
+        x = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
+        x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
+        x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
+        a += 6;
+        b += 16;
+    }
+    _mm256_storeu_ps(c + 0, c00); _mm256_storeu_ps(c + 8, c01); _mm256_storeu_ps(c + 16, c10);
+    _mm256_storeu_ps(c + 24, c11); _mm256_storeu_ps(c + 32, c20); _mm256_storeu_ps(c + 40, c21);
+    _mm256_storeu_ps(c + 48, c30); _mm256_storeu_ps(c + 56, c31); _mm256_storeu_ps(c + 64, c40);
+    _mm256_storeu_ps(c + 72, c41); _mm256_storeu_ps(c + 80, c50); _mm256_storeu_ps(c + 88, c51);
+}
+#else
+typedef float nf_v8 __attribute__((vector_size(32)));
+static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
+    nf_v8 acc[6][2] = {{{0}}};
+    for (int64_t k = 0; k < kc; ++k) {
+        nf_v8 b0, b1;
+        memcpy(&b0, b, 32);
+        memcpy(&b1, b + 8, 32);
+        for (int m = 0; m < 6; ++m) {
+            const nf_v8 x = {a[m], a[m], a[m], a[m], a[m], a[m], a[m], a[m]};
+            acc[m][0] += x * b0;
+            acc[m][1] += x * b1;
+        }
+        a += 6;
+        b += 16;
+    }
+    memcpy(c, acc, sizeof(acc));
+}
+#endif
+"""
+
+
+def _split_epilogue(body: Expr) -> tuple[Reduce, Expr | None]:
+    if isinstance(body, Reduce):
+        return body, None
+    assert isinstance(body, Binary) and body.op == "+"
+    return (body.a, body.b) if isinstance(body.a, Reduce) else (body.b, body.a)
+
+
+def gemm_mapping(op: Op) -> Mapping | None:
+    """The outer-product mapping the blocked kernel uses for ``op``, or None when
+    the op is not a float32 contraction (plus an optional epilogue) worth blocking."""
+    if op.dtype != "float32" or any(t.dtype != "float32" for t in op.inputs):
+        return None
+    body = op.body
+    if isinstance(body, Binary) and body.op == "+":
+        parts = [p for p in (body.a, body.b) if isinstance(p, Reduce)]
+        if len(parts) != 1 or any(isinstance(n, Reduce) for n in (body.b if parts[0] is body.a else body.a).walk()):
+            return None
+        body = parts[0]
+    if not isinstance(body, Reduce):
+        return None
+    probe = Op(op.output, op.indices, body, op.inputs, op.ranges)
+    form = contraction(probe)
+    if form is None or math.prod(op.extent.values()) < MIN_MACS:
+        return None
+    outputs = set(op.indices)
+    for mapping in mappings(probe, "cpu", "outer_product"):
+        if set(mapping.outer) <= outputs:
+            return mapping
+    return None
+
+
+def _unflatten(flat: str, variables: list[tuple[str, int]]) -> str:
+    """C declaring ``v_<name>`` for each variable from a row-major flat index."""
+    if not variables:
+        return ""
+    lines = [f"int64_t rest_ = {flat};"]
+    for name, extent in reversed(variables[1:]):
+        lines.append(f"const int64_t v_{name} = rest_ % {extent}; rest_ /= {extent};")
+    lines.append(f"const int64_t v_{variables[0][0]} = rest_;")
+    return " ".join(lines)
+
+
+def gemm_function(op: Op, mapping: Mapping, name: str) -> str:
+    """The C function ``name`` computing ``op`` with the blocked outer-product kernel."""
+    reduce, epilogue = _split_epilogue(op.body)
+    product = reduce.body
+    assert isinstance(product, Binary)
+    operands = dict(mapping.operands)
+    groups = dict(mapping.axes)
+    extent = op.extent
+    tensors = {t.name: t for t in op.inputs}
+    tensors[op.name] = op.output
+    names = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
+    names[op.name] = "out"
+    index = IndexPrinter(lambda v: f"v_{v}", lambda t, idx: printer.read(t, idx))
+    printer = ValuePrinter(tensors, names, index, lambda node: "0")
+    factor_a, factor_b = product.a, product.b
+    if _reads(product.a) != operands["a"]:
+        factor_a, factor_b = factor_b, factor_a
+    value_a, value_b = printer(factor_a, "float32"), printer(factor_b, "float32")
+    rows = [(v, extent[v]) for v in groups["i"]]
+    cols = [(v, extent[v]) for v in groups["j"]]
+    depth = [(v, extent[v]) for v in groups["k"]]
+    batch = [(v, extent[v]) for v in mapping.outer]
+    m, n, k = (math.prod(e for _, e in g) for g in (rows, cols, depth))
+    batches = math.prod(e for _, e in batch)
+    stride = {v: math.prod(op.shape[d + 1 :]) for d, v in enumerate(op.indices)}
+
+    def offset(group: list[tuple[str, int]]) -> str:
+        return " + ".join(f"v_{v} * {stride[v]}" for v, _ in group) or "0"
+
+    row_offset, col_offset, batch_offset = offset(rows), offset(cols), offset(batch)
+    epilogue_loop = ""
+    if epilogue is not None:
+        epilogue_loop = f"""if (last_)
+                                        for (int64_t jj = 0; jj < width; ++jj) {{
+                                            {_unflatten("jc + jr + jj", cols)}
+                                            out[row_ + col_offset[jr + jj]] += (float)({printer(epilogue, "float32")});
+                                        }}"""
+    return f"""
+void {name}(float *restrict out{"".join(f", const float *restrict in{i}" for i in range(len(op.inputs)))}) {{
+    float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, _round(n, NR))});
+    int64_t *col_offset = (int64_t *)malloc(sizeof(int64_t) * {min(NC, n)});
+    for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
+        {_unflatten("batch_", batch)}
+        const int64_t batch_offset_ = {batch_offset};
+        for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
+            const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;
+            for (int64_t j = 0; j < nc; ++j) {{
+                {_unflatten("jc + j", cols)}
+                col_offset[j] = {col_offset};
+            }}
+            for (int64_t pc = 0; pc < {k}; pc += {KC}) {{
+                const int64_t kc = pc + {KC} < {k} ? {KC} : {k} - pc;
+                const int last_ = pc + kc >= {k};
+                #pragma omp parallel for
+                for (int64_t j = 0; j < nc; ++j) {{
+                    {_unflatten("jc + j", cols)}
+                    float *strip = bpack + (j / {NR}) * {NR} * kc + j % {NR};
+                    for (int64_t p = 0; p < kc; ++p) {{
+                        {_unflatten("pc + p", depth)}
+                        strip[p * {NR}] = {value_b};
+                    }}
+                }}
+                for (int64_t j = nc; j < (nc + {NR - 1}) / {NR} * {NR}; ++j) {{
+                    float *strip = bpack + (j / {NR}) * {NR} * kc + j % {NR};
+                    for (int64_t p = 0; p < kc; ++p) strip[p * {NR}] = 0.0f;
+                }}
+                #pragma omp parallel
+                {{
+                    float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(MC, MR)});
+                    float tile[{MR * NR}] __attribute__((aligned(64)));
+                    #pragma omp for schedule(dynamic)
+                    for (int64_t ic = 0; ic < {m}; ic += {MC}) {{
+                        const int64_t mc = ic + {MC} < {m} ? {MC} : {m} - ic;
+                        for (int64_t i = 0; i < (mc + {MR - 1}) / {MR} * {MR}; ++i) {{
+                            float *strip = apack + (i / {MR}) * {MR} * kc + i % {MR};
+                            if (i >= mc) {{ for (int64_t p = 0; p < kc; ++p) strip[p * {MR}] = 0.0f; continue; }}
+                            {_unflatten("ic + i", rows)}
+                            for (int64_t p = 0; p < kc; ++p) {{
+                                {_unflatten("pc + p", depth)}
+                                strip[p * {MR}] = {value_a};
+                            }}
+                        }}
+                        for (int64_t jr = 0; jr < nc; jr += {NR}) {{
+                            for (int64_t ir = 0; ir < mc; ir += {MR}) {{
+                                nf_micro_6x16(kc, apack + ir * kc, bpack + jr * kc, tile);
+                                for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
+                                    {_unflatten("ic + ir + ii", rows)}
+                                    const int64_t row_ = batch_offset_ + {row_offset};
+                                    const float *from = tile + ii * {NR};
+                                    const int64_t width = nc - jr < {NR} ? nc - jr : {NR};
+                                    float *to = out + row_;
+                                    if (pc == 0)
+                                        for (int64_t jj = 0; jj < width; ++jj) to[col_offset[jr + jj]] = from[jj];
+                                    else
+                                        for (int64_t jj = 0; jj < width; ++jj) to[col_offset[jr + jj]] += from[jj];
+                                    {epilogue_loop}
+                                }}
+                            }}
+                        }}
+                    }}
+                    free(apack);
+                }}
+            }}
+        }}
+    }}
+    free(bpack);
+    free(col_offset);
+}}
+"""
+
+
+def _round(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _reads(node: Expr) -> str:
+    return next(n.tensor for n in node.walk() if hasattr(n, "tensor"))

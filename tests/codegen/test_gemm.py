@@ -1,0 +1,53 @@
+"""The blocked outer-product kernel: contractions with odd sizes, guards, batches and epilogues."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.codegen.gemm import gemm_mapping
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+CASES = {
+    "gemm_odd": ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (67, 300), "B": (300, 37)}),
+    "gemm_transposed_b_bias": (
+        "C[i, j] = ReduceAdd({k}, A[i, k] * W[j, k]) + Bias[j]",
+        {"A": (50, 70), "W": (33, 70), "Bias": (33,)},
+    ),
+    "batched": ("C[g, i, j] = ReduceAdd({k}, A[g, i, k] * B[g, k, j])", {"A": (3, 20, 40), "B": (3, 40, 18)}),
+    "conv_padded_bias": (
+        "Y[n, k, p, q] = ReduceAdd({c, r, s}, Select(p + r - 1 >= 0 && p + r - 1 < 9 && q + s - 1 >= 0 && "
+        "q + s - 1 < 9, X[n, c, p + r - 1, q + s - 1], 0) * W[k, c, r, s]) + Bias[k]",
+        {"X": (2, 5, 9, 9), "W": (7, 5, 3, 3), "Bias": (7,), "Y": (2, 7, 9, 9)},
+    ),
+    "capsule_stride_2": (
+        "Out[b, k, p, q, i, j] = ReduceAdd({c, r, s, t}, In0[b, c, p*2 + r, q*2 + s, i, t] * In1[k, c, r, s, t, j])",
+        {"In0": (2, 3, 9, 9, 4, 4), "In1": (5, 3, 3, 3, 4, 4)},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_blocked_kernel_matches_the_interpreter(case: str) -> None:
+    text, shapes = CASES[case]
+    out_shape = shapes.pop("Y", None)
+    op = neoflow.op(text, shapes=shapes, out_shape=out_shape)
+    assert gemm_mapping(op) is not None, "the op should take the blocked kernel"
+    rng = np.random.default_rng(0)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+    expected = neoflow.evaluate(op, inputs)
+    got = neoflow.compile(op, target="cpu").run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_small_non_float32_and_conditional_reductions_use_the_generic_loops() -> None:
+    small = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (4, 4), "B": (4, 4)})
+    double = neoflow.op(
+        "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (64, 64), "B": (64, 64)}, dtype="float64"
+    )
+    masked = neoflow.op("C[i, j] = ReduceAdd({k | k <= i}, A[i, k] * B[k, j])", shapes={"A": (64, 64), "B": (64, 64)})
+    assert gemm_mapping(small) is None and gemm_mapping(double) is None and gemm_mapping(masked) is None
