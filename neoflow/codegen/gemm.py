@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import math
 
+import sympy
+
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
 from neoflow.codegen.mapping import Mapping, contraction, mappings
-from neoflow.ir.expr import Binary, Expr, Reduce
+from neoflow.ir.expr import Binary, Expr, Read, Reduce
 from neoflow.ir.op import Op
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
@@ -144,6 +146,7 @@ def gemm_function(op: Op, mapping: Mapping, name: str) -> str:
     m, n, k = (math.prod(e for _, e in g) for g in (rows, cols, depth))
     batches = math.prod(e for _, e in batch)
     stride = {v: math.prod(op.shape[d + 1 :]) for d, v in enumerate(op.indices)}
+    pack_b = _pack_b(value_b, cols, depth, _inner_is_first(factor_b, tensors, cols, depth))
 
     def offset(group: list[tuple[str, int]]) -> str:
         return " + ".join(f"v_{v} * {stride[v]}" for v, _ in group) or "0"
@@ -172,15 +175,7 @@ void {name}(float *restrict out{"".join(f", const float *restrict in{i}" for i i
             for (int64_t pc = 0; pc < {k}; pc += {KC}) {{
                 const int64_t kc = pc + {KC} < {k} ? {KC} : {k} - pc;
                 const int last_ = pc + kc >= {k};
-                #pragma omp parallel for
-                for (int64_t j = 0; j < nc; ++j) {{
-                    {_unflatten("jc + j", cols)}
-                    float *strip = bpack + (j / {NR}) * {NR} * kc + j % {NR};
-                    for (int64_t p = 0; p < kc; ++p) {{
-                        {_unflatten("pc + p", depth)}
-                        strip[p * {NR}] = {value_b};
-                    }}
-                }}
+                {pack_b}
                 for (int64_t j = nc; j < (nc + {NR - 1}) / {NR} * {NR}; ++j) {{
                     float *strip = bpack + (j / {NR}) * {NR} * kc + j % {NR};
                     for (int64_t p = 0; p < kc; ++p) strip[p * {NR}] = 0.0f;
@@ -228,6 +223,46 @@ void {name}(float *restrict out{"".join(f", const float *restrict in{i}" for i i
     free(col_offset);
 }}
 """
+
+
+def _pack_b(value: str, cols: list[tuple[str, int]], depth: list[tuple[str, int]], columns_inner: bool) -> str:
+    """C packing a ``kc x nc`` block of operand b into ``NR``-wide strips, looping
+    so that consecutive reads are adjacent in memory."""
+    target = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
+    if columns_inner:
+        return f"""#pragma omp parallel for
+                for (int64_t p = 0; p < kc; ++p) {{
+                    {_unflatten("pc + p", depth)}
+                    for (int64_t j = 0; j < nc; ++j) {{
+                        {_unflatten("jc + j", cols)}
+                        {target} = {value};
+                    }}
+                }}"""
+    return f"""#pragma omp parallel for
+                for (int64_t j = 0; j < nc; ++j) {{
+                    {_unflatten("jc + j", cols)}
+                    for (int64_t p = 0; p < kc; ++p) {{
+                        {_unflatten("pc + p", depth)}
+                        {target} = {value};
+                    }}
+                }}"""
+
+
+def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], second: list[tuple[str, int]]) -> bool:
+    """Whether the last variable of ``first`` moves the read of ``factor`` less in
+    memory than the last variable of ``second`` (so it should be the inner loop)."""
+    read = next(n for n in factor.walk() if isinstance(n, Read))
+    shape = tensors[read.tensor].shape
+    linear = sum((expr * math.prod(shape[d + 1 :]) for d, expr in enumerate(read.indices)), sympy.Integer(0))
+    linear = sympy.expand(linear)
+
+    def step(group: list[tuple[str, int]]) -> float:
+        if not group:
+            return math.inf
+        coefficient = linear.coeff(sympy.Symbol(group[-1][0], integer=True))
+        return abs(float(coefficient)) if coefficient.is_number and coefficient != 0 else math.inf
+
+    return step(first) < step(second)
 
 
 def _round(value: int, multiple: int) -> int:
