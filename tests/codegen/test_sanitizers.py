@@ -1,0 +1,59 @@
+"""Generated C built with -fsanitize=address,undefined runs clean on a subset of the test models."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.runtime.cpu import sanitizer_program
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+MODELS = Path(__file__).resolve().parents[2] / "models"
+FOUR_OP_SMALL = (MODELS / "four_op.nf").read_text().replace("224", "16").replace("228", "20").replace("226", "18")
+FOUR_OP_SMALL = FOUR_OP_SMALL.replace("112", "8")
+
+
+def _graphs():
+    yield "mlp-train", neoflow.compile(MODELS / "mlp.onnx", train=neoflow.TrainSpec(labels="y")).training.graph
+    spec = neoflow.TrainSpec(labels="y", optimizer="adam")
+    yield "cnn-train", neoflow.compile(MODELS / "cnn.onnx", train=spec).training.graph
+    yield "capsule-train", neoflow.compile(MODELS / "capsule.onnx", train=spec).training.graph
+    yield "upsampler", neoflow.load_onnx(MODELS / "upsampler.onnx")
+    four = neoflow.graph(FOUR_OP_SMALL)
+    yield (
+        "four-op-train",
+        neoflow.compile(
+            four, train=neoflow.TrainSpec(loss="mse", labels="T"), parameters={"C": None or _zeros(four, "C")}
+        ).training.graph,
+    )
+
+
+def _zeros(graph, name):
+    import numpy as np
+
+    return np.full(graph.tensors[name].shape, 0.1, np.float32)
+
+
+@pytest.mark.parametrize(("name", "graph"), list(_graphs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_generated_code_is_clean_under_asan_and_ubsan(name, graph, tmp_path) -> None:
+    source = tmp_path / f"{name}.c"
+    source.write_text(sanitizer_program(graph))
+    binary = tmp_path / name
+    flags = ["-O1", "-g", "-fopenmp", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-std=gnu11"]
+    build = subprocess.run(["cc", *flags, str(source), "-o", str(binary), "-lm"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[:2000]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "2",
+        "ASAN_OPTIONS": "detect_leaks=0",
+        "UBSAN_OPTIONS": "print_stacktrace=1",
+    }
+    run = subprocess.run([str(binary)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0 and "runtime error" not in run.stderr, run.stderr[:3000]
+    assert run.stdout.startswith("checksum")
