@@ -26,18 +26,9 @@ def _graphs():
     yield "capsule-train", neoflow.compile(MODELS / "capsule.onnx", train=spec).training.graph
     yield "upsampler", neoflow.load_onnx(MODELS / "upsampler.onnx")
     four = neoflow.graph(FOUR_OP_SMALL)
-    yield (
-        "four-op-train",
-        neoflow.compile(
-            four, train=neoflow.TrainSpec(loss="mse", labels="T"), parameters={"C": None or _zeros(four, "C")}
-        ).training.graph,
-    )
-
-
-def _zeros(graph, name):
-    import numpy as np
-
-    return np.full(graph.tensors[name].shape, 0.1, np.float32)
+    weights = {"C": np.full(four.tensors["C"].shape, 0.1, np.float32)}
+    spec = neoflow.TrainSpec(loss="mse", labels="T")
+    yield "four-op-train", neoflow.compile(four, train=spec, parameters=weights).training.graph
 
 
 @pytest.mark.parametrize(("name", "graph"), list(_graphs()), ids=lambda v: v if isinstance(v, str) else "")
