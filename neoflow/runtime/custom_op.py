@@ -32,6 +32,7 @@ class CompiledOp:
         self._forward = EXECUTORS[target](self.forward_graph, [op.name])
         self.adjoints: dict[str, Op] = derive(op) if grad else {}
         self._backward = None
+        self._both = None
         if self.adjoints:
             self.backward_graph = Graph.from_ops(
                 [op, *self.adjoints.values()], outputs=[a.name for a in self.adjoints.values()]
@@ -57,6 +58,18 @@ class CompiledOp:
     def run(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """The op's output on ``inputs`` (arrays by input name)."""
         return self._forward.run(self._inputs(self.forward_graph, inputs))[self.op.name]
+
+    def forward_backward(
+        self, inputs: Mapping[str, np.ndarray], output_grad: Mapping[str, np.ndarray]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The output and the input adjoints in one run (the forward op computed once)."""
+        if self._backward is None:
+            raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
+        if self._both is None:
+            keep = [self.op.name, *(a.name for a in self.adjoints.values())]
+            self._both = EXECUTORS[self.target](self.backward_graph, keep)
+        outputs = self._both.run(self._inputs(self.backward_graph, {**inputs, **output_grad}))
+        return outputs[self.op.name], {name: outputs[a.name] for name, a in self.adjoints.items()}
 
     def backward(
         self, inputs: Mapping[str, np.ndarray], output_grad: Mapping[str, np.ndarray]
