@@ -27,7 +27,7 @@ import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
 from neoflow.codegen.mapping import Mapping, contraction, mappings
-from neoflow.ir.expr import Binary, Expr, Read, Reduce
+from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select
 from neoflow.ir.op import Op
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
@@ -86,11 +86,59 @@ def _split_epilogue(body: Expr) -> tuple[Reduce, Expr | None]:
     return (body.a, body.b) if isinstance(body.a, Reduce) else (body.b, body.a)
 
 
+def _variables(node: Expr) -> set[str]:
+    names: set[str] = set()
+    for item in node.walk():
+        if isinstance(item, Index):
+            names |= {sym.name for sym in item.expr.free_symbols}
+        elif isinstance(item, Read):
+            for expr in item.indices:
+                names |= {sym.name for sym in expr.free_symbols}
+    return names
+
+
+def _conjuncts(cond: Expr) -> list[Expr]:
+    if isinstance(cond, Binary) and cond.op == "&&":
+        return [*_conjuncts(cond.a), *_conjuncts(cond.b)]
+    return [cond]
+
+
+def fold_domain(op: Op) -> Op:
+    """``op`` with its contraction's domain condition moved onto the operand
+    reads it restricts: ``ReduceAdd({r | cond}, A * B)`` becomes
+    ``ReduceAdd({r}, Select(cond_A, A, 0) * Select(cond_B, B, 0))`` when every
+    conjunct of ``cond`` only involves variables of one operand's indices (the
+    excluded terms become zero products; a guarded read is never performed
+    outside its condition).  Other ops are returned unchanged."""
+    body = op.body
+    epilogue = None
+    if isinstance(body, Binary) and body.op == "+" and isinstance(body.a, Reduce):
+        body, epilogue = body.a, body.b
+    if not isinstance(body, Reduce) or body.where is None or not isinstance(body.body, Binary) or body.body.op != "*":
+        return op
+    factors = [body.body.a, body.body.b]
+    scopes = [_variables(f) for f in factors]
+    guards: list[list[Expr]] = [[], []]
+    for part in _conjuncts(body.where):
+        needed = _variables(part)
+        side = next((k for k in (0, 1) if needed <= scopes[k]), None)
+        if side is None:
+            return op
+        guards[side].append(part)
+    for k in (0, 1):
+        for part in reversed(guards[k]):
+            factors[k] = Select(part, factors[k], Const(0))
+    reduce = Reduce(body.kind, body.axes, body.extents, Binary("*", factors[0], factors[1]), None)
+    new_body = reduce if epilogue is None else Binary("+", reduce, epilogue)
+    return Op(op.output, op.indices, new_body, op.inputs, op.ranges, op.range_sources, op.info, op.scatter)
+
+
 def gemm_mapping(op: Op) -> Mapping | None:
     """The outer-product mapping the blocked kernel uses for ``op``, or None when
     the op is not a float32 contraction (plus an optional epilogue) worth blocking."""
     if op.dtype != "float32" or any(t.dtype != "float32" for t in op.inputs):
         return None
+    op = fold_domain(op)
     body = op.body
     if isinstance(body, Binary) and body.op == "+":
         parts = [p for p in (body.a, body.b) if isinstance(p, Reduce)]
@@ -123,6 +171,7 @@ def _unflatten(flat: str, variables: list[tuple[str, int]]) -> str:
 
 def gemm_function(op: Op, mapping: Mapping, name: str) -> str:
     """The C function ``name`` computing ``op`` with the blocked outer-product kernel."""
+    op = fold_domain(op)
     reduce, epilogue = _split_epilogue(op.body)
     product = reduce.body
     assert isinstance(product, Binary)
