@@ -152,10 +152,24 @@ def gemm_mapping(op: Op) -> Mapping | None:
     if form is None or math.prod(op.extent.values()) < MIN_MACS:
         return None
     outputs = set(op.indices)
-    for mapping in mappings(probe, "cpu", "outer_product"):
-        if set(mapping.outer) <= outputs:
-            return mapping
-    return None
+    candidates = [m for m in mappings(probe, "cpu", "outer_product") if set(m.outer) <= outputs]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda m: (kernel_cycles(m, op.extent), m.describe()))
+
+
+def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
+    """Estimated cycles of this kernel for ``mapping``: micro-kernel calls (6 cycles
+    each), packing (a few cycles per element, more per variable to unflatten) and the
+    write-back after each ``KC`` block, summed over the batch (outer) points."""
+    groups = dict(mapping.axes)
+    m, n, k = (math.prod(extent[v] for v in groups[a]) for a in ("i", "j", "k"))
+    batches = math.prod(extent[v] for v in mapping.outer)
+    compute = _round(m, MR) * _round(n, NR) * k / (MR * NR) * 6.0
+    pack_b = k * _round(n, NR) * (2 + 3 * (len(groups["j"]) + len(groups["k"]) - 2))
+    pack_a = -(-n // NC) * _round(m, MR) * k * (2 + 3 * (len(groups["i"]) + len(groups["k"]) - 2))
+    write_back = m * n * -(-k // KC) * 3.0
+    return batches * (compute + pack_a + pack_b + write_back)
 
 
 def _unflatten(flat: str, variables: list[tuple[str, int]]) -> str:
