@@ -27,11 +27,13 @@ import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
 from neoflow.codegen.mapping import Mapping, contraction, mappings
+from neoflow.ir import bounds
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select
 from neoflow.ir.op import Op
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
+GENERIC_CYCLES_PER_POINT = 2.0
 
 MICROKERNEL = r"""
 #if defined(__AVX2__) && defined(__FMA__)
@@ -138,6 +140,7 @@ def gemm_mapping(op: Op) -> Mapping | None:
     the op is not a float32 contraction (plus an optional epilogue) worth blocking."""
     if op.dtype != "float32" or any(t.dtype != "float32" for t in op.inputs):
         return None
+    original = op
     op = fold_domain(op)
     body = op.body
     if isinstance(body, Binary) and body.op == "+":
@@ -155,7 +158,20 @@ def gemm_mapping(op: Op) -> Mapping | None:
     candidates = [m for m in mappings(probe, "cpu", "outer_product") if set(m.outer) <= outputs]
     if not candidates:
         return None
-    return min(candidates, key=lambda m: (kernel_cycles(m, op.extent), m.describe()))
+    best = min(candidates, key=lambda m: (kernel_cycles(m, op.extent), m.describe()))
+    # the plain loop nest visits only the domain's points (isl makes strided domains exact loops);
+    # at a couple of cycles per multiply-add it wins where blocking would pad or pack too much
+    return best if kernel_cycles(best, op.extent) < GENERIC_CYCLES_PER_POINT * domain_points(original) else None
+
+
+def domain_points(op: Op) -> int:
+    """Number of (output point, reduction point) pairs of ``op``'s top reduction, counted by isl."""
+    reduce = op.body if isinstance(op.body, Reduce) else next(n for n in op.body.walk() if isinstance(n, Reduce))
+    variables = [*op.indices, *reduce.axes]
+    box = bounds.box_constraint({v: op.extent[v] for v in variables})
+    condition = bounds.condition_to_isl(reduce.where) if reduce.where is not None else None
+    constraint = box if condition is None else f"{box} and ({condition})"
+    return int(bounds.make_set(variables, constraint).count_val().to_python())
 
 
 def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
