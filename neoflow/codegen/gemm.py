@@ -27,7 +27,6 @@ import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
 from neoflow.codegen.mapping import Mapping, contraction, mappings
-from neoflow.ir import bounds
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select
 from neoflow.ir.op import Op
 
@@ -164,14 +163,23 @@ def gemm_mapping(op: Op) -> Mapping | None:
     return best if kernel_cycles(best, op.extent) < GENERIC_CYCLES_PER_POINT * domain_points(original) else None
 
 
-def domain_points(op: Op) -> int:
-    """Number of (output point, reduction point) pairs of ``op``'s top reduction, counted by isl."""
+def domain_points(op: Op) -> float:
+    """About how many (output point, reduction point) pairs ``op``'s top reduction
+    visits: the box, thinned by each lattice condition ``e % m == 0`` of its
+    domain to one point in ``m`` (bounds conditions are taken to hold; counting
+    exactly with isl would enumerate the points)."""
     reduce = op.body if isinstance(op.body, Reduce) else next(n for n in op.body.walk() if isinstance(n, Reduce))
-    variables = [*op.indices, *reduce.axes]
-    box = bounds.box_constraint({v: op.extent[v] for v in variables})
-    condition = bounds.condition_to_isl(reduce.where) if reduce.where is not None else None
-    constraint = box if condition is None else f"{box} and ({condition})"
-    return int(bounds.make_set(variables, constraint).count_val().to_python())
+    points = float(math.prod(op.extent[v] for v in (*op.indices, *reduce.axes)))
+    if reduce.where is None:
+        return points
+    for part in _conjuncts(reduce.where):
+        if isinstance(part, Binary) and part.op == "==":
+            sides = (part.a, part.b)
+            zero = any(isinstance(x, Const) and x.value == 0 for x in sides)
+            mods = [x.expr for x in sides if isinstance(x, Index) and isinstance(x.expr, sympy.Mod)]
+            if zero and mods and mods[0].args[1].is_Integer:
+                points /= int(mods[0].args[1])
+    return points
 
 
 def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
