@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.timing import median_seconds
 
 
 def _set_threads(threads: int) -> None:
@@ -72,18 +72,6 @@ def fma_peak() -> float:
     library.nf_fma_peak.argtypes = [ctypes.c_long]
     library.nf_fma_peak(10_000_000)
     return max(library.nf_fma_peak(100_000_000) for _ in range(3))
-
-
-def median_seconds(fn: Callable[[], object], runs: int) -> float:
-    """Median wall time of ``fn`` over ``runs`` runs after two warm-up runs."""
-    fn()
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @dataclass
@@ -309,6 +297,19 @@ def inference(kind: str) -> Workload:
 PEERS = ["torch eager", "torch.compile", "jax jit", "onnxruntime"]
 
 
+def machine() -> str:
+    """The CPU model (from /proc/cpuinfo on Linux) and core count."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({platform.machine()}), {os.cpu_count()} cores"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs and workloads (sgemm 1024 only)")
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = [f"{name} {t * 1e3:.2f} ms" for name, t in times.items() if t]
         print(f"{work.name}: " + ", ".join(parts), flush=True)
     lines = [
-        f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores; {args.threads} threads "
+        f"Machine: {machine()}; {args.threads} threads "
         f"for every system; median of {runs} runs after warm-up; measured FMA peak {peak:.1f} GFLOP/s.",
         "",
         "| workload | neoflow | " + " | ".join(PEERS) + " | neoflow GFLOP/s (% of peak) | goal |",

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import neoflow
+from benchmarks.timing import median_seconds
 from neoflow.runtime.memory import MemoryPlan
 from tests.runtime.torch_models import MODELS
 
@@ -38,16 +37,6 @@ RUNS = 10
 
 def _size(count: int) -> str:
     return f"{count / 1024:.1f} KiB" if count < 1 << 20 else f"{count / (1 << 20):.1f} MiB"
-
-
-def _median_seconds(step) -> float:
-    step()
-    times = []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _batch(model: neoflow.CompiledModel, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -92,9 +81,9 @@ def main() -> None:
         model = neoflow.compile(MODELS_DIR / name, train=spec)
         plan: MemoryPlan = model.memory["training"]
         batch = _batch(model, rng)
-        ours = _median_seconds(lambda model=model, batch=batch: model.train_step(batch))
+        ours = median_seconds(lambda model=model, batch=batch: model.train_step(batch), RUNS)
         torch_step = _torch_step(name, model, batch)
-        theirs = _median_seconds(torch_step) if torch_step else None
+        theirs = median_seconds(torch_step, RUNS) if torch_step else None
         peer = f"{theirs * 1e3:.2f} ms" if theirs else "-"
         ratio = f"{theirs / ours:.2f}x" if theirs else "-"
         print(
