@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = program_command("show", "Parse statements and print each op with its ranges and output shape.")
     show.set_defaults(func=cmd_show)
-    run = program_command("run", "Evaluate statements with the reference interpreter.")
+    run = program_command("run", "Evaluate statements with the interpreter, or run a build directory on its target.")
     run.add_argument(
         "--input",
         action="append",
