@@ -205,6 +205,8 @@ class Lowering:
         box = bounds.box_constraint({v: self.extent[v] for v in outer})
         scope = _Scope(outer, [PREFIX + v for v in outer], [box], [])
         body = op.body
+        if self._accumulate_in_place(box):
+            return
         if (
             op.scatter is None
             and isinstance(body, Select)
@@ -215,6 +217,39 @@ class Lowering:
             self._store(scope.guarded(body.cond, self.values, False), body.b)
         else:
             self._store(scope, body)
+
+    def _accumulate_in_place(self, box: str) -> bool:
+        """For ``Out[x] = Reduce({r | cond}, term)`` (no nested reduction), accumulate
+        straight into ``Out`` with the reduction loops *outside* the innermost output
+        loop: that loop then carries independent updates the C compiler vectorises,
+        instead of one accumulator's latency chain.  Returns whether it applied."""
+        op = self.op
+        body = op.body
+        if (
+            op.scatter is not None
+            or not isinstance(body, Reduce)
+            or len(op.indices) == 0
+            or self.extent[op.indices[-1]] < 4
+            or any(isinstance(n, Reduce) for n in body.body.walk())
+            or (body.where is not None and any(isinstance(n, Reduce) for n in body.where.walk()))
+        ):
+            return False
+        *outer, inner = op.indices
+        target = f"out[{linear_index([f'{PREFIX}{v}' for v in op.indices], op.shape)}]"
+        init_scope = _Scope(list(op.indices), [PREFIX + v for v in outer], [box], [])
+        self._scope = init_scope
+        self._add(init_scope, list(op.indices), f"{target} = {self._identity(body)};", [PREFIX + inner])
+        axes_box = bounds.box_constraint({a: self.extent[a] for a in body.axes})
+        update = _Scope([*op.indices, *body.axes], [PREFIX + v for v in outer], [box, axes_box], [], init_scope.counter)
+        self._scope = update
+        if body.where is not None:
+            update = update.guarded(body.where, self.values, True)
+            self._scope = update
+        term = self.values(body.body, body.dtype)
+        combine = self._combine(body, target, term)
+        tail = [*(PREFIX + a for a in body.axes), PREFIX + inner]
+        self._add(update, [*op.indices, *body.axes], f"{target} = {combine};", tail)
+        return True
 
     # ---------------------------------------------------------------------- C
 

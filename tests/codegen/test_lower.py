@@ -30,8 +30,19 @@ def test_strided_adjoint_domain_becomes_a_strided_loop() -> None:
     assert "nf_mod" not in code  # the lattice condition is not tested per point
 
 
-def test_reduction_is_initialised_then_accumulated_and_outer_loop_parallel() -> None:
+def test_reduction_accumulates_in_place_outside_the_innermost_output_loop() -> None:
     code = _c("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (8, 5), "B": (5, 6)})
+    init = code.index("= ((float)(0))")
+    update = code.index("out[(v_i) * 6 + v_j] = out[(v_i) * 6 + v_j] + ")
+    assert init < update
+    loops = code[code.index("void kernel") :]
+    # i outermost and parallel, then the reduction loop over k, then j innermost (vectorisable updates)
+    assert loops.index("#pragma omp parallel for") < loops.index("for (int c0")
+    assert loops.index("for (int c2 = 0; c2 <= 4") < loops.index("for (int c3 = 0; c3 <= 5")
+
+
+def test_reduction_inside_an_expression_uses_an_accumulator() -> None:
+    code = _c("Y[i] = log(ReduceAdd({k}, X[i, k] * X[i, k]))", {"X": (8, 5)})
     init = code.index("acc0 = ((float)(0))")
     update = code.index("acc0 = acc0 + ")
     store = code.index("out[")
