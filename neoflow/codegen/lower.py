@@ -21,6 +21,7 @@ AST generator prints the loops.  Statements are C macros the loops call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from neoflow.ir.expr import Binary, Expr, Reduce, Select
 from neoflow.ir.op import Op
 
 PREFIX = bounds.PREFIX
+PARALLEL_MIN_POINTS = 1 << 15  # below this, starting threads costs more than the loop
 _IDENTITY = {
     "ReduceAdd": "0",
     "ReduceMul": "1",
@@ -284,7 +286,8 @@ class Lowering:
         if op.scatter is not None:
             lines.append(f"    memset(out, 0, sizeof(*out) * {op.output.size});")
         loops = self.loops()
-        parallel = op.scatter is None and any(self.extent[v] > 1 for v in op.indices)
+        work = math.prod(self.extent.values())
+        parallel = op.scatter is None and any(self.extent[v] > 1 for v in op.indices) and work >= PARALLEL_MIN_POINTS
         private = f" private({', '.join(a for _, a in self.accumulators)})" if self.accumulators else ""
         outer_dims = {f"c{k}" for k in range(len(op.indices))}
         for line in loops.splitlines():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import neoflow
-from neoflow.codegen.lower import lower_op
+from neoflow.codegen.lower import Lowering, lower_op
 
 
 def _c(text: str, shapes: dict, out_shape=None) -> str:
@@ -31,18 +31,21 @@ def test_strided_adjoint_domain_becomes_a_strided_loop() -> None:
 
 
 def test_reduction_accumulates_in_place_outside_the_innermost_output_loop() -> None:
-    code = _c("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (8, 5), "B": (5, 6)})
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (64, 64), "B": (64, 16)})
+    code = Lowering(op).function("kernel")  # the loop nest (lower_op would take the blocked kernel here)
     init = code.index("= ((float)(0))")
-    update = code.index("out[(v_i) * 6 + v_j] = out[(v_i) * 6 + v_j] + ")
+    update = code.index("out[(v_i) * 16 + v_j] = out[(v_i) * 16 + v_j] + ")
     assert init < update
     loops = code[code.index("void kernel") :]
     # i outermost and parallel, then the reduction loop over k, then j innermost (vectorisable updates)
     assert loops.index("#pragma omp parallel for") < loops.index("for (int c0")
-    assert loops.index("for (int c2 = 0; c2 <= 4") < loops.index("for (int c3 = 0; c3 <= 5")
+    assert loops.index("for (int c2 = 0; c2 <= 63") < loops.index("for (int c3 = 0; c3 <= 15")
+    small = _c("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (8, 5), "B": (5, 6)})
+    assert "omp parallel" not in small  # too little work to start threads for
 
 
 def test_reduction_inside_an_expression_uses_an_accumulator() -> None:
-    code = _c("Y[i] = log(ReduceAdd({k}, X[i, k] * X[i, k]))", {"X": (8, 5)})
+    code = _c("Y[i] = log(ReduceAdd({k}, X[i, k] * X[i, k]))", {"X": (512, 64)})
     init = code.index("acc0 = ((float)(0))")
     update = code.index("acc0 = acc0 + ")
     store = code.index("out[")
