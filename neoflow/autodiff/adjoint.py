@@ -36,6 +36,7 @@ from neoflow.ir.expr import (
     Reduce,
     Select,
     bound_variables,
+    conjuncts,
     map_children,
     map_indices,
 )
@@ -73,13 +74,6 @@ def _count(variables: list[str], constraint: str) -> int:
 def _condition_text(conditions: Sequence[Expr]) -> str:
     parts = [bounds.condition_to_isl(c, True) for c in conditions]
     return " and ".join(f"({p})" for p in parts if p is not None) or "1 = 1"
-
-
-def _conjuncts(cond: Expr) -> list[Expr]:
-    """``a && b && c`` as ``[a, b, c]``."""
-    if isinstance(cond, Binary) and cond.op == "&&":
-        return _conjuncts(cond.a) + _conjuncts(cond.b)
-    return [cond]
 
 
 def _conjunction(conditions: Sequence[Expr]) -> Expr | None:
@@ -238,7 +232,7 @@ class _AdjointBuilder:
             if value != index.var(name) and name in extents and not (value.is_Symbol and value.name in free):
                 conditions.append(Binary(">=", _index(value), Const(0)))
                 conditions.append(Binary("<", _index(value), Const(extents[name])))
-        conditions += [map_indices(g, apply) for guard in occ.guards for g in _conjuncts(guard)]
+        conditions += [map_indices(g, apply) for guard in occ.guards for g in conjuncts(guard)]
         avoid = set(names) | set(free) | set(occ.variables)
         factor = None if occ.factor is None else map_indices(_rename_bound(occ.factor, avoid, self.taken), apply)
         dout = Read(f"d{op.name}", tuple(apply(index.var(x)) for x in op.indices), op.dtype)

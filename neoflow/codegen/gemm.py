@@ -27,7 +27,7 @@ import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
 from neoflow.codegen.mapping import Mapping, contraction, mappings
-from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select
+from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, conjuncts
 from neoflow.ir.op import Op
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
@@ -98,12 +98,6 @@ def _variables(node: Expr) -> set[str]:
     return names
 
 
-def _conjuncts(cond: Expr) -> list[Expr]:
-    if isinstance(cond, Binary) and cond.op == "&&":
-        return [*_conjuncts(cond.a), *_conjuncts(cond.b)]
-    return [cond]
-
-
 def fold_domain(op: Op) -> Op:
     """``op`` with its contraction's domain condition moved onto the operand
     reads it restricts: ``ReduceAdd({r | cond}, A * B)`` becomes
@@ -120,7 +114,7 @@ def fold_domain(op: Op) -> Op:
     factors = [body.body.a, body.body.b]
     scopes = [_variables(f) for f in factors]
     guards: list[list[Expr]] = [[], []]
-    for part in _conjuncts(body.where):
+    for part in conjuncts(body.where):
         needed = _variables(part)
         side = next((k for k in (0, 1) if needed <= scopes[k]), None)
         if side is None:
@@ -172,7 +166,7 @@ def domain_points(op: Op) -> float:
     points = float(math.prod(op.extent[v] for v in (*op.indices, *reduce.axes)))
     if reduce.where is None:
         return points
-    for part in _conjuncts(reduce.where):
+    for part in conjuncts(reduce.where):
         if isinstance(part, Binary) and part.op == "==":
             sides = (part.a, part.b)
             zero = any(isinstance(x, Const) and x.value == 0 for x in sides)

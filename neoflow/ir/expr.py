@@ -222,6 +222,13 @@ def map_indices(node: Expr, fn: Callable[[sympy.Expr], sympy.Expr]) -> Expr:
     return map_children(node, lambda child: map_indices(child, fn))
 
 
+def conjuncts(cond: Expr) -> list[Expr]:
+    """``a && b && c`` as ``[a, b, c]`` (any other condition as ``[cond]``)."""
+    if isinstance(cond, Binary) and cond.op == "&&":
+        return [*conjuncts(cond.a), *conjuncts(cond.b)]
+    return [cond]
+
+
 def bound_variables(node: Expr) -> set[str]:
     """Names of all reduction axes in ``node``."""
     return {axis for r in reductions(node) for axis in r.axes}
