@@ -108,5 +108,5 @@ def backward(graph: Graph, loss: str, wrt: Sequence[str], stop: Collection[str] 
 
 def _statement(name: str, like: Tensor, body: str, tensors: dict[str, Tensor]) -> Op:
     """``name[i0, ...] = body`` shaped like ``like``, with ``{v}`` in ``body`` standing for the index list."""
-    variables = ", ".join(f"i{d}" for d in range(len(like.shape)))
+    variables = ", ".join(index.index_vars(len(like.shape)))
     return build_statement(f"{name}[{variables}] = {body.format(v=variables)}", tensors, like.shape, like.dtype)

@@ -28,10 +28,6 @@ class Loss:
     stop: tuple[str, ...] = ()
 
 
-def _variables(rank: int) -> list[str]:
-    return [f"i{d}" for d in range(rank)]
-
-
 def cross_entropy(output: Tensor, labels: str, fresh: Callable[[str], str]) -> Loss:
     """Mean softmax cross-entropy of ``output[N, C]`` (logits) against integer
     labels ``labels[N]`` in ``[0, C)``; the same as PyTorch's ``cross_entropy``."""
@@ -62,7 +58,7 @@ def mean_squared_error(output: Tensor, labels: str, fresh: Callable[[str], str])
     """Mean of ``(output - labels)**2`` over all elements (PyTorch's ``mse_loss``);
     the labels have the output's shape."""
     y = Tensor(labels, output.shape, output.dtype)
-    v = ", ".join(_variables(len(output.shape)))
+    v = ", ".join(index.index_vars(len(output.shape)))
     axes = f"{{{v}}}" if v else "{}"
     diff = f"({output.name}[{v}] - {labels}[{v}])"
     loss = fresh("loss_value")

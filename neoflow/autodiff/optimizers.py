@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neoflow.errors import InputError
+from neoflow.ir.index import index_vars
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.text import build_statement
 
@@ -82,7 +83,7 @@ def optimizer_ops(
     tensors: dict[str, Tensor] = {learning_rate: Tensor(learning_rate, (), "float32")}
 
     def add(target: list[Op], name: str, shape: tuple[int, ...], body: str) -> str:
-        variables = ", ".join(f"i{d}" for d in range(len(shape)))
+        variables = ", ".join(index_vars(len(shape)))
         text = f"{name}[{variables}] = {body.replace('[@]', f'[{variables}]')}"
         op = build_statement(text, tensors, shape, "float32")
         tensors[name] = op.output

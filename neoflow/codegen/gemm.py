@@ -27,6 +27,7 @@ import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
 from neoflow.codegen.mapping import Mapping, contraction, mappings
+from neoflow.ir import index
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, conjuncts
 from neoflow.ir.op import Op
 
@@ -80,21 +81,27 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
 """
 
 
-def _split_epilogue(body: Expr) -> tuple[Reduce, Expr | None]:
+def split_epilogue(body: Expr) -> tuple[Reduce, Expr | None] | None:
+    """``Reduce`` or ``Reduce + epilogue`` (the epilogue free of reductions) as
+    ``(reduce, epilogue)``; None for any other body."""
     if isinstance(body, Reduce):
         return body, None
-    assert isinstance(body, Binary) and body.op == "+"
-    return (body.a, body.b) if isinstance(body.a, Reduce) else (body.b, body.a)
+    if isinstance(body, Binary) and body.op == "+":
+        for reduce, rest in ((body.a, body.b), (body.b, body.a)):
+            if isinstance(reduce, Reduce) and not any(isinstance(n, Reduce) for n in rest.walk()):
+                return reduce, rest
+    return None
 
 
 def _variables(node: Expr) -> set[str]:
+    """Index variables ``node`` uses (in index values and read indices)."""
     names: set[str] = set()
     for item in node.walk():
         if isinstance(item, Index):
-            names |= {sym.name for sym in item.expr.free_symbols}
+            names |= index.variables(item.expr)
         elif isinstance(item, Read):
             for expr in item.indices:
-                names |= {sym.name for sym in expr.free_symbols}
+                names |= index.variables(expr)
     return names
 
 
@@ -105,11 +112,11 @@ def fold_domain(op: Op) -> Op:
     conjunct of ``cond`` only involves variables of one operand's indices (the
     excluded terms become zero products; a guarded read is never performed
     outside its condition).  Other ops are returned unchanged."""
-    body = op.body
-    epilogue = None
-    if isinstance(body, Binary) and body.op == "+" and isinstance(body.a, Reduce):
-        body, epilogue = body.a, body.b
-    if not isinstance(body, Reduce) or body.where is None or not isinstance(body.body, Binary) or body.body.op != "*":
+    parts = split_epilogue(op.body)
+    if parts is None:
+        return op
+    body, epilogue = parts
+    if body.where is None or not isinstance(body.body, Binary) or body.body.op != "*":
         return op
     factors = [body.body.a, body.body.b]
     scopes = [_variables(f) for f in factors]
@@ -135,14 +142,10 @@ def gemm_mapping(op: Op) -> Mapping | None:
         return None
     original = op
     op = fold_domain(op)
-    body = op.body
-    if isinstance(body, Binary) and body.op == "+":
-        parts = [p for p in (body.a, body.b) if isinstance(p, Reduce)]
-        if len(parts) != 1 or any(isinstance(n, Reduce) for n in (body.b if parts[0] is body.a else body.a).walk()):
-            return None
-        body = parts[0]
-    if not isinstance(body, Reduce):
+    parts = split_epilogue(op.body)
+    if parts is None:
         return None
+    body = parts[0]
     probe = Op(op.output, op.indices, body, op.inputs, op.ranges)
     form = contraction(probe)
     if form is None or math.prod(op.extent.values()) < MIN_MACS:
@@ -162,7 +165,7 @@ def domain_points(op: Op) -> float:
     visits: the box, thinned by each lattice condition ``e % m == 0`` of its
     domain to one point in ``m`` (bounds conditions are taken to hold; counting
     exactly with isl would enumerate the points)."""
-    reduce = op.body if isinstance(op.body, Reduce) else next(n for n in op.body.walk() if isinstance(n, Reduce))
+    reduce = split_epilogue(op.body)[0]
     points = float(math.prod(op.extent[v] for v in (*op.indices, *reduce.axes)))
     if reduce.where is None:
         return points
@@ -204,7 +207,7 @@ def _unflatten(flat: str, variables: list[tuple[str, int]]) -> str:
 def gemm_function(op: Op, mapping: Mapping, name: str) -> str:
     """The C function ``name`` computing ``op`` with the blocked outer-product kernel."""
     op = fold_domain(op)
-    reduce, epilogue = _split_epilogue(op.body)
+    reduce, epilogue = split_epilogue(op.body)
     product = reduce.body
     assert isinstance(product, Binary)
     operands = dict(mapping.operands)
@@ -217,7 +220,7 @@ def gemm_function(op: Op, mapping: Mapping, name: str) -> str:
     index = IndexPrinter(lambda v: f"v_{v}", lambda t, idx: printer.read(t, idx))
     printer = ValuePrinter(tensors, names, index, lambda node: "0")
     factor_a, factor_b = product.a, product.b
-    if _reads(product.a) != operands["a"]:
+    if _first_read(product.a) != operands["a"]:
         factor_a, factor_b = factor_b, factor_a
     value_a, value_b = printer(factor_a, "float32"), printer(factor_b, "float32")
     rows = [(v, extent[v]) for v in groups["i"]]
@@ -350,5 +353,6 @@ def _round(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _reads(node: Expr) -> str:
-    return next(n.tensor for n in node.walk() if hasattr(n, "tensor"))
+def _first_read(node: Expr) -> str:
+    """The tensor of the first read in ``node``."""
+    return next(n.tensor for n in node.walk() if isinstance(n, Read))

@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 
 from neoflow.errors import NeoflowError, ShapeError, UnsupportedOpError
 from neoflow.ir import dtypes as dt
+from neoflow.ir.index import index_vars
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.text import build_statement
 
@@ -23,11 +24,6 @@ _RESERVED = re.compile(
     r"^([ikr]\d+|true|false|inf|nan|tensor|Select|Reduce\w*|exp|log|sqrt|tanh|sigmoid|abs|pow|"
     r"max|min|erf|float\w+|u?int\d+|bfloat16|bool)$"
 )
-
-
-def index_vars(rank: int, prefix: str = "i") -> list[str]:
-    """``i0, i1, ...``: the index variables converters use (tensor names never clash)."""
-    return [f"{prefix}{d}" for d in range(rank)]
 
 
 def broadcast_index(shape: Sequence[int], out_shape: Sequence[int], names: Sequence[str]) -> str:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from neoflow.errors import UnsupportedOpError
-from neoflow.frontend.context import NodeContext, broadcast_index, index_vars
+from neoflow.frontend.context import NodeContext, broadcast_index
 from neoflow.frontend.registry import converter
+from neoflow.ir.index import index_vars
 
 
 @converter("Gemm")

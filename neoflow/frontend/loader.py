@@ -13,9 +13,10 @@ from google.protobuf.message import DecodeError
 
 from neoflow.errors import InputError, NeoflowError, ParseError, UnsupportedOpError
 from neoflow.frontend import elementwise, indexing, linalg, nn, reduce, resize, shape  # noqa: F401  (they register converters)
-from neoflow.frontend.context import ONNX_DTYPES, Model, NodeContext, index_vars, to_array
+from neoflow.frontend.context import ONNX_DTYPES, Model, NodeContext, to_array
 from neoflow.frontend.registry import CONVERTERS, CUSTOM_EXPRESSIONS
 from neoflow.ir.graph import Graph
+from neoflow.ir.index import index_vars
 from neoflow.ir.interpreter import evaluate_op
 from neoflow.ir.op import Tensor
 

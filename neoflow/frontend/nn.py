@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from neoflow.errors import UnsupportedOpError
-from neoflow.frontend.context import NodeContext, index_vars
+from neoflow.frontend.context import NodeContext
 from neoflow.frontend.registry import converter
+from neoflow.ir.index import index_vars
 
 
 def _window(

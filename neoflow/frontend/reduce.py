@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from neoflow.frontend.context import NodeContext, index_vars
+from neoflow.frontend.context import NodeContext
 from neoflow.frontend.registry import converter
+from neoflow.ir.index import index_vars
 
 
 def _reduce(

@@ -27,6 +27,11 @@ def var(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True)
 
 
+def index_vars(rank: int, prefix: str = "i") -> list[str]:
+    """``i0, i1, ...``: index variable names for a tensor of ``rank`` dimensions."""
+    return [f"{prefix}{d}" for d in range(rank)]
+
+
 def const(value: int) -> sympy.Integer:
     """An integer constant index expression."""
     return sympy.Integer(value)

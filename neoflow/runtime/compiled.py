@@ -126,7 +126,6 @@ class CompiledModel:
             self._values.update({name: np.array(v) for name, v in training.state.items()})
             keep = [training.loss, training.prediction, *training.updates.values()]
             self._train = executor(training.graph, keep)
-            self._gradients = executor(training.graph, [training.loss, *training.gradients.values()])
 
     # ----------------------------------------------------------------- running
 
@@ -198,6 +197,9 @@ class CompiledModel:
         """The loss gradient of every trainable parameter on ``batch``, by name
         (the parameters are not changed)."""
         training = self._require_training()
+        if self._gradients is None:  # built on first use: most models never ask
+            keep = [training.loss, *training.gradients.values()]
+            self._gradients = EXECUTORS[self.target](training.graph, keep)
         outputs = self._gradients.run(self._training_feed(batch))
         return {self.public_name(p): outputs[g] for p, g in training.gradients.items()}
 

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from neoflow.autodiff import grad as derive
-from neoflow.errors import CompileError, InputError
-from neoflow.ir import dtypes as dt
+from neoflow.errors import CompileError
 from neoflow.ir.graph import Graph
+from neoflow.ir.interpreter import check_inputs
 from neoflow.ir.op import Op
 from neoflow.runtime.executor import EXECUTORS
 
@@ -40,20 +40,7 @@ class CompiledOp:
             self._backward = EXECUTORS[target](self.backward_graph, [a.name for a in self.adjoints.values()])
 
     def _inputs(self, graph: Graph, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        values = {}
-        for tensor in graph.free_inputs:
-            if tensor.name not in given:
-                raise InputError(
-                    f"missing input '{tensor.name}' (expected shape {list(tensor.shape)})", op=self.op.name
-                )
-            array = np.asarray(given[tensor.name])
-            if array.shape != tensor.shape:
-                raise InputError(
-                    f"input '{tensor.name}' has shape {list(array.shape)}, expected {list(tensor.shape)}",
-                    op=self.op.name,
-                )
-            values[tensor.name] = array.astype(dt.numpy_dtype(tensor.dtype), copy=False)
-        return values
+        return check_inputs(graph.free_inputs, given, self.op.name)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """The op's output on ``inputs`` (arrays by input name)."""
