@@ -22,10 +22,12 @@ emitted C then runs a blocked matrix product over the fused extents
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
+from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, conjuncts
@@ -81,18 +83,6 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
 """
 
 
-def split_epilogue(body: Expr) -> tuple[Reduce, Expr | None] | None:
-    """``Reduce`` or ``Reduce + epilogue`` (the epilogue free of reductions) as
-    ``(reduce, epilogue)``; None for any other body."""
-    if isinstance(body, Reduce):
-        return body, None
-    if isinstance(body, Binary) and body.op == "+":
-        for reduce, rest in ((body.a, body.b), (body.b, body.a)):
-            if isinstance(reduce, Reduce) and not any(isinstance(n, Reduce) for n in rest.walk()):
-                return reduce, rest
-    return None
-
-
 def _variables(node: Expr) -> set[str]:
     """Index variables ``node`` uses (in index values and read indices)."""
     names: set[str] = set()
@@ -135,29 +125,70 @@ def fold_domain(op: Op) -> Op:
     return Op(op.output, op.indices, new_body, op.inputs, op.ranges, op.range_sources, op.info, op.scatter)
 
 
-def gemm_mapping(op: Op) -> Mapping | None:
-    """The outer-product mapping the blocked kernel uses for ``op``, or None when
-    the op is not a float32 contraction (plus an optional epilogue) worth blocking."""
-    if op.dtype != "float32" or any(t.dtype != "float32" for t in op.inputs):
-        return None
-    original = op
+@dataclass(frozen=True)
+class GemmPlan:
+    """How the blocked kernel computes an op: its dense pieces (``lattice.split_lattice``),
+    each with the outer-product mapping it runs on (None for a piece that is zero)."""
+
+    pieces: tuple[tuple[Piece, Mapping | None], ...]
+    cycles: float
+
+    def describe(self) -> str:
+        """One line per piece: its slice of the output and its mapping."""
+        lines = []
+        for piece, mapping in self.pieces:
+            where = f"offset {piece.base}, strides {piece.strides}"
+            lines.append(f"{where}: {'zero' if mapping is None else mapping.describe()}")
+        return "\n".join(lines)
+
+
+def _piece_mapping(op: Op) -> Mapping | None:
+    """The cheapest outer-product mapping of one dense piece (after folding its domain onto guards)."""
     op = fold_domain(op)
     parts = split_epilogue(op.body)
     if parts is None:
         return None
-    body = parts[0]
-    probe = Op(op.output, op.indices, body, op.inputs, op.ranges)
-    form = contraction(probe)
-    if form is None or math.prod(op.extent.values()) < MIN_MACS:
+    probe = Op(op.output, op.indices, parts[0], op.inputs, op.ranges)
+    if contraction(probe) is None:
         return None
     outputs = set(op.indices)
     candidates = [m for m in mappings(probe, "cpu", "outer_product") if set(m.outer) <= outputs]
     if not candidates:
         return None
-    best = min(candidates, key=lambda m: (kernel_cycles(m, op.extent), m.describe()))
+    return min(candidates, key=lambda m: (kernel_cycles(m, op.extent), m.describe()))
+
+
+def gemm_plan(op: Op) -> GemmPlan | None:
+    """The blocked-kernel plan for ``op``, or None when the op is not a float32
+    contraction (plus an optional epilogue) worth blocking: its lattice domain is
+    split into dense pieces, each mapped onto the outer-product intrinsic; the
+    plan is taken only when its estimated cycles beat the plain loop nest's."""
+    if op.dtype != "float32" or any(t.dtype != "float32" for t in op.inputs) or op.scatter is not None:
+        return None
+    pieces = split_lattice(op)
+    if pieces is None:
+        return None
+    planned: list[tuple[Piece, Mapping | None]] = []
+    cycles = 0.0
+    macs = 0
+    for piece in pieces:
+        if piece.empty:
+            planned.append((piece, None))
+            cycles += piece.op.output.size * 0.5
+            continue
+        mapping = _piece_mapping(piece.op)
+        if mapping is None:
+            return None
+        planned.append((piece, mapping))
+        cycles += kernel_cycles(mapping, piece.op.extent)
+        macs += math.prod(piece.op.extent.values())
+    if macs < MIN_MACS:
+        return None
     # the plain loop nest visits only the domain's points (isl makes strided domains exact loops);
     # at a couple of cycles per multiply-add it wins where blocking would pad or pack too much
-    return best if kernel_cycles(best, op.extent) < GENERIC_CYCLES_PER_POINT * domain_points(original) else None
+    if cycles >= GENERIC_CYCLES_PER_POINT * domain_points(op):
+        return None
+    return GemmPlan(tuple(planned), cycles)
 
 
 def domain_points(op: Op) -> float:
@@ -181,15 +212,16 @@ def domain_points(op: Op) -> float:
 
 def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
     """Estimated cycles of this kernel for ``mapping``: micro-kernel calls (6 cycles
-    each), packing (a few cycles per element, more per variable to unflatten) and the
-    write-back after each ``KC`` block, summed over the batch (outer) points."""
+    each), packing (a couple of cycles per element plus one per index variable
+    read from the tables) and the write-back after each ``KC`` block, summed over
+    the batch (outer) points."""
     groups = dict(mapping.axes)
     m, n, k = (math.prod(extent[v] for v in groups[a]) for a in ("i", "j", "k"))
     batches = math.prod(extent[v] for v in mapping.outer)
     compute = _round(m, MR) * _round(n, NR) * k / (MR * NR) * 6.0
-    pack_b = k * _round(n, NR) * (2 + 3 * (len(groups["j"]) + len(groups["k"]) - 2))
-    pack_a = -(-n // NC) * _round(m, MR) * k * (2 + 3 * (len(groups["i"]) + len(groups["k"]) - 2))
-    write_back = m * n * -(-k // KC) * 3.0
+    pack_b = k * _round(n, NR) * (2 + len(groups["j"]) + len(groups["k"]))
+    pack_a = -(-n // NC) * _round(m, MR) * k * (2 + len(groups["i"]) + len(groups["k"]))
+    write_back = m * n * -(-k // KC) * 1.5
     return batches * (compute + pack_a + pack_b + write_back)
 
 
@@ -204,9 +236,51 @@ def _unflatten(flat: str, variables: list[tuple[str, int]]) -> str:
     return " ".join(lines)
 
 
-def gemm_function(op: Op, mapping: Mapping, name: str) -> str:
-    """The C function ``name`` computing ``op`` with the blocked outer-product kernel."""
-    op = fold_domain(op)
+def _table(name: str, variables: list[tuple[str, int]], offset: str | None) -> str:
+    """C filling ``<name>_tab`` (the value of each variable at every flat index of
+    the group, interleaved) and, given an offset expression, ``<name>_off``."""
+    size = math.prod(e for _, e in variables)
+    width = len(variables)
+    stores = " ".join(f"{name}_tab[f * {width} + {d}] = (int32_t)v_{v};" for d, (v, _) in enumerate(variables))
+    lines = [f"int32_t *{name}_tab = (int32_t *)malloc(sizeof(int32_t) * {max(size * width, 1)});"]
+    if offset is not None:
+        lines.append(f"int64_t *{name}_off = (int64_t *)malloc(sizeof(int64_t) * {max(size, 1)});")
+        stores += f" {name}_off[f] = {offset};"
+    lines.append(f"for (int64_t f = 0; f < {size}; ++f) {{ {_unflatten('f', variables)} {stores} }}")
+    return "\n        ".join(lines)
+
+
+def _lookup(name: str, flat: str, variables: list[tuple[str, int]]) -> str:
+    """C declaring ``v_<name>`` for each variable of a group from its table."""
+    loads = ", ".join(f"v_{v} = {name}_t[{d}]" for d, (v, _) in enumerate(variables))
+    return f"const int32_t *{name}_t = {name}_tab + ({flat}) * {len(variables)}; const int64_t {loads};"
+
+
+def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
+    """The C function ``name`` computing ``op`` with the blocked outer-product kernel, piece by piece."""
+    params = "".join(f", const float *restrict in{i}" for i in range(len(op.inputs)))
+    blocks = []
+    for piece, mapping in plan.pieces:
+        code = _zero_piece(piece) if mapping is None else _piece_code(piece, mapping)
+        blocks.append(f"    {{ /* piece at offset {piece.base} */\n{code}\n    }}")
+    body = "\n".join(blocks)
+    return f"void {name}(float *restrict out{params}) {{\n{body}\n}}\n"
+
+
+def _zero_piece(piece: Piece) -> str:
+    """C zeroing the output slice of an empty piece."""
+    variables = [(v, piece.op.extent[v]) for v in piece.op.indices]
+    offset = " + ".join(f"v_{v} * {piece.strides[v]}" for v, _ in variables) or "0"
+    return f"""        #pragma omp parallel for
+        for (int64_t f = 0; f < {piece.op.output.size}; ++f) {{
+            {_unflatten("f", variables)}
+            out[{piece.base} + {offset}] = 0.0f;
+        }}"""
+
+
+def _piece_code(piece: Piece, mapping: Mapping) -> str:
+    """C computing one dense piece with the blocked kernel."""
+    op = fold_domain(piece.op)
     reduce, epilogue = split_epilogue(op.body)
     product = reduce.body
     assert isinstance(product, Binary)
@@ -214,9 +288,7 @@ def gemm_function(op: Op, mapping: Mapping, name: str) -> str:
     groups = dict(mapping.axes)
     extent = op.extent
     tensors = {t.name: t for t in op.inputs}
-    tensors[op.name] = op.output
     names = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
-    names[op.name] = "out"
     index = IndexPrinter(lambda v: f"v_{v}", lambda t, idx: printer.read(t, idx))
     printer = ValuePrinter(tensors, names, index, lambda node: "0")
     factor_a, factor_b = product.a, product.b
@@ -229,107 +301,138 @@ def gemm_function(op: Op, mapping: Mapping, name: str) -> str:
     batch = [(v, extent[v]) for v in mapping.outer]
     m, n, k = (math.prod(e for _, e in g) for g in (rows, cols, depth))
     batches = math.prod(e for _, e in batch)
-    stride = {v: math.prod(op.shape[d + 1 :]) for d, v in enumerate(op.indices)}
-    pack_b = _pack_b(value_b, cols, depth, _inner_is_first(factor_b, tensors, cols, depth))
 
     def offset(group: list[tuple[str, int]]) -> str:
-        return " + ".join(f"v_{v} * {stride[v]}" for v, _ in group) or "0"
+        return " + ".join(f"v_{v} * {piece.strides[v]}" for v, _ in group) or "0"
 
-    row_offset, col_offset, batch_offset = offset(rows), offset(cols), offset(batch)
     epilogue_loop = ""
     if epilogue is not None:
-        epilogue_loop = f"""if (last_)
-                                        for (int64_t jj = 0; jj < width; ++jj) {{
-                                            {_unflatten("jc + jr + jj", cols)}
-                                            out[row_ + col_offset[jr + jj]] += (float)({printer(epilogue, "float32")});
+        epilogue_loop = f"""if (last_) {{
+                                            {_lookup("row", "ic + ir + ii", rows)}
+                                            for (int64_t jj = 0; jj < width; ++jj) {{
+                                                {_lookup("col", "jc + jr + jj", cols)}
+                                                to[col_off[jc + jr + jj]] += (float)({printer(epilogue, "float32")});
+                                            }}
                                         }}"""
+    pack_a = _pack(
+        "apack", MR, ("i", "mc", "ic", "row", rows), value_a, depth, _inner_is_first(factor_a, tensors, rows, depth)
+    )
+    pack_b = _pack(
+        "bpack", NR, ("j", "nc", "jc", "col", cols), value_b, depth, _inner_is_first(factor_b, tensors, cols, depth)
+    )
     return f"""
-void {name}(float *restrict out{"".join(f", const float *restrict in{i}" for i in range(len(op.inputs)))}) {{
-    float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, _round(n, NR))});
-    int64_t *col_offset = (int64_t *)malloc(sizeof(int64_t) * {min(NC, n)});
-    for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
-        {_unflatten("batch_", batch)}
-        const int64_t batch_offset_ = {batch_offset};
-        for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
-            const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;
-            for (int64_t j = 0; j < nc; ++j) {{
-                {_unflatten("jc + j", cols)}
-                col_offset[j] = {col_offset};
-            }}
-            for (int64_t pc = 0; pc < {k}; pc += {KC}) {{
-                const int64_t kc = pc + {KC} < {k} ? {KC} : {k} - pc;
-                const int last_ = pc + kc >= {k};
-                {pack_b}
-                for (int64_t j = nc; j < (nc + {NR - 1}) / {NR} * {NR}; ++j) {{
-                    float *strip = bpack + (j / {NR}) * {NR} * kc + j % {NR};
-                    for (int64_t p = 0; p < kc; ++p) strip[p * {NR}] = 0.0f;
+        float *restrict outp = out + {piece.base};
+        {_table("row", rows, offset(rows))}
+        {_table("col", cols, offset(cols))}
+        {_table("dep", depth, None)}
+        float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, _round(n, NR))});
+        char *contiguous = (char *)malloc({-(-min(NC, n) // NR)});
+#ifdef _OPENMP
+        const int64_t threads_ = omp_get_max_threads();
+#else
+        const int64_t threads_ = 1;
+#endif
+        /* row blocks: a multiple of the thread count when there are enough rows, otherwise
+           the column strips are shared out too */
+        int64_t mblocks = ({m} + {MC - 1}) / {MC};
+        if (mblocks >= threads_) mblocks = (mblocks + threads_ - 1) / threads_ * threads_;
+        const int64_t mcb = (({m} + mblocks - 1) / mblocks + {MR - 1}) / {MR} * {MR};
+        mblocks = ({m} + mcb - 1) / mcb;
+        for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
+            {_unflatten("batch_", batch)}
+            float *restrict to_batch = outp + {offset(batch)};
+            for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
+                const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;
+                const int64_t strips = (nc + {NR - 1}) / {NR};
+                int64_t jparts = mblocks >= threads_ ? 1 : (threads_ + mblocks - 1) / mblocks;
+                if (jparts > strips) jparts = strips;
+                const int64_t per_part = (strips + jparts - 1) / jparts * {NR};
+                for (int64_t s = 0; s < strips; ++s) {{
+                    const int64_t j0 = jc + s * {NR};
+                    int ok = j0 + {NR} <= jc + nc;
+                    for (int64_t jj = 1; ok && jj < {NR}; ++jj) ok = col_off[j0 + jj] == col_off[j0] + jj;
+                    contiguous[s] = (char)ok;
                 }}
-                #pragma omp parallel
-                {{
-                    float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(MC, MR)});
-                    float tile[{MR * NR}] __attribute__((aligned(64)));
-                    #pragma omp for schedule(dynamic)
-                    for (int64_t ic = 0; ic < {m}; ic += {MC}) {{
-                        const int64_t mc = ic + {MC} < {m} ? {MC} : {m} - ic;
-                        for (int64_t i = 0; i < (mc + {MR - 1}) / {MR} * {MR}; ++i) {{
-                            float *strip = apack + (i / {MR}) * {MR} * kc + i % {MR};
-                            if (i >= mc) {{ for (int64_t p = 0; p < kc; ++p) strip[p * {MR}] = 0.0f; continue; }}
-                            {_unflatten("ic + i", rows)}
-                            for (int64_t p = 0; p < kc; ++p) {{
-                                {_unflatten("pc + p", depth)}
-                                strip[p * {MR}] = {value_a};
-                            }}
-                        }}
-                        for (int64_t jr = 0; jr < nc; jr += {NR}) {{
-                            for (int64_t ir = 0; ir < mc; ir += {MR}) {{
-                                nf_micro_6x16(kc, apack + ir * kc, bpack + jr * kc, tile);
-                                for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
-                                    {_unflatten("ic + ir + ii", rows)}
-                                    const int64_t row_ = batch_offset_ + {row_offset};
-                                    const float *from = tile + ii * {NR};
-                                    const int64_t width = nc - jr < {NR} ? nc - jr : {NR};
-                                    float *to = out + row_;
-                                    if (pc == 0)
-                                        for (int64_t jj = 0; jj < width; ++jj) to[col_offset[jr + jj]] = from[jj];
-                                    else
-                                        for (int64_t jj = 0; jj < width; ++jj) to[col_offset[jr + jj]] += from[jj];
-                                    {epilogue_loop}
+                for (int64_t pc = 0; pc < {k}; pc += {KC}) {{
+                    const int64_t kc = pc + {KC} < {k} ? {KC} : {k} - pc;
+                    const int last_ = pc + kc >= {k};
+                    #pragma omp parallel for
+                    {pack_b}
+                    #pragma omp parallel
+                    {{
+                        float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(MC, MR)});
+                        float tile[{MR * NR}] __attribute__((aligned(64)));
+                        #pragma omp for schedule(dynamic)
+                        for (int64_t task = 0; task < mblocks * jparts; ++task) {{
+                            const int64_t ic = (task / jparts) * mcb;
+                            const int64_t mc = ic + mcb < {m} ? mcb : {m} - ic;
+                            const int64_t j_first = (task % jparts) * per_part;
+                            const int64_t j_end = j_first + per_part < nc ? j_first + per_part : nc;
+                            {pack_a}
+                            for (int64_t jr = j_first; jr < j_end; jr += {NR}) {{
+                                const int64_t width = nc - jr < {NR} ? nc - jr : {NR};
+                                const int dense = contiguous[jr / {NR}];
+                                for (int64_t ir = 0; ir < mc; ir += {MR}) {{
+                                    nf_micro_6x16(kc, apack + ir * kc, bpack + jr * kc, tile);
+                                    for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
+                                        const float *from = tile + ii * {NR};
+                                        float *to = to_batch + row_off[ic + ir + ii];
+                                        if (dense) {{
+                                            float *restrict run = to + col_off[jc + jr];
+                                            if (pc == 0)
+                                                for (int64_t jj = 0; jj < {NR}; ++jj) run[jj] = from[jj];
+                                            else
+                                                for (int64_t jj = 0; jj < {NR}; ++jj) run[jj] += from[jj];
+                                        }} else if (pc == 0) {{
+                                            for (int64_t jj = 0; jj < width; ++jj)
+                                                to[col_off[jc + jr + jj]] = from[jj];
+                                        }} else {{
+                                            for (int64_t jj = 0; jj < width; ++jj)
+                                                to[col_off[jc + jr + jj]] += from[jj];
+                                        }}
+                                        {epilogue_loop}
+                                    }}
                                 }}
                             }}
                         }}
+                        free(apack);
                     }}
-                    free(apack);
                 }}
             }}
         }}
-    }}
-    free(bpack);
-    free(col_offset);
-}}
-"""
+        free(bpack);
+        free(contiguous);
+        free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);"""
 
 
-def _pack_b(value: str, cols: list[tuple[str, int]], depth: list[tuple[str, int]], columns_inner: bool) -> str:
-    """C packing a ``kc x nc`` block of operand b into ``NR``-wide strips, looping
-    so that consecutive reads are adjacent in memory."""
-    target = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
-    if columns_inner:
-        return f"""#pragma omp parallel for
-                for (int64_t p = 0; p < kc; ++p) {{
-                    {_unflatten("pc + p", depth)}
-                    for (int64_t j = 0; j < nc; ++j) {{
-                        {_unflatten("jc + j", cols)}
-                        {target} = {value};
+def _pack(
+    buffer: str,
+    width: int,
+    side: tuple[str, str, str, str, list[tuple[str, int]]],
+    value: str,
+    depth: list[tuple[str, int]],
+    side_inner: bool,
+) -> str:
+    """C packing a block of an operand into ``width``-wide strips of ``buffer``
+    (``strip[p * width + i % width]``), rows or columns past the block's end as
+    zeros; the loops are ordered so that consecutive reads are near in memory.
+    ``side`` is (loop variable, block size, block start, table name, variables)."""
+    var, size, start, table, variables = side
+    target = f"{buffer}[({var} / {width}) * {width} * kc + p * {width} + {var} % {width}]"
+    own = _lookup(table, f"{start} + {var}", variables)
+    dep = _lookup("dep", "pc + p", depth)
+    outer, inner = ("p", var) if side_inner else (var, "p")
+    first, second = (dep, own) if side_inner else (own, dep)
+    bound = {"p": "kc", var: size}
+    return f"""for (int64_t {outer} = 0; {outer} < {bound[outer]}; ++{outer}) {{
+                        {first}
+                        for (int64_t {inner} = 0; {inner} < {bound[inner]}; ++{inner}) {{
+                            {second}
+                            {target} = {value};
+                        }}
                     }}
-                }}"""
-    return f"""#pragma omp parallel for
-                for (int64_t j = 0; j < nc; ++j) {{
-                    {_unflatten("jc + j", cols)}
-                    for (int64_t p = 0; p < kc; ++p) {{
-                        {_unflatten("pc + p", depth)}
-                        {target} = {value};
-                    }}
-                }}"""
+                    for (int64_t {var} = {size}; {var} < ({size} + {width - 1}) / {width} * {width}; ++{var})
+                        for (int64_t p = 0; p < kc; ++p) {target} = 0.0f;"""
 
 
 def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], second: list[tuple[str, int]]) -> bool:

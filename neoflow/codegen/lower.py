@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import islpy as isl
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, cast, linear_index
-from neoflow.codegen.gemm import gemm_function, gemm_mapping
+from neoflow.codegen.gemm import gemm_function, gemm_plan
 from neoflow.errors import CompileError
 from neoflow.ir import bounds
 from neoflow.ir.expr import Binary, Expr, Reduce, Select
@@ -302,9 +302,9 @@ class Lowering:
 def lower_op(op: Op, name: str) -> str:
     """The C function ``name`` computing ``op``."""
     try:
-        mapping = gemm_mapping(op)
-        if mapping is not None:
-            return gemm_function(op, mapping, name)
+        plan = gemm_plan(op)
+        if plan is not None:
+            return gemm_function(op, plan, name)
         return Lowering(op).function(name)
     except CompileError as err:
         raise err.with_context(op=op.name) from None

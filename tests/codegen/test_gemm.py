@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.gemm import gemm_mapping
+from neoflow.codegen.gemm import gemm_plan as gemm_mapping
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 

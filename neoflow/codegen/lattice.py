@@ -1,0 +1,212 @@
+"""Lattice domains split into dense pieces by a change of variables.
+
+Autodiff gives the input adjoint of a strided op a reduction domain with a
+lattice condition, e.g. ``dX[z] = ReduceAdd({r | (z - r) % 2 == 0 && ...}, ...)``:
+only one point in ``m`` of the box contributes.  Substituting ``z = 2*z' + φ``
+and ``r = 2*r' + ρ`` for each residue ``φ`` of the output variable (and the
+one residue ``ρ`` of the reduction variable the condition then allows) turns
+the condition into a constant and every ``(z - r) // 2`` into the affine
+``z' - r' + c``: ``m`` dense pieces, each a contraction over its own smaller
+box that writes a strided slice of the output (stride ``m * stride(z)``,
+offset ``φ * stride(z)``).  A piece whose condition is false everywhere has an
+empty reduction: its slice of the output is zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import sympy
+
+from neoflow.ir import index
+from neoflow.ir.expr import Binary, Const, Expr, Index, Reduce, conjuncts, map_indices
+from neoflow.ir.op import Op, Tensor
+
+MAX_PIECES = 64
+_COMPARE = {
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A dense part of an op's domain: ``op`` over its own variables, writing
+    output element ``base + Σ strides[v] * v`` of the original output; ``empty``
+    when its reduction has no points (its slice is zero)."""
+
+    op: Op
+    strides: dict[str, int] = field(hash=False)
+    base: int
+    empty: bool = False
+
+
+def split_epilogue(body: Expr) -> tuple[Reduce, Expr | None] | None:
+    """``Reduce`` or ``Reduce + epilogue`` (the epilogue free of reductions) as
+    ``(reduce, epilogue)``; None for any other body."""
+    if isinstance(body, Reduce):
+        return body, None
+    if isinstance(body, Binary) and body.op == "+":
+        for reduce, rest in ((body.a, body.b), (body.b, body.a)):
+            if isinstance(reduce, Reduce) and not any(isinstance(n, Reduce) for n in rest.walk()):
+                return reduce, rest
+    return None
+
+
+def _lattice(part: Expr) -> tuple[sympy.Expr, int] | None:
+    """``(e, m)`` for a conjunct ``e % m == 0`` (either side order)."""
+    if not (isinstance(part, Binary) and part.op == "=="):
+        return None
+    for left, right in ((part.a, part.b), (part.b, part.a)):
+        if isinstance(right, Const) and right.value == 0 and isinstance(left, Index):
+            expr = left.expr
+            if isinstance(expr, sympy.Mod) and expr.args[1].is_Integer and int(expr.args[1]) > 1:
+                return expr.args[0], int(expr.args[1])
+    return None
+
+
+def _fold(part: Expr) -> bool | None:
+    """The value of a conjunct comparing two constants, None when it is not one."""
+    if isinstance(part, Binary) and part.op in _COMPARE and isinstance(part.a, Const) and isinstance(part.b, Const):
+        return bool(_COMPARE[part.op](part.a.value, part.b.value))
+    return None
+
+
+def _unit_variable(expr: sympy.Expr, candidates: list[str]) -> str | None:
+    """The first of ``candidates`` that ``expr`` (affine) has with coefficient ±1."""
+    for name in candidates:
+        coefficient = sympy.expand(expr).coeff(index.var(name))
+        if coefficient in (1, -1) and index.var(name) not in coefficient.free_symbols:
+            return name
+    return None
+
+
+def _and(parts: list[Expr]) -> Expr | None:
+    result: Expr | None = None
+    for part in parts:
+        result = part if result is None else Binary("&&", result, part)
+    return result
+
+
+@dataclass
+class _State:
+    indices: list[str]
+    extent: dict[str, int]
+    strides: dict[str, int]
+    base: int
+    reduce: Reduce
+    epilogue: Expr | None
+
+
+def _substitute(state: _State, name: str, modulus: int, residue: int, output: bool) -> _State | None:
+    """``state`` with ``name = modulus * name' + residue``; None when ``name'`` has no values
+    and ``name`` is an output variable (the piece has no points at all)."""
+    taken = set(state.extent)
+    new = index.fresh_name(f"{name}_", taken)
+    count = -(-(state.extent[name] - residue) // modulus)
+    if count <= 0 and output:
+        return None
+    mapping = {index.var(name): modulus * index.var(new) + residue}
+
+    def rewrite(node: Expr | None) -> Expr | None:
+        return None if node is None else map_indices(node, lambda e: e.subs(mapping))
+
+    extent = {(new if v == name else v): e for v, e in state.extent.items()}
+    extent[new] = max(count, 0)
+    reduce = state.reduce
+    axes = tuple(new if a == name else a for a in reduce.axes)
+    extents = tuple(None if a == new else e for a, e in zip(axes, reduce.extents, strict=True))
+    where = rewrite(reduce.where)
+    reduce = Reduce(reduce.kind, axes, extents, rewrite(reduce.body), where)
+    strides, base = dict(state.strides), state.base
+    indices = state.indices
+    if output:
+        stride = strides.pop(name)
+        strides[new] = stride * modulus
+        base += stride * residue
+        indices = [new if v == name else v for v in indices]
+    return _State(indices, extent, strides, base, reduce, rewrite(state.epilogue) if output else state.epilogue)
+
+
+def _simplify(state: _State) -> tuple[_State, bool]:
+    """Drop conjuncts that became true; report whether one became false (empty reduction)."""
+    reduce = state.reduce
+    if reduce.where is None:
+        return state, any(state.extent[a] == 0 for a in reduce.axes)
+    kept = []
+    for part in conjuncts(reduce.where):
+        value = _fold(part)
+        if value is False:
+            return state, True
+        if value is None:
+            kept.append(part)
+    reduce = Reduce(reduce.kind, reduce.axes, reduce.extents, reduce.body, _and(kept))
+    return replace(state, reduce=reduce), any(state.extent[a] == 0 for a in reduce.axes)
+
+
+def split_lattice(op: Op) -> list[Piece] | None:
+    """``op``'s domain as dense pieces (one piece, the op itself, when its reduction
+    has no lattice condition); None when a lattice condition has no variable with
+    a unit coefficient to split on, or too many pieces would result."""
+    parts = split_epilogue(op.body)
+    if parts is None:
+        return None
+    reduce, epilogue = parts
+    strides = {v: math.prod(op.shape[d + 1 :]) for d, v in enumerate(op.indices)}
+    pending = [_State(list(op.indices), op.extent, strides, 0, reduce, epilogue)]
+    done: list[tuple[_State, bool]] = []
+    while pending:
+        state = pending.pop()
+        found = next(
+            (lat for lat in map(_lattice, conjuncts(state.reduce.where)) if lat is not None)
+            if state.reduce.where is not None
+            else iter(()),
+            None,
+        )
+        if found is None:
+            done.append((state, False))
+            continue
+        expr, modulus = found
+        name = _unit_variable(expr, state.indices)
+        output = name is not None
+        if name is None:
+            name = _unit_variable(expr, list(state.reduce.axes))
+        if name is None:
+            return None
+        splits = []
+        for residue in range(modulus):
+            split = _substitute(state, name, modulus, residue, output)
+            if split is not None:
+                splits.append(_simplify(split))
+        if output:
+            # each residue class of an output variable is a piece of its own
+            done += [item for item in splits if item[1]]
+            pending += [s for s, empty in splits if not empty]
+        else:
+            # the residue classes of a reduction variable are summed: only one may remain
+            alive = [s for s, empty in splits if not empty]
+            if len(alive) > 1:
+                return None
+            if alive:
+                pending.append(alive[0])
+            else:
+                done.append((splits[0][0], True))
+        if len(done) + len(pending) > MAX_PIECES:
+            return None
+    pieces = []
+    for state, empty in sorted(done, key=lambda item: item[0].base):
+        if empty and state.epilogue is not None:
+            return None
+        shape = tuple(state.extent[v] for v in state.indices)
+        if math.prod(shape) == 0:
+            continue
+        body = state.reduce if state.epilogue is None else Binary("+", state.reduce, state.epilogue)
+        ranges = tuple((v, state.extent[v]) for v in (*state.indices, *state.reduce.axes))
+        piece_op = Op(Tensor(op.name, shape, op.dtype), tuple(state.indices), body, op.inputs, ranges)
+        pieces.append(Piece(piece_op, state.strides, state.base, empty))
+    return pieces
