@@ -68,6 +68,11 @@ static inline int64_t nf_ipow(int64_t a, int64_t b) {
     while (b) { if (b & 1) r *= a; a *= a; b >>= 1; }
     return r;
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#define NF_SCALAR __attribute__((optimize("no-tree-vectorize")))
+#else
+#define NF_SCALAR
+#endif
 #define NF_FMAX(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
 #define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
 #define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))

@@ -259,12 +259,16 @@ def _lookup(name: str, flat: str, variables: list[tuple[str, int]]) -> str:
 def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
     """The C function ``name`` computing ``op`` with the blocked outer-product kernel, piece by piece."""
     params = "".join(f", const float *restrict in{i}" for i in range(len(op.inputs)))
-    blocks = []
-    for piece, mapping in plan.pieces:
-        code = _zero_piece(piece) if mapping is None else _piece_code(piece, mapping)
+    helpers, blocks = [], []
+    for number, (piece, mapping) in enumerate(plan.pieces):
+        if mapping is None:
+            code = _zero_piece(piece)
+        else:
+            packers, code = _piece_code(piece, mapping, f"{name}_p{number}", params)
+            helpers.append(packers)
         blocks.append(f"    {{ /* piece at offset {piece.base} */\n{code}\n    }}")
     body = "\n".join(blocks)
-    return f"void {name}(float *restrict out{params}) {{\n{body}\n}}\n"
+    return "\n".join(helpers) + f"\nvoid {name}(float *restrict out{params}) {{\n{body}\n}}\n"
 
 
 def _zero_piece(piece: Piece) -> str:
@@ -278,8 +282,9 @@ def _zero_piece(piece: Piece) -> str:
         }}"""
 
 
-def _piece_code(piece: Piece, mapping: Mapping) -> str:
-    """C computing one dense piece with the blocked kernel."""
+def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tuple[str, str]:
+    """C computing one dense piece with the blocked kernel: the packing functions
+    (named ``<prefix>_pack_a``/``_b``) and the block of code calling them."""
     op = fold_domain(piece.op)
     reduce, epilogue = split_epilogue(op.body)
     product = reduce.body
@@ -314,13 +319,31 @@ def _piece_code(piece: Piece, mapping: Mapping) -> str:
                                                 to[col_off[jc + jr + jj]] += (float)({printer(epilogue, "float32")});
                                             }}
                                         }}"""
-    pack_a = _pack(
-        "apack", MR, ("i", "mc", "ic", "row", rows), value_a, depth, _inner_is_first(factor_a, tensors, rows, depth)
+    # the packers take the inputs and the batch variables' values
+    params += "".join(f", int64_t v_{v}" for v, _ in batch)
+    arguments = "".join(f", in{i}" for i in range(len(op.inputs))) + "".join(f", v_{v}" for v, _ in batch)
+    a_inner = _inner_is_first(factor_a, tensors, rows, depth)
+    b_inner = _inner_is_first(factor_b, tensors, cols, depth)
+    packers = "\n".join(
+        [
+            _packer(f"{prefix}_pack_a", MR, rows, value_a, depth, a_inner, params),
+            _packer(f"{prefix}_pack_b", NR, cols, value_b, depth, b_inner, params),
+        ]
     )
-    pack_b = _pack(
-        "bpack", NR, ("j", "nc", "jc", "col", cols), value_b, depth, _inner_is_first(factor_b, tensors, cols, depth)
-    )
-    return f"""
+    b_outer = "kc" if b_inner else "nc"
+    zero_b = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
+    zero_a = f"apack[(i / {MR}) * {MR} * kc + p * {MR} + i % {MR}]"
+    pack_b = f"""for (int64_t part = 0; part < threads_; ++part)
+                        {prefix}_pack_b(bpack, jc, nc, pc, kc, {b_outer} * part / threads_,
+                                        {b_outer} * (part + 1) / threads_, col_tab, dep_tab{arguments});
+                    for (int64_t j = nc; j < strips * {NR}; ++j)
+                        for (int64_t p = 0; p < kc; ++p) {zero_b} = 0.0f;"""
+    pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {"kc" if a_inner else "mc"}, row_tab, dep_tab{arguments});
+                            for (int64_t i = mc; i < (mc + {MR - 1}) / {MR} * {MR}; ++i)
+                                for (int64_t p = 0; p < kc; ++p) {zero_a} = 0.0f;"""
+    return (
+        packers,
+        f"""
         float *restrict outp = out + {piece.base};
         {_table("row", rows, offset(rows))}
         {_table("col", cols, offset(cols))}
@@ -402,37 +425,41 @@ def _piece_code(piece: Piece, mapping: Mapping) -> str:
         }}
         free(bpack);
         free(contiguous);
-        free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);"""
+        free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);""",
+    )
 
 
-def _pack(
-    buffer: str,
+def _packer(
+    name: str,
     width: int,
-    side: tuple[str, str, str, str, list[tuple[str, int]]],
+    variables: list[tuple[str, int]],
     value: str,
     depth: list[tuple[str, int]],
     side_inner: bool,
+    params: str,
 ) -> str:
-    """C packing a block of an operand into ``width``-wide strips of ``buffer``
-    (``strip[p * width + i % width]``), rows or columns past the block's end as
-    zeros; the loops are ordered so that consecutive reads are near in memory.
-    ``side`` is (loop variable, block size, block start, table name, variables)."""
-    var, size, start, table, variables = side
-    target = f"{buffer}[({var} / {width}) * {width} * kc + p * {width} + {var} % {width}]"
-    own = _lookup(table, f"{start} + {var}", variables)
+    """A C function packing rows (or columns) ``[start, start + size)`` of an operand
+    for depth ``[pc, pc + kc)`` into ``width``-wide strips of ``buffer``
+    (``strip[p * width + i % width]``), for the outer loop's range ``[lo, hi)``;
+    the loops are ordered so that consecutive reads are near in memory.  It is
+    compiled without auto-vectorisation: the reads are index-table lookups the
+    vectoriser would turn into slow gathers."""
+    target = f"buffer[(i / {width}) * {width} * kc + p * {width} + i % {width}]"
+    own = _lookup("side", "start + i", variables)
     dep = _lookup("dep", "pc + p", depth)
-    outer, inner = ("p", var) if side_inner else (var, "p")
+    outer, inner = ("p", "i") if side_inner else ("i", "p")
     first, second = (dep, own) if side_inner else (own, dep)
-    bound = {"p": "kc", var: size}
-    return f"""for (int64_t {outer} = 0; {outer} < {bound[outer]}; ++{outer}) {{
-                        {first}
-                        for (int64_t {inner} = 0; {inner} < {bound[inner]}; ++{inner}) {{
-                            {second}
-                            {target} = {value};
-                        }}
-                    }}
-                    for (int64_t {var} = {size}; {var} < ({size} + {width - 1}) / {width} * {width}; ++{var})
-                        for (int64_t p = 0; p < kc; ++p) {target} = 0.0f;"""
+    bound = {"p": "kc", "i": "size"}
+    return f"""static NF_SCALAR void {name}(float *restrict buffer, int64_t start, int64_t size, int64_t pc, int64_t kc,
+        int64_t lo, int64_t hi, const int32_t *restrict side_tab, const int32_t *restrict dep_tab{params}) {{
+    for (int64_t {outer} = lo; {outer} < hi; ++{outer}) {{
+        {first}
+        for (int64_t {inner} = 0; {inner} < {bound[inner]}; ++{inner}) {{
+            {second}
+            {target} = {value};
+        }}
+    }}
+}}"""
 
 
 def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], second: list[tuple[str, int]]) -> bool:

@@ -42,7 +42,7 @@ def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
             continue
         if code not in by_code:
             by_code[code] = f"nf_kernel{len(by_code)}"
-            parts.append(code.replace("void KERNEL(", f"void {by_code[code]}(", 1))
+            parts.append(code.replace("KERNEL", by_code[code]))
         functions[op.name] = by_code[code]
     return "\n\n".join(parts) + "\n", functions, interpreted
 
