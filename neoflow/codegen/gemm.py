@@ -225,7 +225,7 @@ def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
     return batches * (compute + pack_a + pack_b + write_back)
 
 
-def _unflatten(flat: str, variables: list[tuple[str, int]]) -> str:
+def unflatten_index(flat: str, variables: list[tuple[str, int]]) -> str:
     """C declaring ``v_<name>`` for each variable from a row-major flat index."""
     if not variables:
         return ""
@@ -246,7 +246,7 @@ def _table(name: str, variables: list[tuple[str, int]], offset: str | None) -> s
     if offset is not None:
         lines.append(f"int64_t *{name}_off = (int64_t *)malloc(sizeof(int64_t) * {max(size, 1)});")
         stores += f" {name}_off[f] = {offset};"
-    lines.append(f"for (int64_t f = 0; f < {size}; ++f) {{ {_unflatten('f', variables)} {stores} }}")
+    lines.append(f"for (int64_t f = 0; f < {size}; ++f) {{ {unflatten_index('f', variables)} {stores} }}")
     return "\n        ".join(lines)
 
 
@@ -277,7 +277,7 @@ def _zero_piece(piece: Piece) -> str:
     offset = " + ".join(f"v_{v} * {piece.strides[v]}" for v, _ in variables) or "0"
     return f"""        #pragma omp parallel for
         for (int64_t f = 0; f < {piece.op.output.size}; ++f) {{
-            {_unflatten("f", variables)}
+            {unflatten_index("f", variables)}
             out[{piece.base} + {offset}] = 0.0f;
         }}"""
 
@@ -362,7 +362,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         const int64_t mcb = (({m} + mblocks - 1) / mblocks + {MR - 1}) / {MR} * {MR};
         mblocks = ({m} + mcb - 1) / mcb;
         for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
-            {_unflatten("batch_", batch)}
+            {unflatten_index("batch_", batch)}
             float *restrict to_batch = outp + {offset(batch)};
             for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
                 const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;

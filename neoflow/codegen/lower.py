@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import islpy as isl
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, cast, linear_index
-from neoflow.codegen.gemm import gemm_function, gemm_plan
+from neoflow.codegen.gemm import gemm_function, gemm_plan, unflatten_index
+from neoflow.codegen.lattice import Piece, split_lattice
 from neoflow.errors import CompileError
 from neoflow.ir import bounds
 from neoflow.ir.expr import Binary, Expr, Reduce, Select
@@ -299,12 +300,46 @@ class Lowering:
         return "\n".join([*macros, *lines, *undefs])
 
 
+def lower_pieces(op: Op, pieces: list[Piece], name: str) -> str:
+    """The C function ``name`` computing ``op`` piece by piece (``lattice.split_lattice``):
+    each dense piece is a plain loop nest (``name_p<k>``) into a contiguous buffer,
+    scattered to its strided slice of the output; empty pieces zero theirs."""
+    ctype = c_type(op.dtype)
+    params = [f"{ctype} *restrict out", *(f"const {c_type(t.dtype)} *restrict in{k}" for k, t in enumerate(op.inputs))]
+    arguments = "".join(f", in{k}" for k in range(len(op.inputs)))
+    helpers, lines = [], []
+    for number, piece in enumerate(pieces):
+        variables = [(v, piece.op.extent[v]) for v in piece.op.indices]
+        target = " + ".join([str(piece.base), *(f"v_{v} * {piece.strides[v]}" for v, _ in variables)])
+        size = piece.op.output.size
+        unflatten = unflatten_index("f", variables)
+        if piece.empty:
+            lines.append(f"""    #pragma omp parallel for
+    for (int64_t f = 0; f < {size}; ++f) {{ {unflatten} out[{target}] = 0; }}""")
+            continue
+        function = Lowering(piece.op).function(f"{name}_p{number}")
+        helpers.append(function.replace(f"void {name}_p{number}(", f"static void {name}_p{number}(", 1))
+        lines.append(f"""    {{
+        {ctype} *part = ({ctype} *)malloc(sizeof({ctype}) * {size});
+        {name}_p{number}(part{arguments});
+        #pragma omp parallel for
+        for (int64_t f = 0; f < {size}; ++f) {{ {unflatten} out[{target}] = part[f]; }}
+        free(part);
+    }}""")
+    body = "\n".join(lines)
+    return "\n".join(helpers) + f"\nvoid {name}({', '.join(params)}) {{\n{body}\n}}\n"
+
+
 def lower_op(op: Op, name: str) -> str:
-    """The C function ``name`` computing ``op``."""
+    """The C function ``name`` computing ``op``: the blocked kernel for contractions
+    worth it, dense pieces for other lattice domains, else the plain loop nest."""
     try:
         plan = gemm_plan(op)
         if plan is not None:
             return gemm_function(op, plan, name)
+        pieces = split_lattice(op) if op.scatter is None else None
+        if pieces is not None and (len(pieces) > 1 or pieces[0].empty):
+            return lower_pieces(op, pieces, name)
         return Lowering(op).function(name)
     except CompileError as err:
         raise err.with_context(op=op.name) from None
