@@ -77,11 +77,12 @@ def _fold(part: Expr) -> bool | None:
     return None
 
 
-def _unit_variable(expr: sympy.Expr, candidates: list[str]) -> str | None:
-    """The first of ``candidates`` that ``expr`` (affine) has with coefficient ±1."""
+def _unit_variable(expr: sympy.Expr, modulus: int, candidates: list[str]) -> str | None:
+    """The first of ``candidates`` that ``expr`` (affine) has with a coefficient coprime
+    to ``modulus`` (each residue class of such a variable meets the lattice in one class)."""
     for name in candidates:
         coefficient = sympy.expand(expr).coeff(index.var(name))
-        if coefficient in (1, -1) and index.var(name) not in coefficient.free_symbols:
+        if coefficient.is_Integer and coefficient != 0 and math.gcd(int(coefficient), modulus) == 1:
             return name
     return None
 
@@ -152,7 +153,7 @@ def _simplify(state: _State) -> tuple[_State, bool]:
 def split_lattice(op: Op) -> list[Piece] | None:
     """``op``'s domain as dense pieces (one piece, the op itself, when its reduction
     has no lattice condition); None when a lattice condition has no variable with
-    a unit coefficient to split on, or too many pieces would result."""
+    a coefficient coprime to its modulus to split on, or too many pieces would result."""
     parts = split_epilogue(op.body)
     if parts is None:
         return None
@@ -172,10 +173,10 @@ def split_lattice(op: Op) -> list[Piece] | None:
             done.append((state, False))
             continue
         expr, modulus = found
-        name = _unit_variable(expr, state.indices)
+        name = _unit_variable(expr, modulus, state.indices)
         output = name is not None
         if name is None:
-            name = _unit_variable(expr, list(state.reduce.axes))
+            name = _unit_variable(expr, modulus, list(state.reduce.axes))
         if name is None:
             return None
         splits = []

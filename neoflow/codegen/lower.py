@@ -291,9 +291,17 @@ class Lowering:
         parallel = op.scatter is None and any(self.extent[v] > 1 for v in op.indices) and work >= PARALLEL_MIN_POINTS
         private = f" private({', '.join(a for _, a in self.accumulators)})" if self.accumulators else ""
         outer_dims = {f"c{k}" for k in range(len(op.indices))}
+        open_loops: list[int] = []  # indentation of the enclosing for loops
         for line in loops.splitlines():
-            if parallel and line.startswith("for (int ") and line[9:].split(" ", 1)[0] in outer_dims:
-                lines.append(f"    #pragma omp parallel for{private}")
+            text = line.lstrip()
+            indent = len(line) - len(text)
+            while open_loops and indent <= open_loops[-1]:
+                open_loops.pop()
+            if text.startswith("for (int "):
+                # an outermost loop over an output dimension (isl may put sibling loops in a block)
+                if parallel and not open_loops and text[9:].split(" ", 1)[0] in outer_dims:
+                    lines.append(f"    {' ' * indent}#pragma omp parallel for{private}")
+                open_loops.append(indent)
             lines.append("    " + line)
         lines.append("}")
         undefs = [f"#undef {s.name}" for s in self.statements]
