@@ -341,6 +341,20 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {"kc" if a_inner else "mc"}, row_tab, dep_tab{arguments});
                             for (int64_t i = mc; i < (mc + {MR - 1}) / {MR} * {MR}; ++i)
                                 for (int64_t p = 0; p < kc; ++p) {zero_a} = 0.0f;"""
+    tables = f"""float *restrict outp = out + {piece.base};
+        {_table("row", rows, offset(rows))}
+        {_table("col", cols, offset(cols))}
+        {_table("dep", depth, None)}"""
+    if _split_depth(m, n, k):
+        epilogue_term = ""
+        if epilogue is not None:
+            epilogue_term = f""" {_lookup("row", "i", rows)} {_lookup("col", "jc + j", cols)}
+                    sum += (float)({printer(epilogue, "float32")});"""
+        pack_b = pack_b.replace(
+            f"{b_outer} * part / threads_,\n                                        {b_outer} * (part + 1) / threads_",
+            f"0, {b_outer}",
+        ).replace("for (int64_t part = 0; part < threads_; ++part)", "")
+        return packers, _depth_split_code(tables, (m, n, k), batch, offset(batch), pack_a, pack_b, epilogue_term)
     return (
         packers,
         f"""
@@ -486,3 +500,90 @@ def _round(value: int, multiple: int) -> int:
 def _first_read(node: Expr) -> str:
     """The tensor of the first read in ``node``."""
     return next(n.tensor for n in node.walk() if isinstance(n, Read))
+
+
+def _split_depth(m: int, n: int, k: int) -> bool:
+    """Whether to share out the reduction rather than the rows: a small output (a weight
+    gradient) with a long reduction has too few row blocks and column strips to keep every
+    core busy."""
+    return m * n <= (1 << 16) and -(-m // MC) * -(-n // NR) < 16 and k >= 4 * KC
+
+
+def _depth_split_code(
+    tables: str,
+    sizes: tuple[int, int, int],
+    batch: list[tuple[str, int]],
+    batch_offset: str,
+    pack_a: str,
+    pack_b: str,
+    epilogue: str,
+) -> str:
+    """C for the blocked kernel with the ``KC`` blocks shared out among the threads: each
+    accumulates its part of the sum in its own ``m x nc`` buffer, and the buffers are then
+    added up into the output (with the epilogue)."""
+    m, n, k = sizes
+    return f"""
+        {tables}
+#ifdef _OPENMP
+        const int64_t threads_ = omp_get_max_threads();
+#else
+        const int64_t threads_ = 1;
+#endif
+        const int64_t width_ = {min(NC, n)};
+        float *partial = (float *)malloc(sizeof(float) * threads_ * {m} * width_);
+        for (int64_t batch_ = 0; batch_ < {_batch_count(batch)}; ++batch_) {{
+            {unflatten_index("batch_", batch)}
+            float *restrict to_batch = outp + {batch_offset};
+            for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
+                const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;
+                const int64_t strips = (nc + {NR - 1}) / {NR};
+                memset(partial, 0, sizeof(float) * threads_ * {m} * width_);
+                #pragma omp parallel
+                {{
+#ifdef _OPENMP
+                    const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+                    const int64_t me = 0, team = 1;
+#endif
+                    float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(MC, MR)});
+                    float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(min(NC, n), NR)});
+                    float tile[{MR * NR}] __attribute__((aligned(64)));
+                    float *mine = partial + me * {m} * width_;
+                    const int64_t blocks = {-(-k // KC)};
+                    for (int64_t block = blocks * me / team; block < blocks * (me + 1) / team; ++block) {{
+                        const int64_t pc = block * {KC};
+                        const int64_t kc = pc + {KC} < {k} ? {KC} : {k} - pc;
+                        {pack_b}
+                        for (int64_t ic = 0; ic < {m}; ic += {MC}) {{
+                            const int64_t mc = ic + {MC} < {m} ? {MC} : {m} - ic;
+                            {pack_a}
+                            for (int64_t jr = 0; jr < nc; jr += {NR}) {{
+                                const int64_t width = nc - jr < {NR} ? nc - jr : {NR};
+                                for (int64_t ir = 0; ir < mc; ir += {MR}) {{
+                                    nf_micro_6x16(kc, apack + ir * kc, bpack + jr * kc, tile);
+                                    for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii)
+                                        for (int64_t jj = 0; jj < width; ++jj)
+                                            mine[(ic + ir + ii) * width_ + jr + jj] += tile[ii * {NR} + jj];
+                                }}
+                            }}
+                        }}
+                    }}
+                    free(apack);
+                    free(bpack);
+                }}
+                #pragma omp parallel for
+                for (int64_t i = 0; i < {m}; ++i)
+                    for (int64_t j = 0; j < nc; ++j) {{
+                        float sum = 0.0f;
+                        for (int64_t t = 0; t < threads_; ++t) sum += partial[(t * {m} + i) * width_ + j];{epilogue}
+                        to_batch[row_off[i] + col_off[jc + j]] = sum;
+                    }}
+            }}
+        }}
+        free(partial);
+        free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);"""
+
+
+def _batch_count(batch: list[tuple[str, int]]) -> int:
+    """The number of batch points (1 without batch variables)."""
+    return math.prod(e for _, e in batch)

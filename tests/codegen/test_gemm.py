@@ -34,6 +34,15 @@ CASES = {
         "dY[k, (z - r) // 2] * W[k, c, r])",
         {"dY": (16, 200), "W": (16, 16, 3), "Y": (16, 401)},
     ),
+    # small outputs with long reductions (weight gradients): the reduction is shared out among the threads
+    "weight_gradient_split_depth": (
+        "dW[k, c, r, s] = ReduceAdd({n, p, q}, dY[n, k, p, q] * X[n, c, p + r, q + s])",
+        {"dY": (4, 20, 30, 30), "X": (4, 3, 32, 32)},
+    ),
+    "split_depth_bias": (
+        "C[i, j] = ReduceAdd({k}, A[k, i] * B[k, j]) + Bias[j]",
+        {"A": (3000, 30), "B": (3000, 50), "Bias": (50,)},
+    ),
     "triangular": ("C[i, j] = ReduceAdd({k | k <= i}, A[i, k] * B[k, j])", {"A": (64, 64), "B": (64, 64)}),
     "capsule_stride_2": (
         "Out[b, k, p, q, i, j] = ReduceAdd({c, r, s, t}, In0[b, c, p*2 + r, q*2 + s, i, t] * In1[k, c, r, s, t, j])",
@@ -75,3 +84,12 @@ def test_parity_domains_with_few_columns_keep_the_exact_loops() -> None:
     )
     assert gemm_mapping(op) is not None
     assert gemm_mapping(neoflow.grad(op)["B"]) is None
+
+
+def test_weight_gradients_share_out_the_reduction() -> None:
+    from neoflow.codegen.lower import lower_op
+
+    text, shapes = CASES["weight_gradient_split_depth"]
+    assert "partial" in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
+    text, shapes = CASES["gemm_odd"]
+    assert "partial" not in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
