@@ -8,11 +8,14 @@ import shutil
 from collections.abc import Mapping
 
 import numpy as np
+import pytest
 
 import neoflow
 from neoflow.ir import Graph, Op
 
-TARGETS = ["interp", *(["cpu"] if shutil.which(os.environ.get("CC", "cc")) else [])]
+HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None
+TARGETS = ["interp", *(["cpu"] if HAS_CC else [])]
+NEEDS_CC = pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 
 
 def evaluate_on(target: str, program: Op | Graph, inputs: Mapping[str, np.ndarray]):

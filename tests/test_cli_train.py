@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from neoflow.cli import main
+from tests.targets import NEEDS_CC
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 
@@ -95,11 +96,8 @@ def test_errors_are_one_line(tmp_path: Path, capsys, argv, message) -> None:
     assert not (tmp_path / "x").exists()  # no half-written build
 
 
+@NEEDS_CC
 def test_compile_for_cpu_writes_source_library_and_runs(tmp_path: Path, capsys) -> None:
-    import shutil
-
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler")
     build = tmp_path / "build"
     assert (
         main(["compile", str(MODELS / "cnn.onnx"), "--target", "cpu", "--train", "--labels", "y", "-o", str(build)])

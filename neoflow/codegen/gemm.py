@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
-from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice
+from neoflow.codegen.lattice import Piece, lattice_condition, split_epilogue, split_lattice
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, conjuncts
@@ -35,6 +35,12 @@ from neoflow.ir.op import Op
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
+_THREADS = """#ifdef _OPENMP
+        const int64_t threads_ = omp_get_max_threads();
+#else
+        const int64_t threads_ = 1;
+#endif"""
+_FREE_TABLES = "free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);"
 GENERIC_CYCLES_PER_POINT = 2.0
 
 MICROKERNEL = r"""
@@ -131,7 +137,6 @@ class GemmPlan:
     each with the outer-product mapping it runs on (None for a piece that is zero)."""
 
     pieces: tuple[tuple[Piece, Mapping | None], ...]
-    cycles: float
 
     def describe(self) -> str:
         """One line per piece: its slice of the output and its mapping."""
@@ -188,7 +193,7 @@ def gemm_plan(op: Op) -> GemmPlan | None:
     # at a couple of cycles per multiply-add it wins where blocking would pad or pack too much
     if cycles >= GENERIC_CYCLES_PER_POINT * domain_points(op):
         return None
-    return GemmPlan(tuple(planned), cycles)
+    return GemmPlan(tuple(planned))
 
 
 def domain_points(op: Op) -> float:
@@ -201,12 +206,9 @@ def domain_points(op: Op) -> float:
     if reduce.where is None:
         return points
     for part in conjuncts(reduce.where):
-        if isinstance(part, Binary) and part.op == "==":
-            sides = (part.a, part.b)
-            zero = any(isinstance(x, Const) and x.value == 0 for x in sides)
-            mods = [x.expr for x in sides if isinstance(x, Index) and isinstance(x.expr, sympy.Mod)]
-            if zero and mods and mods[0].args[1].is_Integer:
-                points /= int(mods[0].args[1])
+        found = lattice_condition(part)
+        if found is not None:
+            points /= found[1]
     return points
 
 
@@ -262,7 +264,7 @@ def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
     helpers, blocks = [], []
     for number, (piece, mapping) in enumerate(plan.pieces):
         if mapping is None:
-            code = _zero_piece(piece)
+            code = store_slice(piece, "0.0f")
         else:
             packers, code = _piece_code(piece, mapping, f"{name}_p{number}", params)
             helpers.append(packers)
@@ -271,14 +273,15 @@ def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
     return "\n".join(helpers) + f"\nvoid {name}(float *restrict out{params}) {{\n{body}\n}}\n"
 
 
-def _zero_piece(piece: Piece) -> str:
-    """C zeroing the output slice of an empty piece."""
+def store_slice(piece: Piece, value: str) -> str:
+    """C storing ``value`` (which may use the piece's flat point index ``f``) at every
+    point of ``piece``'s slice of ``out``, in parallel."""
     variables = [(v, piece.op.extent[v]) for v in piece.op.indices]
-    offset = " + ".join(f"v_{v} * {piece.strides[v]}" for v, _ in variables) or "0"
+    target = " + ".join([str(piece.base), *(f"v_{v} * {piece.strides[v]}" for v, _ in variables)])
     return f"""        #pragma omp parallel for
         for (int64_t f = 0; f < {piece.op.output.size}; ++f) {{
             {unflatten_index("f", variables)}
-            out[{piece.base} + {offset}] = 0.0f;
+            out[{target}] = {value};
         }}"""
 
 
@@ -331,44 +334,39 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         ]
     )
     b_outer = "kc" if b_inner else "nc"
-    zero_b = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
-    zero_a = f"apack[(i / {MR}) * {MR} * kc + p * {MR} + i % {MR}]"
-    pack_b = f"""for (int64_t part = 0; part < threads_; ++part)
-                        {prefix}_pack_b(bpack, jc, nc, pc, kc, {b_outer} * part / threads_,
-                                        {b_outer} * (part + 1) / threads_, col_tab, dep_tab{arguments});
+
+    def pack_b(lo: str, hi: str) -> str:
+        zero = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
+        return f"""{prefix}_pack_b(bpack, jc, nc, pc, kc, {lo}, {hi}, col_tab, dep_tab{arguments});
                     for (int64_t j = nc; j < strips * {NR}; ++j)
-                        for (int64_t p = 0; p < kc; ++p) {zero_b} = 0.0f;"""
+                        for (int64_t p = 0; p < kc; ++p) {zero} = 0.0f;"""
+
+    zero_a = f"apack[(i / {MR}) * {MR} * kc + p * {MR} + i % {MR}]"
     pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {"kc" if a_inner else "mc"}, row_tab, dep_tab{arguments});
                             for (int64_t i = mc; i < (mc + {MR - 1}) / {MR} * {MR}; ++i)
                                 for (int64_t p = 0; p < kc; ++p) {zero_a} = 0.0f;"""
     tables = f"""float *restrict outp = out + {piece.base};
         {_table("row", rows, offset(rows))}
         {_table("col", cols, offset(cols))}
-        {_table("dep", depth, None)}"""
+        {_table("dep", depth, None)}
+{_THREADS}"""
     if _split_depth(m, n, k):
         epilogue_term = ""
         if epilogue is not None:
             epilogue_term = f""" {_lookup("row", "i", rows)} {_lookup("col", "jc + j", cols)}
                     sum += (float)({printer(epilogue, "float32")});"""
-        pack_b = pack_b.replace(
-            f"{b_outer} * part / threads_,\n                                        {b_outer} * (part + 1) / threads_",
-            f"0, {b_outer}",
-        ).replace("for (int64_t part = 0; part < threads_; ++part)", "")
-        return packers, _depth_split_code(tables, (m, n, k), batch, offset(batch), pack_a, pack_b, epilogue_term)
+        split = _depth_split_code(tables, (m, n, k), batch, offset(batch), pack_a, pack_b("0", b_outer), epilogue_term)
+        return packers, split
+    # the b block is packed by every thread, each a slice of the packer's outer loop
+    pack_b_shared = "for (int64_t part = 0; part < threads_; ++part)\n                        " + pack_b(
+        f"{b_outer} * part / threads_", f"{b_outer} * (part + 1) / threads_"
+    )
     return (
         packers,
         f"""
-        float *restrict outp = out + {piece.base};
-        {_table("row", rows, offset(rows))}
-        {_table("col", cols, offset(cols))}
-        {_table("dep", depth, None)}
+        {tables}
         float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, _round(n, NR))});
         char *contiguous = (char *)malloc({-(-min(NC, n) // NR)});
-#ifdef _OPENMP
-        const int64_t threads_ = omp_get_max_threads();
-#else
-        const int64_t threads_ = 1;
-#endif
         /* row blocks: a multiple of the thread count when there are enough rows, otherwise
            the column strips are shared out too */
         int64_t mblocks = ({m} + {MC - 1}) / {MC};
@@ -394,7 +392,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                     const int64_t kc = pc + {KC} < {k} ? {KC} : {k} - pc;
                     const int last_ = pc + kc >= {k};
                     #pragma omp parallel for
-                    {pack_b}
+                    {pack_b_shared}
                     #pragma omp parallel
                     {{
                         float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(MC, MR)});
@@ -439,7 +437,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         }}
         free(bpack);
         free(contiguous);
-        free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);""",
+        {_FREE_TABLES}""",
     )
 
 
@@ -524,11 +522,6 @@ def _depth_split_code(
     m, n, k = sizes
     return f"""
         {tables}
-#ifdef _OPENMP
-        const int64_t threads_ = omp_get_max_threads();
-#else
-        const int64_t threads_ = 1;
-#endif
         const int64_t width_ = {min(NC, n)};
         float *partial = (float *)malloc(sizeof(float) * threads_ * {m} * width_);
         for (int64_t batch_ = 0; batch_ < {_batch_count(batch)}; ++batch_) {{
@@ -581,7 +574,7 @@ def _depth_split_code(
             }}
         }}
         free(partial);
-        free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);"""
+        {_FREE_TABLES}"""
 
 
 def _batch_count(batch: list[tuple[str, int]]) -> int:

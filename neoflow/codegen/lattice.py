@@ -58,8 +58,8 @@ def split_epilogue(body: Expr) -> tuple[Reduce, Expr | None] | None:
     return None
 
 
-def _lattice(part: Expr) -> tuple[sympy.Expr, int] | None:
-    """``(e, m)`` for a conjunct ``e % m == 0`` (either side order)."""
+def lattice_condition(part: Expr) -> tuple[sympy.Expr, int] | None:
+    """``(e, m)`` for a conjunct ``e % m == 0`` with ``m > 1`` (either side order)."""
     if not (isinstance(part, Binary) and part.op == "=="):
         return None
     for left, right in ((part.a, part.b), (part.b, part.a)):
@@ -137,17 +137,14 @@ def _substitute(state: _State, name: str, modulus: int, residue: int, output: bo
 def _simplify(state: _State) -> tuple[_State, bool]:
     """Drop conjuncts that became true; report whether one became false (empty reduction)."""
     reduce = state.reduce
+    no_points = any(state.extent[a] == 0 for a in reduce.axes)
     if reduce.where is None:
-        return state, any(state.extent[a] == 0 for a in reduce.axes)
-    kept = []
-    for part in conjuncts(reduce.where):
-        value = _fold(part)
-        if value is False:
-            return state, True
-        if value is None:
-            kept.append(part)
-    reduce = Reduce(reduce.kind, reduce.axes, reduce.extents, reduce.body, _and(kept))
-    return replace(state, reduce=reduce), any(state.extent[a] == 0 for a in reduce.axes)
+        return state, no_points
+    values = [(part, _fold(part)) for part in conjuncts(reduce.where)]
+    if any(value is False for _, value in values):
+        return state, True
+    where = _and([part for part, value in values if value is None])
+    return replace(state, reduce=Reduce(reduce.kind, reduce.axes, reduce.extents, reduce.body, where)), no_points
 
 
 def split_lattice(op: Op) -> list[Piece] | None:
@@ -163,12 +160,9 @@ def split_lattice(op: Op) -> list[Piece] | None:
     done: list[tuple[_State, bool]] = []
     while pending:
         state = pending.pop()
-        found = next(
-            (lat for lat in map(_lattice, conjuncts(state.reduce.where)) if lat is not None)
-            if state.reduce.where is not None
-            else iter(()),
-            None,
-        )
+        where = state.reduce.where
+        lattices = [] if where is None else [c for c in map(lattice_condition, conjuncts(where)) if c is not None]
+        found = lattices[0] if lattices else None
         if found is None:
             done.append((state, False))
             continue

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import islpy as isl
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, cast, linear_index
-from neoflow.codegen.gemm import gemm_function, gemm_plan, unflatten_index
+from neoflow.codegen.gemm import gemm_function, gemm_plan, store_slice
 from neoflow.codegen.lattice import Piece, split_lattice
 from neoflow.errors import CompileError
 from neoflow.ir import bounds
@@ -317,21 +317,15 @@ def lower_pieces(op: Op, pieces: list[Piece], name: str) -> str:
     arguments = "".join(f", in{k}" for k in range(len(op.inputs)))
     helpers, lines = [], []
     for number, piece in enumerate(pieces):
-        variables = [(v, piece.op.extent[v]) for v in piece.op.indices]
-        target = " + ".join([str(piece.base), *(f"v_{v} * {piece.strides[v]}" for v, _ in variables)])
-        size = piece.op.output.size
-        unflatten = unflatten_index("f", variables)
         if piece.empty:
-            lines.append(f"""    #pragma omp parallel for
-    for (int64_t f = 0; f < {size}; ++f) {{ {unflatten} out[{target}] = 0; }}""")
+            lines.append(store_slice(piece, "0"))
             continue
         function = Lowering(piece.op).function(f"{name}_p{number}")
         helpers.append(function.replace(f"void {name}_p{number}(", f"static void {name}_p{number}(", 1))
         lines.append(f"""    {{
-        {ctype} *part = ({ctype} *)malloc(sizeof({ctype}) * {size});
+        {ctype} *part = ({ctype} *)malloc(sizeof({ctype}) * {piece.op.output.size});
         {name}_p{number}(part{arguments});
-        #pragma omp parallel for
-        for (int64_t f = 0; f < {size}; ++f) {{ {unflatten} out[{target}] = part[f]; }}
+{store_slice(piece, "part[f]")}
         free(part);
     }}""")
     body = "\n".join(lines)

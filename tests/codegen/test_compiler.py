@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
 import neoflow
 from neoflow.codegen import compiler
 from neoflow.errors import CompileError
+from tests.targets import NEEDS_CC
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+pytestmark = NEEDS_CC
 
 SOURCE = "int nf_answer(void) { return 42; }\n"
 

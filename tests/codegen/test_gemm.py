@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
 import neoflow
 from neoflow.codegen.gemm import gemm_plan as gemm_mapping
+from tests.targets import NEEDS_CC
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+pytestmark = NEEDS_CC
 
 CASES = {
     "gemm_odd": ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (67, 300), "B": (300, 37)}),
@@ -93,3 +92,17 @@ def test_weight_gradients_share_out_the_reduction() -> None:
     assert "partial" in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
     text, shapes = CASES["gemm_odd"]
     assert "partial" not in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
+
+
+def test_a_strided_adjoint_runs_the_blocked_kernel_on_each_dense_piece() -> None:
+    from neoflow.codegen.gemm import gemm_plan
+
+    op = neoflow.op(
+        "Y[n, k, p, q] = ReduceAdd({c, r, s}, X[n, c, 2*p + r, 2*q + s] * W[k, c, r, s])",
+        shapes={"X": (2, 32, 33, 33), "W": (32, 32, 3, 3)},
+    )
+    plan = gemm_plan(neoflow.grad(op)["X"])
+    lines = plan.describe().splitlines()
+    # one piece per (row parity, column parity), each a dense contraction on the outer product
+    assert [line.split(",", 1)[0] for line in lines] == ["offset 0", "offset 1", "offset 33", "offset 34"]
+    assert all("outer_product: i<-(z3_, z4_) j<-(c) k<-(k, r_, s_)" in line for line in lines)

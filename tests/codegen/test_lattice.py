@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import sympy
@@ -12,8 +10,7 @@ import neoflow
 from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import lower_op
 from neoflow.ir.expr import Index
-
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+from tests.targets import NEEDS_CC
 
 
 def _has_mod(op) -> bool:
@@ -68,7 +65,7 @@ CASES = {
 }
 
 
-@needs_cc
+@NEEDS_CC
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_pieces_equal_the_interpreter(case: str) -> None:
     text, shapes, wrt = CASES[case]

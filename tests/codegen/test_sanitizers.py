@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,8 +11,9 @@ import pytest
 
 import neoflow
 from neoflow.runtime.cpu import sanitizer_program
+from tests.targets import NEEDS_CC
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+pytestmark = NEEDS_CC
 MODELS = Path(__file__).resolve().parents[2] / "models"
 FOUR_OP_SMALL = (MODELS / "four_op.nf").read_text().replace("224", "16").replace("228", "20").replace("226", "18")
 FOUR_OP_SMALL = FOUR_OP_SMALL.replace("112", "8")
