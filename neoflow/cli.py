@@ -190,7 +190,9 @@ def _train_spec(args: argparse.Namespace) -> neoflow.TrainSpec | None:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    model = neoflow.compile(args.model, target=args.target, train=_train_spec(args), shapes=dict(args.shape))
+    model = neoflow.compile(
+        args.model, target=args.target, train=_train_spec(args), shapes=dict(args.shape), fusion=args.fusion
+    )
     elapsed = time.perf_counter() - start
     out = model.save(args.output)
     print(model.report())
@@ -329,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument(
         "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"
+    )
+    comp.add_argument(
+        "--fusion",
+        default="none",
+        metavar="POLICY",
+        help="fusion policy: none, elementwise, neoflow, chimera, or module:Class (none)",
     )
     comp.add_argument("--train", action="store_true", help="add a training step (loss, backward, optimizer)")
     comp.add_argument("--loss", default="cross_entropy", help="cross_entropy, mse, or a scalar output's name")

@@ -115,3 +115,19 @@ def test_compile_for_cpu_writes_source_library_and_runs(tmp_path: Path, capsys) 
 
     expected = neoflow.compile(MODELS / "cnn.onnx").run({"x": x})["logits"]
     np.testing.assert_allclose(np.load(tmp_path / "out" / "logits.npy"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_with_a_fusion_policy_records_it_and_reloads_with_it(tmp_path: Path, capsys) -> None:
+    import neoflow
+
+    build = tmp_path / "fused"
+    args = ["compile", str(MODELS / "mlp.onnx"), "--train", "--labels", "y", "--fusion", "elementwise"]
+    assert main([*args, "-o", str(build)]) == 0
+    assert json.loads((build / "manifest.json").read_text())["fusion"] == "elementwise"
+    model = neoflow.load(build)
+    assert model._train.fusion_plan.policy == "elementwise"
+    assert len(model._train.fusion_plan.kernels) < len(model._train.source_graph.ops)
+    assert main(["compile", str(MODELS / "mlp.onnx"), "--fusion", "nope", "-o", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err
+    assert "unknown fusion policy 'nope'" in err and err.count("\n") == 1
+    assert not (tmp_path / "bad").exists()

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
-from neoflow.codegen.lattice import Piece, lattice_condition, split_epilogue, split_lattice
+from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.ir import index
+from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, conjuncts
 from neoflow.ir.op import Op
 
@@ -108,7 +109,7 @@ def fold_domain(op: Op) -> Op:
     conjunct of ``cond`` only involves variables of one operand's indices (the
     excluded terms become zero products; a guarded read is never performed
     outside its condition).  Other ops are returned unchanged."""
-    parts = split_epilogue(op.body)
+    parts = split_epilogue(op.body, op)
     if parts is None:
         return op
     body, epilogue = parts
@@ -127,7 +128,7 @@ def fold_domain(op: Op) -> Op:
         for part in reversed(guards[k]):
             factors[k] = Select(part, factors[k], Const(0))
     reduce = Reduce(body.kind, body.axes, body.extents, Binary("*", factors[0], factors[1]), None)
-    new_body = reduce if epilogue is None else Binary("+", reduce, epilogue)
+    new_body = with_reduce(epilogue, reduce)
     return Op(op.output, op.indices, new_body, op.inputs, op.ranges, op.range_sources, op.info, op.scatter)
 
 
@@ -150,7 +151,7 @@ class GemmPlan:
 def _piece_mapping(op: Op) -> Mapping | None:
     """The cheapest outer-product mapping of one dense piece (after folding its domain onto guards)."""
     op = fold_domain(op)
-    parts = split_epilogue(op.body)
+    parts = split_epilogue(op.body, op)
     if parts is None:
         return None
     probe = Op(op.output, op.indices, parts[0], op.inputs, op.ranges)
@@ -198,18 +199,9 @@ def gemm_plan(op: Op) -> GemmPlan | None:
 
 def domain_points(op: Op) -> float:
     """About how many (output point, reduction point) pairs ``op``'s top reduction
-    visits: the box, thinned by each lattice condition ``e % m == 0`` of its
-    domain to one point in ``m`` (bounds conditions are taken to hold; counting
-    exactly with isl would enumerate the points)."""
-    reduce = split_epilogue(op.body)[0]
-    points = float(math.prod(op.extent[v] for v in (*op.indices, *reduce.axes)))
-    if reduce.where is None:
-        return points
-    for part in conjuncts(reduce.where):
-        found = lattice_condition(part)
-        if found is not None:
-            points /= found[1]
-    return points
+    visits (``bounds.reduction_points`` per output point)."""
+    reduce = split_epilogue(op.body, op)[0]
+    return math.prod(op.extent[v] for v in op.indices) * reduction_points(reduce, op.extent)
 
 
 def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
@@ -289,7 +281,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     """C computing one dense piece with the blocked kernel: the packing functions
     (named ``<prefix>_pack_a``/``_b``) and the block of code calling them."""
     op = fold_domain(piece.op)
-    reduce, epilogue = split_epilogue(op.body)
+    reduce, epilogue = split_epilogue(op.body, op)
     product = reduce.body
     assert isinstance(product, Binary)
     operands = dict(mapping.operands)
@@ -299,6 +291,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     names = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
     index = IndexPrinter(lambda v: f"v_{v}", lambda t, idx: printer.read(t, idx))
     printer = ValuePrinter(tensors, names, index, lambda node: "0")
+    finish = ValuePrinter(tensors, names, index, lambda node: "acc_")  # the epilogue, given the sum
     factor_a, factor_b = product.a, product.b
     if _first_read(product.a) != operands["a"]:
         factor_a, factor_b = factor_b, factor_a
@@ -319,7 +312,8 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                                             {_lookup("row", "ic + ir + ii", rows)}
                                             for (int64_t jj = 0; jj < width; ++jj) {{
                                                 {_lookup("col", "jc + jr + jj", cols)}
-                                                to[col_off[jc + jr + jj]] += (float)({printer(epilogue, "float32")});
+                                                const float acc_ = to[col_off[jc + jr + jj]];
+                                                to[col_off[jc + jr + jj]] = (float)({finish(epilogue, "float32")});
                                             }}
                                         }}"""
     # the packers take the inputs and the batch variables' values
@@ -354,7 +348,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         epilogue_term = ""
         if epilogue is not None:
             epilogue_term = f""" {_lookup("row", "i", rows)} {_lookup("col", "jc + j", cols)}
-                    sum += (float)({printer(epilogue, "float32")});"""
+                    {{ const float acc_ = sum; sum = (float)({finish(epilogue, "float32")}); }}"""
         split = _depth_split_code(tables, (m, n, k), batch, offset(batch), pack_a, pack_b("0", b_outer), epilogue_term)
         return packers, split
     # the b block is packed by every thread, each a slice of the packer's outer loop

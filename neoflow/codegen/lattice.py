@@ -17,10 +17,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import islpy as isl
 import sympy
 
-from neoflow.ir import index
-from neoflow.ir.expr import Binary, Const, Expr, Index, Reduce, conjuncts, map_indices
+from neoflow.ir import bounds, index
+from neoflow.ir.bounds import lattice_condition
+from neoflow.ir.expr import (
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Reduce,
+    Select,
+    conjuncts,
+    map_children,
+    map_indices,
+    reductions,
+)
 from neoflow.ir.op import Op, Tensor
 
 MAX_PIECES = 64
@@ -46,28 +59,74 @@ class Piece:
     empty: bool = False
 
 
-def split_epilogue(body: Expr) -> tuple[Reduce, Expr | None] | None:
-    """``Reduce`` or ``Reduce + epilogue`` (the epilogue free of reductions) as
-    ``(reduce, epilogue)``; None for any other body."""
+def split_epilogue(body: Expr, op: Op | None = None) -> tuple[Reduce, Expr | None] | None:
+    """``(reduce, epilogue)`` for a body that is one reduction, or an expression
+    holding exactly one reduction and no other: ``epilogue`` is the whole
+    body, applied to the reduction's value at each output point (``relu(acc +
+    bias)``), None when the body is the reduction alone.  A reduction under a
+    ``Select`` branch is computed at every output point, so it is taken only
+    when ``op`` (the op of ``body``) is given and the reduction's reads stay in
+    bounds everywhere in its box."""
     if isinstance(body, Reduce):
         return body, None
-    if isinstance(body, Binary) and body.op == "+":
-        for reduce, rest in ((body.a, body.b), (body.b, body.a)):
-            if isinstance(reduce, Reduce) and not any(isinstance(n, Reduce) for n in rest.walk()):
-                return reduce, rest
-    return None
+    found: list[tuple[Reduce, bool]] = []
 
+    def visit(node: Expr, guarded: bool) -> None:
+        if isinstance(node, Reduce):
+            found.append((node, guarded))
+            return
+        if isinstance(node, Select):
+            visit(node.cond, guarded)
+            visit(node.a, True)
+            visit(node.b, True)
+        elif isinstance(node, Binary) and node.op in ("&&", "||"):
+            visit(node.a, guarded)
+            visit(node.b, True)
+        else:
+            for child in node.children():
+                visit(child, guarded)
 
-def lattice_condition(part: Expr) -> tuple[sympy.Expr, int] | None:
-    """``(e, m)`` for a conjunct ``e % m == 0`` with ``m > 1`` (either side order)."""
-    if not (isinstance(part, Binary) and part.op == "=="):
+    visit(body, False)
+    if len(found) != 1:
         return None
-    for left, right in ((part.a, part.b), (part.b, part.a)):
-        if isinstance(right, Const) and right.value == 0 and isinstance(left, Index):
-            expr = left.expr
-            if isinstance(expr, sympy.Mod) and expr.args[1].is_Integer and int(expr.args[1]) > 1:
-                return expr.args[0], int(expr.args[1])
-    return None
+    reduce, guarded = found[0]
+    if guarded and (op is None or not _reads_in_bounds(reduce, op)):
+        return None
+    return reduce, body
+
+
+def _zero(node: Expr) -> bool:
+    """Whether ``node`` is zero whatever its reads hold (``Select(c, 0, 0)``, ``x * 0``)."""
+    if isinstance(node, Const):
+        return node.value == 0
+    if isinstance(node, Cast):
+        return _zero(node.x)
+    if isinstance(node, Select):
+        return _zero(node.a) and _zero(node.b)
+    if isinstance(node, Binary) and node.op == "*":
+        return _zero(node.a) or _zero(node.b)
+    if isinstance(node, Binary) and node.op in ("+", "-"):
+        return _zero(node.a) and _zero(node.b)
+    return False
+
+
+def _reads_in_bounds(reduce: Reduce, op: Op) -> bool:
+    shapes = {t.name: t.shape for t in op.inputs}
+    try:
+        return bounds.first_violation(bounds.accesses(reduce), op.extent, shapes) is None
+    except isl.Error:  # a condition isl cannot read: do not assume the reads are safe
+        return False
+
+
+def with_reduce(epilogue: Expr | None, reduce: Reduce) -> Expr:
+    """The body ``split_epilogue`` came from, with ``reduce`` in place of its reduction."""
+    if epilogue is None:
+        return reduce
+
+    def put(node: Expr) -> Expr:
+        return reduce if isinstance(node, Reduce) else map_children(node, put)
+
+    return put(epilogue)
 
 
 def _fold(part: Expr) -> bool | None:
@@ -151,7 +210,7 @@ def split_lattice(op: Op) -> list[Piece] | None:
     """``op``'s domain as dense pieces (one piece, the op itself, when its reduction
     has no lattice condition); None when a lattice condition has no variable with
     a coefficient coprime to its modulus to split on, or too many pieces would result."""
-    parts = split_epilogue(op.body)
+    parts = split_epilogue(op.body, op)
     if parts is None:
         return None
     reduce, epilogue = parts
@@ -195,13 +254,14 @@ def split_lattice(op: Op) -> list[Piece] | None:
             return None
     pieces = []
     for state, empty in sorted(done, key=lambda item: item[0].base):
-        if empty and state.epilogue is not None:
-            return None
+        if empty and state.epilogue is not None and not _zero(with_reduce(state.epilogue, Const(0.0))):
+            return None  # the epilogue of an empty sum is not zero there
         shape = tuple(state.extent[v] for v in state.indices)
         if math.prod(shape) == 0:
             continue
-        body = state.reduce if state.epilogue is None else Binary("+", state.reduce, state.epilogue)
-        ranges = tuple((v, state.extent[v]) for v in (*state.indices, *state.reduce.axes))
+        body = with_reduce(state.epilogue, state.reduce)
+        axes = dict.fromkeys(a for r in reductions(body) for a in r.axes)  # nested reductions' too
+        ranges = tuple((v, state.extent[v]) for v in (*state.indices, *axes))
         piece_op = Op(Tensor(op.name, shape, op.dtype), tuple(state.indices), body, op.inputs, ranges)
         pieces.append(Piece(piece_op, state.strides, state.base, empty))
     return pieces

@@ -9,13 +9,15 @@ makes the checks stricter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import islpy as isl
+import sympy
 
 from neoflow.ir import index
-from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, Unary
+from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, Unary, conjuncts
 
 PREFIX = "v_"
 _NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
@@ -208,3 +210,28 @@ def infer_extents(
             else int(bad.lexmin().sample_point().get_coordinate_val(isl.dim_type.set, 0).to_python())
         )
     return result
+
+
+def lattice_condition(part: Expr) -> tuple[sympy.Expr, int] | None:
+    """``(e, m)`` for a conjunct ``e % m == 0`` with ``m > 1`` (either side order)."""
+    if not (isinstance(part, Binary) and part.op == "=="):
+        return None
+    for left, right in ((part.a, part.b), (part.b, part.a)):
+        if isinstance(right, Const) and right.value == 0 and isinstance(left, Index):
+            expr = left.expr
+            if isinstance(expr, sympy.Mod) and expr.args[1].is_Integer and int(expr.args[1]) > 1:
+                return expr.args[0], int(expr.args[1])
+    return None
+
+
+def reduction_points(reduce: Reduce, extent: Mapping[str, int]) -> float:
+    """About how many points ``reduce`` visits per output point: the box of its
+    axes, thinned by each lattice condition ``e % m == 0`` of its domain to one
+    point in ``m`` (bounds conditions are taken to hold)."""
+    points = float(math.prod(extent[a] for a in reduce.axes))
+    if reduce.where is not None:
+        for part in conjuncts(reduce.where):
+            found = lattice_condition(part)
+            if found is not None:
+                points /= found[1]
+    return points

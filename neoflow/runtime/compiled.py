@@ -17,6 +17,7 @@ from onnx import numpy_helper
 from neoflow.autodiff.training import TrainingGraph, TrainSpec, build_training_graph, internal_names
 from neoflow.errors import CompileError, InputError
 from neoflow.frontend import load_onnx, read_model
+from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op, Tensor
@@ -24,6 +25,7 @@ from neoflow.ir.printer import print_graph
 from neoflow.ir.text import parse_graph
 from neoflow.runtime.custom_op import CompiledOp
 from neoflow.runtime.executor import EXECUTORS
+from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
 from neoflow.runtime.report import compile_report
 
 ModelSource = str | os.PathLike | onnx.ModelProto | Graph
@@ -38,6 +40,7 @@ def compile(
     shapes: Mapping[str, Sequence[int]] | None = None,
     parameters: Mapping[str, np.ndarray] | None = None,
     grad: bool = False,
+    fusion: str | FusionPolicy = DEFAULT_POLICY,
 ) -> CompiledModel | CompiledOp:
     """Compile an ONNX model (path or ModelProto), a ``.nf`` program, a ``Graph``
     or a single ``Op``.
@@ -47,11 +50,13 @@ def compile(
     inputs, which then become parameters (trainable unless frozen).  Returns a
     ``CompiledModel``; for an ``Op``, a ``CompiledOp`` (with ``grad=True`` its
     adjoints too: ``.run(inputs)``, ``.backward(inputs, {"dOut": ...})``).
+    ``fusion`` is the fusion policy: a built-in name (``none``, ``elementwise``,
+    ``neoflow``, ``chimera``), ``module:Class`` or a policy object.
     Errors are ``neoflow`` errors with one-line messages."""
     if target not in EXECUTORS:
         raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
     if isinstance(model, Op):
-        return CompiledOp(model, target, grad)
+        return CompiledOp(model, target, grad, fusion)
     proto = None
     if isinstance(model, Graph):
         inference = model
@@ -69,7 +74,7 @@ def compile(
     if train is not None and proto is not None:
         forward = dataclasses.replace(load_onnx(proto, shapes, training=True), parameters=inference.parameters)
     training = build_training_graph(forward, train) if train is not None else None
-    return CompiledModel(inference, training, train, target, proto, dict(shapes or {}))
+    return CompiledModel(inference, training, train, target, proto, dict(shapes or {}), fusion)
 
 
 def _bind(graph: Graph, parameters: Mapping[str, np.ndarray]) -> Graph:
@@ -102,8 +107,13 @@ class CompiledModel:
         target: str,
         source: onnx.ModelProto | None,
         shapes: dict[str, Sequence[int]],
+        fusion: str | FusionPolicy = DEFAULT_POLICY,
     ) -> None:
         self.target = target
+        self.fusion = load_policy(fusion)
+        kind = type(self.fusion)
+        self.fusion_name = fusion if isinstance(fusion, str) else f"{kind.__module__}:{kind.__qualname__}"
+
         self.spec = spec
         self.training = training
         self.inference = inference
@@ -112,8 +122,7 @@ class CompiledModel:
         self.step = 0
         self.lr = spec.lr if spec is not None else 0.0
         self.last_prediction: np.ndarray | None = None
-        executor = EXECUTORS[target]
-        self._run = executor(inference, inference.outputs)
+        self._run = build_executor(target, inference, inference.outputs, self.fusion)
         self._names = {name: source for source, name in internal_names(inference).items()}
         if source is not None:
             initializers = {t.name for t in source.graph.initializer}
@@ -125,7 +134,7 @@ class CompiledModel:
         if training is not None:
             self._values.update({name: np.array(v) for name, v in training.state.items()})
             keep = [training.loss, training.prediction, *training.updates.values()]
-            self._train = executor(training.graph, keep)
+            self._train = build_executor(target, training.graph, keep, self.fusion)
 
     # ----------------------------------------------------------------- running
 
@@ -199,7 +208,7 @@ class CompiledModel:
         training = self._require_training()
         if self._gradients is None:  # built on first use: most models never ask
             keep = [training.loss, *training.gradients.values()]
-            self._gradients = EXECUTORS[self.target](training.graph, keep)
+            self._gradients = build_executor(self.target, training.graph, keep, self.fusion)
         outputs = self._gradients.run(self._training_feed(batch))
         return {self.public_name(p): outputs[g] for p, g in training.gradients.items()}
 
@@ -281,6 +290,7 @@ class CompiledModel:
             "train": None if self.spec is None else dataclasses.asdict(self.spec),
             "step": self.step,
             "lr": self.lr,
+            "fusion": self.fusion_name,
         }
         with tempfile.TemporaryDirectory(dir=directory, prefix=".saving-") as scratch:
             staging = Path(scratch)
@@ -356,6 +366,7 @@ def load(directory: str | os.PathLike, target: str | None = None, shapes: Mappin
         spec,
         shapes if shapes is not None else manifest["shapes"],
         parameters,
+        fusion=manifest.get("fusion", DEFAULT_POLICY),
     )
     state_path = directory / "state.npz"
     if compiled.training is not None and state_path.is_file():

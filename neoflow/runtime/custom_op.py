@@ -13,23 +13,27 @@ import numpy as np
 
 from neoflow.autodiff import grad as derive
 from neoflow.errors import CompileError
+from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import check_inputs
 from neoflow.ir.op import Op
 from neoflow.runtime.executor import EXECUTORS
+from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
 
 
 class CompiledOp:
     """``op`` compiled for ``target``; with ``grad``, its adjoints too (``adjoints``
-    maps input name → adjoint op; ``backward`` evaluates them)."""
+    maps input name → adjoint op; ``backward`` evaluates them); ``fusion`` is
+    the fusion policy for the forward and backward graphs."""
 
-    def __init__(self, op: Op, target: str, grad: bool) -> None:
+    def __init__(self, op: Op, target: str, grad: bool, fusion: str | FusionPolicy = DEFAULT_POLICY) -> None:
         if target not in EXECUTORS:
             raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
         self.op = op
         self.target = target
+        self.fusion = load_policy(fusion)
         self.forward_graph = Graph.from_ops([op])
-        self._forward = EXECUTORS[target](self.forward_graph, [op.name])
+        self._forward = build_executor(target, self.forward_graph, [op.name], self.fusion)
         self.adjoints: dict[str, Op] = derive(op) if grad else {}
         self._backward = None
         self._both = None
@@ -37,7 +41,8 @@ class CompiledOp:
             self.backward_graph = Graph.from_ops(
                 [op, *self.adjoints.values()], outputs=[a.name for a in self.adjoints.values()]
             )
-            self._backward = EXECUTORS[target](self.backward_graph, [a.name for a in self.adjoints.values()])
+            keep = [a.name for a in self.adjoints.values()]
+            self._backward = build_executor(target, self.backward_graph, keep, self.fusion)
 
     def _inputs(self, graph: Graph, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return check_inputs(graph.free_inputs, given, self.op.name)
@@ -54,7 +59,7 @@ class CompiledOp:
             raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
         if self._both is None:
             keep = [self.op.name, *(a.name for a in self.adjoints.values())]
-            self._both = EXECUTORS[self.target](self.backward_graph, keep)
+            self._both = build_executor(self.target, self.backward_graph, keep, self.fusion)
         outputs = self._both.run(self._inputs(self.backward_graph, {**inputs, **output_grad}))
         return outputs[self.op.name], {name: outputs[a.name] for name, a in self.adjoints.items()}
 

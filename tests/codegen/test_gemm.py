@@ -42,6 +42,19 @@ CASES = {
         "C[i, j] = ReduceAdd({k}, A[k, i] * B[k, j]) + Bias[j]",
         {"A": (3000, 30), "B": (3000, 50), "Bias": (50,)},
     ),
+    # epilogues of any shape, applied to the finished sum (what fusing an activation or an update gives)
+    "relu_bias_epilogue": (
+        "C[i, j] = max(ReduceAdd({k}, A[i, k] * B[k, j]) + Bias[j], 0)",
+        {"A": (40, 70), "B": (70, 35), "Bias": (35,)},
+    ),
+    "sgd_update_epilogue_split_depth": (
+        "C[i, j] = P[i, j] - 0.1 * ReduceAdd({k}, A[k, i] * B[k, j])",
+        {"A": (3000, 30), "B": (3000, 50), "P": (30, 50)},
+    ),
+    "guarded_epilogue_crop": (
+        "C[i, j] = Select(i > 2 && j > 0, ReduceAdd({k}, A[i, k] * B[k, j]), 0)",
+        {"A": (40, 70), "B": (70, 35)},
+    ),
     "triangular": ("C[i, j] = ReduceAdd({k | k <= i}, A[i, k] * B[k, j])", {"A": (64, 64), "B": (64, 64)}),
     "capsule_stride_2": (
         "Out[b, k, p, q, i, j] = ReduceAdd({c, r, s, t}, In0[b, c, p*2 + r, q*2 + s, i, t] * In1[k, c, r, s, t, j])",

@@ -1,0 +1,117 @@
+"""Inlining: substitute a producer's expression for the consumer's reads of it.
+
+Inlining is how a fused kernel avoids writing a tensor to memory: the consumer
+recomputes the producer's value at each point it reads, so ``B[i] = A[i] * 2``
+inlined into ``C[i] = B[i + 1] + 1`` gives ``C[i] = A[i + 1] * 2 + 1``.  A
+producer's reduction axes are renamed so they cannot clash with the consumer's
+variables, and its value is cast to its declared dtype where the expression's
+own dtype differs, so a fused op rounds exactly as the unfused pair did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+
+import sympy
+
+from neoflow.errors import CompileError
+from neoflow.ir import bounds
+from neoflow.ir import dtypes as dt
+from neoflow.ir.expr import Cast, Expr, Read, Reduce, map_children, map_indices
+from neoflow.ir.index import fresh_name, var
+from neoflow.ir.op import Op, Tensor
+
+
+def _rename_axes(node: Expr, names: Mapping[str, str]) -> Expr:
+    """``node`` with the reduction axes in ``names`` renamed (binders and uses)."""
+    symbols = {var(old): var(new) for old, new in names.items()}
+    node = map_indices(node, lambda e: e.xreplace(symbols))
+
+    def rename(n: Expr) -> Expr:
+        n = map_children(n, rename)
+        if isinstance(n, Reduce):
+            return Reduce(n.kind, tuple(names.get(a, a) for a in n.axes), n.extents, n.body, n.where)
+        return n
+
+    return rename(node)
+
+
+def _value_at(producer: Op, point: tuple[sympy.Expr, ...], axes: Mapping[str, str]) -> Expr:
+    """The producer's value at ``point`` (its reduction axes renamed by ``axes``)."""
+    body = _rename_axes(producer.body, axes) if axes else producer.body
+    at = {var(v): e for v, e in zip(producer.indices, point, strict=True)}
+    body = map_indices(body, lambda e: e.xreplace(at))
+    if dt.concrete(body.dtype) != producer.dtype:
+        body = Cast(producer.dtype, body)
+    return body
+
+
+def inline(consumer: Op, producer: Op) -> Op:
+    """``consumer`` with every read of ``producer``'s output replaced by the
+    producer's expression at the read's indices.  Raises ``CompileError`` for a
+    scatter-add producer (it has no value at a point) or a read of the
+    producer inside an index (a data-dependent index is not inlined)."""
+    if producer.scatter is not None:
+        raise CompileError(f"'{producer.name}' is a scatter-add and cannot be inlined", op=consumer.name)
+    for access in bounds.accesses(consumer.body):
+        if access.read.tensor == producer.name and access.read.tensor_dtype == "int64" and producer.dtype != "int64":
+            raise CompileError(f"reads '{producer.name}' inside an index; it cannot be inlined", op=consumer.name)
+    taken = {name for name, _ in consumer.ranges} | set(producer.indices) | {name for name, _ in producer.ranges}
+    extents = dict(producer.ranges)
+    new_ranges = dict(consumer.ranges)
+    reads = 0
+
+    def substitute(node: Expr) -> Expr:
+        nonlocal reads
+        if isinstance(node, Read) and node.tensor == producer.name:
+            reads += 1
+            axes = {a: fresh_name(f"{a}_{producer.name}", taken) for a in producer.reduce_axes}
+            for old, new in axes.items():
+                new_ranges[new] = extents[old]
+            return _value_at(producer, node.indices, axes)
+        return map_children(node, substitute)
+
+    body = substitute(consumer.body)
+    if not reads:
+        return consumer
+    return replace(
+        consumer,
+        body=body,
+        inputs=_inputs(body, consumer, producer),
+        ranges=tuple(new_ranges.items()),
+        range_sources=(),
+    )
+
+
+def _inputs(body: Expr, consumer: Op, producer: Op) -> tuple[Tensor, ...]:
+    """The tensors ``body`` reads, in order of first appearance."""
+    known = {t.name: t for t in (*consumer.inputs, *producer.inputs)}
+    found: dict[str, Tensor] = {}
+    targets = [a.read for a in bounds.accesses(body)]
+    if consumer.scatter is not None:
+        probe = Read(consumer.name, consumer.scatter, "int64")
+        targets += [a.read for a in bounds.accesses(probe) if a.read.tensor != consumer.name]
+    for read in targets:
+        if read.tensor in known:
+            found.setdefault(read.tensor, known[read.tensor])
+    return tuple(found.values())
+
+
+def inline_all(ops: Iterable[Op], inlined: Iterable[str]) -> list[Op]:
+    """The ops of a kernel that are not in ``inlined``, each with every
+    inlined op it reads (directly or through other inlined ops) substituted.
+    ``ops`` are in topological order."""
+    names = set(inlined)
+    done: dict[str, Op] = {}
+    roots = []
+    for op in ops:
+        fused = op
+        for tensor in op.inputs:
+            if tensor.name in names:
+                fused = inline(fused, done[tensor.name])
+        if op.name in names:
+            done[op.name] = fused
+        else:
+            roots.append(fused)
+    return roots

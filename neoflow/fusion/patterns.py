@@ -1,0 +1,74 @@
+"""Light and heavy ops, and the four producer → consumer fusion patterns.
+
+*Light* ops are element-wise or injective (activations, padding,
+depth-to-space, transposes, concatenation, slices, broadcasts, optimizer
+updates): each output point reads a bounded handful of input points.
+*Heavy* ops reduce (convolutions, matmuls, capsule convolutions, pooling,
+norms, losses): each output point combines many input points.  A producer →
+consumer edge is one of light→light, light→heavy (a prologue), heavy→light
+(an epilogue) and heavy→heavy (a compute-intensive chain).
+"""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+
+from neoflow.fusion.work import op_work
+from neoflow.ir.expr import Expr, Read, Reduce
+from neoflow.ir.op import Op
+
+LIGHT, HEAVY = "light", "heavy"
+PATTERNS = ("light→light", "light→heavy", "heavy→light", "heavy→heavy")
+
+
+def kind(op: Op) -> str:
+    """``heavy`` when a reduction of ``op`` combines more than one point per
+    output point (a scatter-add counts as heavy), else ``light``."""
+    if op.scatter is not None:
+        return HEAVY
+    return HEAVY if op_work(op).reduction > 1 else LIGHT
+
+
+def pattern(producer: Op, consumer: Op) -> str:
+    """The pattern of the edge ``producer`` → ``consumer``, e.g. ``heavy→light``."""
+    return f"{kind(producer)}→{kind(consumer)}"
+
+
+def reads_of(consumer: Op, producer: str) -> list[tuple[Read, bool]]:
+    """Each read of ``producer`` in ``consumer``, with whether it sits inside a
+    reduction of the consumer."""
+    found: list[tuple[Read, bool]] = []
+
+    def visit(node: Expr, inside: bool) -> None:
+        if isinstance(node, Read) and node.tensor == producer:
+            found.append((node, inside))
+        for child in node.children():
+            visit(child, inside or isinstance(node, Reduce))
+
+    visit(consumer.body, False)
+    return found
+
+
+def is_epilogue(producer: Op, consumer: Op) -> bool:
+    """True when ``consumer`` reads ``producer`` only at its own output point
+    (the indices are the consumer's index variables, each once, outside any
+    reduction): inlining then computes each producer point exactly once."""
+    found = reads_of(consumer, producer.name)
+    if not found or consumer.scatter is not None:
+        return False
+    own = [sympy.Symbol(v, integer=True) for v in consumer.indices]
+    first = found[0][0].indices
+    for read, inside in found:
+        if inside or read.indices != first:
+            return False
+    return len(first) == len(own) and set(first) == set(own)
+
+
+def recompute_factor(producer: Op, consumer: Op) -> float:
+    """How many times inlining ``producer`` into ``consumer`` evaluates each
+    producer point on average (1 for an epilogue, 9 for a 3x3 window, 0 when
+    the consumer does not read it)."""
+    reads = op_work(consumer).reads.get(producer.name, 0.0)
+    return reads / max(1, math.prod(producer.shape))

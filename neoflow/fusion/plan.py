@@ -1,0 +1,234 @@
+"""Fusion plans: a partition of a graph's ops into kernels.
+
+Each kernel lists its ops (in graph order) and which of them are
+*materialised* (written to memory: read by another kernel, kept by the caller,
+or chosen by the policy); the others are *inlined*, recomputed inside the loops
+of the kernel ops that read them (``neoflow.fusion.inline``).  ``apply_plan``
+turns a valid plan into the ops the code generator compiles, kernel by kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from neoflow.errors import CompileError
+from neoflow.fusion.inline import inline_all
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Op
+
+
+class PlanError(CompileError):
+    """A fusion plan the code generator cannot compile, with the reason."""
+
+    kind = "fusion plan error"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel: ``ops`` in graph order; ``materialized`` are written to
+    memory, every other op of the kernel is inlined into its readers."""
+
+    ops: tuple[str, ...]
+    materialized: tuple[str, ...]
+
+    @property
+    def inlined(self) -> tuple[str, ...]:
+        """The ops recomputed inside their readers instead of being stored."""
+        return tuple(name for name in self.ops if name not in self.materialized)
+
+    @property
+    def name(self) -> str:
+        """A readable name: the kernel's last materialised op."""
+        return self.materialized[-1] if self.materialized else self.ops[-1]
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """Kernels in execution order; ``policy`` names what made the plan and
+    ``notes`` holds a policy's remarks per kernel name (tile sizes chosen, why a
+    tensor was recomputed)."""
+
+    kernels: tuple[Kernel, ...]
+    policy: str = ""
+    notes: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def kernel_of(self, op: str) -> Kernel:
+        """The kernel holding ``op``."""
+        for kernel in self.kernels:
+            if op in kernel.ops:
+                return kernel
+        raise KeyError(op)
+
+
+def must_store(graph: Graph, keep: Collection[str] = ()) -> set[str]:
+    """Tensors every plan materialises: graph outputs, ``keep`` and the next
+    values of state the graph updates."""
+    return set(graph.outputs) | set(keep) | set(graph.state_updates.values())
+
+
+def plan_from_groups(
+    graph: Graph,
+    groups: Iterable[Collection[str]],
+    keep: Collection[str] = (),
+    policy: str = "",
+    notes: Mapping[str, str] | None = None,
+) -> FusionPlan:
+    """A plan with one kernel per group of op names.  An op may sit in several
+    groups: it is then recomputed in each.  It is materialised (in the first
+    group holding it) when it must be kept (``must_store``) or when a reader's
+    group does not hold it; everywhere else it is inlined.  Groups are ordered
+    so that each runs after the kernels it reads from."""
+    order = {op.name: k for k, op in enumerate(graph.ops)}
+    groups = [sorted(set(g), key=lambda n: order.get(n, -1)) for g in groups]
+    for group in groups:
+        for name in group:
+            if name not in order:
+                raise PlanError(f"the plan names '{name}', which is not an op of the graph")
+    read = {t for op in graph.ops for t in op.input_names}
+    stored = must_store(graph, keep) | {op.name for op in graph.ops if op.name not in read}
+    for op in graph.ops:
+        for group in groups:
+            if op.name in group:
+                stored.update(n for n in op.input_names if n in order and n not in group)
+    home: dict[str, int] = {}
+    for k, group in enumerate(groups):
+        for name in group:
+            home.setdefault(name, k)
+    kernels = []
+    for k, group in enumerate(groups):
+        materialized = tuple(n for n in group if n in stored and home[n] == k)
+        members = list(group)
+        while True:  # drop recomputed ops nothing left in the group reads
+            used = {t for op in graph.ops if op.name in members for t in op.input_names}
+            kept = [n for n in members if n in materialized or n in used]
+            if kept == members:
+                break
+            members = kept
+        if members:
+            kernels.append(Kernel(tuple(members), materialized))
+    plan = FusionPlan(tuple(_kernel_order(graph, kernels)), policy, dict(notes or {}))
+    validate(plan, graph, keep)
+    return plan
+
+
+def unfused(graph: Graph, keep: Collection[str] = (), policy: str = "none") -> FusionPlan:
+    """One kernel per op, every op materialised."""
+    return plan_from_groups(graph, [[op.name] for op in graph.ops], keep, policy)
+
+
+def _sources(graph: Graph, kernels: list[Kernel]) -> list[set[int]]:
+    """For each kernel, the kernels whose materialised tensors it reads."""
+    home = {name: k for k, kernel in enumerate(kernels) for name in kernel.materialized}
+    ops = {op.name: op for op in graph.ops}
+    needs: list[set[int]] = [set() for _ in kernels]
+    for k, kernel in enumerate(kernels):
+        members = set(kernel.ops)
+        for name in kernel.ops:
+            for tensor in ops[name].input_names:
+                if tensor in ops and tensor not in members and tensor in home:
+                    needs[k].add(home[tensor])
+    return needs
+
+
+def _kernel_order(graph: Graph, kernels: list[Kernel]) -> list[Kernel]:
+    """``kernels`` in an order where each follows the kernels whose
+    materialised tensors it reads; a cycle is a ``PlanError``."""
+    needs = _sources(graph, kernels)
+    done: list[int] = []
+    state = [0] * len(kernels)
+
+    def visit(k: int, path: list[int]) -> None:
+        if state[k] == 2:
+            return
+        if state[k] == 1:
+            cycle = [kernels[j].name for j in path[path.index(k) :]] + [kernels[k].name]
+            raise PlanError(f"kernels depend on each other: {' -> '.join(cycle)}")
+        state[k] = 1
+        for j in sorted(needs[k]):
+            visit(j, [*path, k])
+        state[k] = 2
+        done.append(k)
+
+    for k in range(len(kernels)):
+        visit(k, [])
+    return [kernels[k] for k in done]
+
+
+def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None:
+    """Raise ``PlanError`` with the reason unless: every op is in a kernel and
+    materialised in at most one; every kept tensor is materialised; an op a
+    kernel inlines is not a scatter-add and is read inside that kernel; every
+    tensor a kernel reads from outside is materialised by a kernel that runs
+    before it (so there is no cycle)."""
+    ops = {op.name: op for op in graph.ops}
+    home: dict[str, int] = {}
+    for k, kernel in enumerate(plan.kernels):
+        for name in kernel.ops:
+            if name not in ops:
+                raise PlanError(f"kernel '{kernel.name}' names '{name}', which is not an op of the graph")
+        if len(set(kernel.ops)) != len(kernel.ops):
+            raise PlanError(f"kernel '{kernel.name}' lists an op twice")
+        extra = set(kernel.materialized) - set(kernel.ops)
+        if extra:
+            raise PlanError(f"kernel '{kernel.name}' materialises ops it does not hold: {', '.join(sorted(extra))}")
+        for name in kernel.materialized:
+            if name in home:
+                raise PlanError(f"'{name}' is materialised by two kernels")
+            home[name] = k
+    placed = {name for kernel in plan.kernels for name in kernel.ops}
+    missing = [name for name in ops if name not in placed]
+    if missing:
+        raise PlanError(f"ops in no kernel: {', '.join(missing)}")
+    for name in must_store(graph, keep):
+        if name in ops and name not in home:
+            raise PlanError(f"'{name}' must be kept but no kernel materialises it")
+    for kernel in plan.kernels:
+        members = set(kernel.ops)
+        for name in kernel.inlined:
+            if ops[name].scatter is not None:
+                raise PlanError(f"'{name}' is a scatter-add: it cannot be inlined, materialise it")
+            if not any(name in ops[r].input_names for r in members):
+                raise PlanError(f"kernel '{kernel.name}' inlines '{name}' but nothing in it reads '{name}'")
+        for reader in kernel.ops:
+            for tensor in ops[reader].input_names:
+                if tensor not in ops or tensor in members:
+                    continue
+                if tensor not in home:
+                    raise PlanError(f"kernel '{kernel.name}' reads '{tensor}', which no kernel materialises")
+    _kernel_order(graph, list(plan.kernels))  # a cycle is an error of its own
+    for k, needs in enumerate(_sources(graph, list(plan.kernels))):
+        for j in needs:
+            if j > k:
+                raise PlanError(
+                    f"kernel '{plan.kernels[k].name}' runs before kernel '{plan.kernels[j].name}', which it reads"
+                )
+
+
+def kernel_ops(graph: Graph, kernel: Kernel) -> list[Op]:
+    """The ops kernel ``kernel`` computes: its materialised ops, in order, with
+    every inlined op substituted into its readers."""
+    members = set(kernel.ops)
+    return inline_all([op for op in graph.ops if op.name in members], kernel.inlined)
+
+
+def apply_plan(graph: Graph, plan: FusionPlan) -> tuple[Graph, tuple[tuple[str, ...], ...]]:
+    """The graph of fused ops for ``plan`` (kernels in plan order, each one's
+    materialised ops with inlined producers substituted) and, per kernel, the
+    names of the ops it runs."""
+    fused: list[Op] = []
+    groups = []
+    for kernel in plan.kernels:
+        roots = kernel_ops(graph, kernel)
+        fused.extend(roots)
+        groups.append(tuple(op.name for op in roots))
+    result = Graph(
+        tuple(fused),
+        graph.inputs,
+        graph.outputs,
+        graph.parameters,
+        graph.source_names,
+        graph.state_updates,
+        graph.noise_inputs,
+    )
+    return result, tuple(groups)

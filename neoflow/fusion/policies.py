@@ -1,0 +1,332 @@
+"""Fusion policies: plug-ins that turn (graph, cost model) into a fusion plan.
+
+Built in: ``none`` (one op per kernel), ``elementwise`` (light→light chains
+and heavy→light epilogues, what most frameworks do), ``neoflow`` (all four
+patterns, recomputation against storing, forward/backward coupling; every
+decision by the cost model) and ``chimera`` (compute-intensive heavy→heavy
+chains on top of ``elementwise``).  A policy of your own is any class with a
+``plan(graph, cost_model)`` method, named as ``module:Class``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+from neoflow.errors import CompileError
+from neoflow.fusion.cost import CostModel
+from neoflow.fusion.patterns import HEAVY, LIGHT, is_epilogue, kind
+from neoflow.fusion.plan import FusionPlan, Kernel, must_store, plan_from_groups, unfused
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Op
+
+
+class FusionPolicy:
+    """Base class of fusion policies: ``plan`` returns a ``FusionPlan`` for
+    ``graph`` (its outputs are the tensors that must be kept)."""
+
+    name = "policy"
+
+    def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
+        raise NotImplementedError
+
+
+class NoFusion(FusionPolicy):
+    """Every op its own kernel, every tensor stored."""
+
+    name = "none"
+
+    def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
+        return unfused(graph, policy=self.name)
+
+
+class _Groups:
+    """A partition of a graph's ops into groups (union-find), with the group
+    order checks a policy needs before merging two groups."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.parent = {op.name: op.name for op in graph.ops}
+        self.ops = {op.name: op for op in graph.ops}
+        self.readers: dict[str, list[Op]] = {}
+        for op in graph.ops:
+            for name in op.input_names:
+                if name in self.ops:
+                    self.readers.setdefault(name, []).append(op)
+        self.names = {name: [op.name for op in ops] for name, ops in self.readers.items()}
+
+    def find(self, name: str) -> str:
+        while self.parent[name] != name:
+            self.parent[name] = self.parent[self.parent[name]]
+            name = self.parent[name]
+        return name
+
+    def members(self) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = {}
+        for op in self.graph.ops:
+            groups.setdefault(self.find(op.name), []).append(op.name)
+        return groups
+
+    def can_merge(self, a: str, b: str) -> bool:
+        """Whether merging the groups of ``a`` and ``b`` keeps the kernels
+        acyclic (no path between them through a third group)."""
+        ga, gb = self.find(a), self.find(b)
+        if ga == gb:
+            return False
+        groups = self.members()
+        merged = [frozenset(g) for root, g in groups.items() if root not in (ga, gb)]
+        merged.append(frozenset(groups[ga] + groups[gb]))
+        return not _cyclic(merged, self.names)
+
+    def merge(self, a: str, b: str) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def _single_reader(groups: _Groups, graph: Graph, name: str) -> Op | None:
+    readers = groups.readers.get(name, [])
+    if len(readers) == 1 and name not in must_store(graph):
+        return readers[0]
+    return None
+
+
+def _elementwise_groups(graph: Graph) -> _Groups:
+    """light→light chains and heavy→light epilogues whose producer has one
+    reader and is not kept."""
+    groups = _Groups(graph)
+    for op in graph.ops:
+        reader = _single_reader(groups, graph, op.name)
+        if reader is None or kind(reader) != LIGHT:
+            continue
+        if kind(op) == HEAVY and not is_epilogue(op, reader):
+            continue
+        if groups.can_merge(op.name, reader.name):
+            groups.merge(op.name, reader.name)
+    return groups
+
+
+class Elementwise(FusionPolicy):
+    """Fuse element-wise chains and epilogues (a producer with one reader)."""
+
+    name = "elementwise"
+
+    def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
+        return plan_from_groups(graph, _elementwise_groups(graph).members().values(), policy=self.name)
+
+
+class NeoFlow(FusionPolicy):
+    """Generalised fusion: all four patterns, recomputation or storage of
+    multi-reader producers, forward and backward ops alike, chosen greedily by
+    the cost model: of all moves (merge the kernels at the two ends of an
+    edge; recompute a light producer inside one reader's kernel or inside all
+    of them), take the one that saves the most predicted time, until none
+    saves any."""
+
+    name = "neoflow"
+
+    def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
+        search = _Search(graph, cost_model)
+        groups: list[frozenset[str]] = [frozenset([op.name]) for op in graph.ops]
+        while True:
+            moves = list(_moves(graph, groups, search.ops))
+            scored = sorted((search.delta(groups, _apply(groups, [m])), k) for k, m in enumerate(moves))
+            # take the best move, then every other saving move on groups no taken move touched
+            taken: list[_Move] = []
+            used: set[int] = set()
+            for delta, k in scored:
+                if delta >= -1e-9:
+                    break
+                removed, _ = moves[k]
+                if removed & used or _cyclic(_apply(groups, [*taken, moves[k]]), search.readers):
+                    continue
+                taken.append(moves[k])
+                used |= removed
+            if not taken:
+                break
+            groups = _apply(groups, taken)
+        return plan_from_groups(graph, groups, policy=self.name)
+
+
+class _Search:
+    """Predicted time of the kernels a move changes, without building whole plans."""
+
+    def __init__(self, graph: Graph, cost_model: CostModel) -> None:
+        self.graph = graph
+        self.cost_model = cost_model
+        self.ops = {op.name: op for op in graph.ops}
+        self.readers: dict[str, list[str]] = {}
+        for op in graph.ops:
+            for name in op.input_names:
+                if name in self.ops:
+                    self.readers.setdefault(name, []).append(op.name)
+        self.position = {op.name: k for k, op in enumerate(graph.ops)}
+        self.always = must_store(graph) | {name for name in self.ops if name not in self.readers}
+
+    def kernels(self, groups: list[frozenset[str]], which: Iterable[int]) -> list[Kernel]:
+        """The kernels of groups ``which``: an op is materialised in the first
+        group holding it when it must be kept or a reader sits in a group that
+        does not hold it (the rule of ``plan_from_groups``)."""
+        holders: dict[str, list[int]] = {}
+        for k, group in enumerate(groups):
+            for name in group:
+                holders.setdefault(name, []).append(k)
+        result = []
+        for k in which:
+            group = groups[k]
+            materialized = set()
+            for name in group:
+                if holders[name][0] != k:
+                    continue
+                readers = self.readers.get(name, ())
+                if name in self.always or any(name not in groups[j] for r in readers for j in holders[r]):
+                    materialized.add(name)
+            order = tuple(sorted(group, key=self.position.__getitem__))
+            result.append(Kernel(order, tuple(n for n in order if n in materialized)))
+        return result
+
+    def delta(self, old: list[frozenset[str]], new: list[frozenset[str]]) -> float:
+        """Predicted seconds of plan ``new`` minus plan ``old``.  Only kernels
+        that differ are costed: the kernels of ``old`` and ``new`` that hold
+        exactly the same ops and materialise the same tensors cancel."""
+        # groups whose ops, or whose ops' readers, moved: their kernels may differ
+        moved = set().union(*(g for g in set(old) ^ set(new)))
+        touched = moved | {t for name in moved for t in self.ops[name].input_names}
+        before = {(k.ops, k.materialized) for k in self.kernels(old, _holding(old, touched))}
+        after = {(k.ops, k.materialized) for k in self.kernels(new, _holding(new, touched))}
+        seconds = 0.0
+        for ops, materialized in after - before:
+            seconds += self.cost_model.kernel_cost(self.graph, Kernel(ops, materialized)).seconds
+        for ops, materialized in before - after:
+            seconds -= self.cost_model.kernel_cost(self.graph, Kernel(ops, materialized)).seconds
+        return seconds
+
+
+def _holding(groups: list[frozenset[str]], names: set[str]) -> list[int]:
+    return [k for k, g in enumerate(groups) if not g.isdisjoint(names)]
+
+
+def _cyclic(groups: list[frozenset[str]], readers: dict[str, list[str]]) -> bool:
+    """Whether the groups' read dependencies form a cycle."""
+    holders: dict[str, set[int]] = {}
+    for k, group in enumerate(groups):
+        for name in group:
+            holders.setdefault(name, set()).add(k)
+    successors: list[set[int]] = [set() for _ in groups]
+    for name, found in holders.items():
+        source = min(found)
+        for reader in readers.get(name, ()):
+            for k in holders[reader]:
+                if k not in found:
+                    successors[source].add(k)
+    state = [0] * len(groups)
+    for start in range(len(groups)):
+        if state[start]:
+            continue
+        stack = [(start, iter(successors[start]))]
+        state[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[node] = 2
+                stack.pop()
+            elif state[child] == 1:
+                return True
+            elif state[child] == 0:
+                state[child] = 1
+                stack.append((child, iter(successors[child])))
+    return False
+
+
+#: A move: the indices of the groups it replaces and the groups it puts in their place.
+_Move = tuple[frozenset[int], tuple[frozenset[str], ...]]
+
+
+def _apply(groups: list[frozenset[str]], moves: list[_Move]) -> list[frozenset[str]]:
+    removed = set().union(*(m[0] for m in moves))
+    return [g for k, g in enumerate(groups) if k not in removed] + [g for m in moves for g in m[1] if g]
+
+
+def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> Iterable[_Move]:
+    """Candidate moves: merge the groups at the two ends of an edge, recompute
+    a light producer inside one reader's group, or inside every reader's group
+    (then it is stored nowhere unless it must be kept)."""
+    holders: dict[str, list[int]] = {}
+    for k, group in enumerate(groups):
+        for name in group:
+            holders.setdefault(name, []).append(k)
+    seen = set()
+    for op in graph.ops:
+        for name in op.input_names:
+            if name not in ops:
+                continue
+            for b in holders[op.name]:
+                if name in groups[b]:
+                    continue
+                a = holders[name][0]
+                if (a, b) not in seen:
+                    seen.add((a, b))
+                    yield frozenset((a, b)), (groups[a] | groups[b],)
+                if kind(ops[name]) == LIGHT:
+                    yield frozenset((b,)), (groups[b] | {name},)
+    stored = must_store(graph)
+    for op in graph.ops:
+        if kind(op) != LIGHT or op.name in stored:
+            continue
+        readers = {k for k, g in enumerate(groups) if any(op.name in ops[r].input_names for r in g)}
+        home = set(holders[op.name])
+        if not readers or readers <= home:
+            continue
+        changed = sorted(readers | home)
+        yield (
+            frozenset(changed),
+            tuple(groups[k] | {op.name} if k in readers else groups[k] - {op.name} for k in changed),
+        )
+
+
+class Chimera(FusionPolicy):
+    """``elementwise``, plus compute-intensive chains: a heavy op whose only
+    reader is heavy joins that reader's kernel (the code generator tiles the
+    pair together, keeping the intermediate in a tile buffer)."""
+
+    name = "chimera"
+
+    def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
+        groups = _elementwise_groups(graph)
+        for op in graph.ops:
+            reader = _single_reader(groups, graph, op.name)
+            chain = reader is not None and kind(op) == HEAVY and kind(reader) == HEAVY
+            if chain and groups.can_merge(op.name, reader.name):
+                groups.merge(op.name, reader.name)
+        return plan_from_groups(graph, groups.members().values(), policy=self.name)
+
+
+BUILT_IN: dict[str, type[FusionPolicy]] = {policy.name: policy for policy in (NoFusion, Elementwise, NeoFlow, Chimera)}
+
+
+def load_policy(spec: str | FusionPolicy) -> FusionPolicy:
+    """A policy by built-in name (``none``, ``elementwise``, ``neoflow``,
+    ``chimera``) or as ``package.module:Class``; an instance is returned as it
+    is.  Raises ``CompileError`` naming what could not be found."""
+    if not isinstance(spec, str):
+        if not callable(getattr(spec, "plan", None)):
+            raise CompileError(f"{spec!r} is not a fusion policy (it has no plan method)")
+        return spec
+    if spec in BUILT_IN:
+        return BUILT_IN[spec]()
+    if ":" not in spec:
+        raise CompileError(f"unknown fusion policy '{spec}' (built in: {', '.join(BUILT_IN)}; or give module:Class)")
+    module_name, _, class_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise CompileError(f"fusion policy '{spec}': cannot import '{module_name}' ({err})") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise CompileError(f"fusion policy '{spec}': module '{module_name}' has no '{class_name}'")
+    policy = cls() if isinstance(cls, type) else cls
+    if not callable(getattr(policy, "plan", None)):
+        raise CompileError(f"fusion policy '{spec}': '{class_name}' has no plan(graph, cost_model) method")
+    return policy
+
+
+__all__ = ["BUILT_IN", "Chimera", "Elementwise", "FusionPolicy", "Kernel", "NeoFlow", "NoFusion", "load_policy"]

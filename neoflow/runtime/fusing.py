@@ -1,0 +1,62 @@
+"""Fusion in the runtime: plan a graph with a policy, apply the plan, build the executor.
+
+The executor runs the fused graph (one op per materialised tensor, inlined
+producers substituted) kernel by kernel; it keeps the plan and the cost model
+for reports (``neoflow fuse``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+
+from neoflow.fusion.cost import CostModel, Machine
+from neoflow.fusion.plan import FusionPlan, apply_plan, validate
+from neoflow.fusion.policies import FusionPolicy, load_policy
+from neoflow.ir.graph import Graph
+from neoflow.runtime.executor import EXECUTORS
+
+DEFAULT_POLICY = "none"
+
+
+def cost_model(target: str) -> CostModel:
+    """The cost model for ``target``: this machine's measured figures and the
+    code generator's schedule for ``cpu``; nominal figures otherwise."""
+    if target == "cpu":
+        from neoflow.codegen.estimate import peak_fraction
+        from neoflow.runtime.cpu import threads
+        from neoflow.runtime.machine import measure_machine
+
+        return CostModel(measure_machine(threads()), peak_fraction)
+    return CostModel(Machine())
+
+
+def planning_graph(graph: Graph, keep: Collection[str]) -> Graph:
+    """``graph`` with the tensors the caller keeps among its outputs (a plan
+    must materialise them)."""
+    outputs = tuple(dict.fromkeys([*graph.outputs, *keep]))
+    return dataclasses.replace(graph, outputs=outputs)
+
+
+def plan_for(graph: Graph, keep: Collection[str], fusion: str | FusionPolicy, model: CostModel) -> FusionPlan:
+    """The plan ``fusion`` makes for ``graph`` (checked with ``validate``)."""
+    policy = load_policy(fusion)
+    target = planning_graph(graph, keep)
+    plan = policy.plan(target, model)
+    validate(plan, target)
+    if not plan.policy:
+        plan = dataclasses.replace(plan, policy=getattr(policy, "name", type(policy).__name__))
+    return plan
+
+
+def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str | FusionPolicy = DEFAULT_POLICY):
+    """An executor of ``target`` running ``graph`` fused by policy ``fusion``;
+    it carries ``fusion_plan``, ``kernel_groups`` and ``cost_model``."""
+    model = cost_model(target)
+    plan = plan_for(graph, keep, fusion, model)
+    fused, groups = apply_plan(planning_graph(graph, keep), plan)
+    executor = EXECUTORS[target](fused, keep)
+    executor.fusion_plan = plan
+    executor.kernel_groups = groups
+    executor.source_graph = graph
+    executor.cost_model = model
+    return executor

@@ -1,0 +1,108 @@
+"""Measures the machine for the fusion cost model: FMA peak, a plain loop's rate,
+memory bandwidth and the cost of one kernel call, with generated C.
+
+Measured once per machine, compiler and thread count; the figures are cached
+as JSON beside the compiled kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import time
+from functools import cache
+
+import numpy as np
+
+from neoflow.codegen.compiler import build_library, cache_dir
+from neoflow.fusion.cost import Machine
+
+PROBE_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+double nf_fma_peak(long n) {
+    double start = omp_get_wtime();
+    float sink = 0;
+    #pragma omp parallel reduction(+:sink)
+    {
+        __m256 a0 = _mm256_set1_ps(1), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        __m256 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+        const __m256 x = _mm256_set1_ps(0.9999999f), y = _mm256_set1_ps(1e-7f);
+        for (long i = 0; i < n; ++i) {
+            a0 = _mm256_fmadd_ps(a0, x, y); a1 = _mm256_fmadd_ps(a1, x, y); a2 = _mm256_fmadd_ps(a2, x, y);
+            a3 = _mm256_fmadd_ps(a3, x, y); a4 = _mm256_fmadd_ps(a4, x, y); a5 = _mm256_fmadd_ps(a5, x, y);
+            a6 = _mm256_fmadd_ps(a6, x, y); a7 = _mm256_fmadd_ps(a7, x, y); a8 = _mm256_fmadd_ps(a8, x, y);
+            a9 = _mm256_fmadd_ps(a9, x, y); a10 = _mm256_fmadd_ps(a10, x, y); a11 = _mm256_fmadd_ps(a11, x, y);
+        }
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                                 _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+        s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, s);
+        sink += lanes[0];
+    }
+    double seconds = omp_get_wtime() - start;
+    return sink > 0 ? 2.0 * 8 * 12 * (double)n * omp_get_max_threads() / seconds : 0;
+}
+/* a generic loop nest's arithmetic: a guarded, index-computing element-wise op */
+double nf_loop_rate(float *out, const float *in, long n, int reps) {
+    double start = omp_get_wtime();
+    for (int r = 0; r < reps; ++r) {
+        #pragma omp parallel for
+        for (long i = 0; i < n; ++i) {
+            long j = (i * 7 + r) % n;
+            out[i] = (j > 2 ? in[j] * 0.5f + out[i] : 1.0f) * 0.25f + 1.0f;
+        }
+    }
+    return 5.0 * (double)n * reps / (omp_get_wtime() - start);
+}
+/* streaming bandwidth: out = a * 2 + b, bytes read and written */
+double nf_bandwidth(float *out, const float *a, const float *b, long n, int reps) {
+    double start = omp_get_wtime();
+    for (int r = 0; r < reps; ++r) {
+        #pragma omp parallel for
+        for (long i = 0; i < n; ++i) out[i] = a[i] * 2.0f + b[i];
+    }
+    return 12.0 * (double)n * reps / (omp_get_wtime() - start);
+}
+void nf_empty(float *out) { out[0] = 0; }
+"""
+
+
+@cache
+def measure_machine(threads: int) -> Machine:
+    """This machine's figures for ``threads`` threads (cached on disk)."""
+    path = build_library(PROBE_SOURCE)
+    key = hashlib.sha256(f"{path.name}/{threads}".encode()).hexdigest()[:16]
+    record = cache_dir() / "machine" / f"{key}.json"
+    if record.is_file():
+        try:
+            return Machine(**json.loads(record.read_text()), measured=True)
+        except (TypeError, ValueError):
+            pass
+    library = ctypes.CDLL(str(path))
+    library.omp_set_num_threads(ctypes.c_int(threads))
+    double = ctypes.c_double
+    library.nf_fma_peak.restype = library.nf_loop_rate.restype = library.nf_bandwidth.restype = double
+    library.nf_fma_peak.argtypes = [ctypes.c_long]
+    pointer = ctypes.c_void_p
+    library.nf_loop_rate.argtypes = [pointer, pointer, ctypes.c_long, ctypes.c_int]
+    library.nf_bandwidth.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_int]
+    library.nf_empty.argtypes = [pointer]
+    peak = max(library.nf_fma_peak(20_000_000) for _ in range(3))
+    small = np.ones(1 << 16, np.float32)
+    out_small = np.zeros_like(small)
+    loop = max(library.nf_loop_rate(out_small.ctypes.data, small.ctypes.data, small.size, 200) for _ in range(3))
+    big = [np.ones(1 << 23, np.float32) for _ in range(3)]
+    bandwidth = max(library.nf_bandwidth(*(b.ctypes.data for b in big), big[0].size, 4) for _ in range(3))
+    calls = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(1000):
+            library.nf_empty(out_small.ctypes.data)
+        calls.append((time.perf_counter() - start) / 1000)
+    figures = {"peak_flops": peak, "loop_flops": loop, "bandwidth": bandwidth, "call_seconds": min(calls)}
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(figures))
+    return Machine(**figures, measured=True)

@@ -1,0 +1,82 @@
+"""Inlining a producer into its reader gives the same values as running both."""
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.errors import CompileError
+from neoflow.fusion.inline import inline, inline_all
+from neoflow.ir import Graph, evaluate, evaluate_graph
+
+
+def _graph(text: str, **shapes) -> Graph:
+    return neoflow.graph(text, shapes={k: tuple(v) for k, v in shapes.items()})
+
+
+def test_padding_inlined_into_a_convolution_reads_the_unpadded_input() -> None:
+    graph = _graph(
+        """
+        P = tensor([2, 8, 8])
+        P[c, h, w] = Select(h >= 1 && h < 7 && w >= 1 && w < 7, X[c, h - 1, w - 1], 0)
+        Y[k, p, q] = ReduceAdd({c, r, s}, P[c, p + r, q + s] * W[k, c, r, s])
+        """,
+        X=(2, 6, 6),
+        W=(3, 2, 3, 3),
+    )
+    pad, conv = graph.ops
+    fused = inline(conv, pad)
+    assert [t.name for t in fused.inputs] == ["X", "W"]
+    rng = np.random.default_rng(0)
+    shapes = {"X": (2, 6, 6), "W": (3, 2, 3, 3)}
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    expected = evaluate_graph(graph, inputs)["Y"]
+    np.testing.assert_allclose(evaluate(fused, inputs), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reduction_inlined_twice_gets_fresh_axis_names() -> None:
+    graph = _graph(
+        """
+        S[i] = ReduceAdd({k}, A[i, k])
+        T[i, k] = S[i] * S[3 - i] + B[i, k]
+        """,
+        A=(4, 5),
+        B=(4, 5),
+    )
+    sums, reader = graph.ops
+    fused = inline(reader, sums)
+    names = [name for name, _ in fused.ranges]
+    assert len(names) == len(set(names)) == 4  # i, k and one fresh axis per inlined read
+    rng = np.random.default_rng(1)
+    inputs = {name: rng.standard_normal((4, 5)).astype(np.float32) for name in "AB"}
+    np.testing.assert_allclose(evaluate(fused, inputs), evaluate_graph(graph, inputs)["T"], rtol=1e-5)
+
+
+def test_a_chain_of_inlined_ops_leaves_only_the_stored_ones() -> None:
+    graph = _graph(
+        """
+        B[i] = A[i] * 2
+        C[i] = B[i] + 1
+        D[i] = C[i] * C[i]
+        """,
+        A=(8,),
+    )
+    (fused,) = inline_all(graph.ops, ["B", "C"])
+    assert fused.name == "D" and [t.name for t in fused.inputs] == ["A"]
+    a = np.arange(8, dtype=np.float32)
+    np.testing.assert_allclose(evaluate(fused, {"A": a}), (a * 2 + 1) ** 2)
+
+
+def test_a_narrowing_producer_keeps_its_rounding() -> None:
+    graph = _graph("H[i] = float16(A[i] / 3)\nY[i] = H[i] * 3", A=(4,))
+    fused = inline(graph.ops[1], graph.ops[0])
+    a = np.array([1, 2, 10, 1000.7], np.float32)
+    np.testing.assert_array_equal(evaluate(fused, {"A": a}), evaluate_graph(graph, {"A": a})["Y"])
+
+
+def test_a_scatter_add_cannot_be_inlined() -> None:
+    from dataclasses import replace
+
+    graph = _graph("B[i] = A[i] + 1\nC[i] = B[i] * 2", A=(4,))
+    scatter = replace(graph.ops[0], scatter=(graph.ops[0].body.a.indices[0],))
+    with pytest.raises(CompileError, match="scatter-add"):
+        inline(graph.ops[1], scatter)

@@ -1,0 +1,78 @@
+"""Fusion plans: which tensors are stored, and the plans the code generator must refuse."""
+
+import pytest
+
+import neoflow
+from neoflow.fusion import Kernel, PlanError, apply_plan, plan_from_groups, unfused, validate
+from neoflow.fusion.plan import FusionPlan
+
+CHAIN = """
+B[i] = A[i] * 2
+C[i] = B[i] + 1
+D[i] = C[i] * B[i]
+E[i] = ReduceAdd({j}, D[j] * A[i])
+"""
+
+
+def _graph():
+    return neoflow.graph(CHAIN, shapes={"A": (6,)})
+
+
+def test_unfused_plan_stores_every_op() -> None:
+    plan = unfused(_graph())
+    assert [k.ops for k in plan.kernels] == [("B",), ("C",), ("D",), ("E",)]
+    assert all(k.materialized == k.ops for k in plan.kernels)
+
+
+def test_a_group_inlines_what_no_other_kernel_reads() -> None:
+    plan = plan_from_groups(_graph(), [["B", "C", "D"], ["E"]])
+    first = plan.kernel_of("C")
+    assert first.materialized == ("D",) and first.inlined == ("B", "C")
+    fused, groups = apply_plan(_graph(), plan)
+    assert groups == (("D",), ("E",))
+    assert [t.name for t in fused.op("D").inputs] == ["A"]
+
+
+def test_a_tensor_read_by_another_kernel_is_stored() -> None:
+    plan = plan_from_groups(_graph(), [["B", "C"], ["D", "E"]])
+    assert plan.kernel_of("B").materialized == ("B", "C")
+
+
+def test_an_op_in_two_groups_is_recomputed_in_each() -> None:
+    plan = plan_from_groups(_graph(), [["B", "C"], ["B", "D"], ["E"]])
+    assert plan.kernel_of("C").materialized == ("C",)
+    kernels = [k for k in plan.kernels if "B" in k.ops]
+    assert len(kernels) == 2 and all("B" in k.inlined for k in kernels)
+
+
+@pytest.mark.parametrize(
+    ("kernels", "message"),
+    [
+        ([Kernel(("B", "C", "D"), ("D",))], "ops in no kernel: E"),
+        ([Kernel(("B",), ("B",)), Kernel(("C", "D", "E"), ("E",)), Kernel(("B",), ("B",))], "materialised by two"),
+        ([Kernel(("B", "C"), ("C",)), Kernel(("D", "E"), ("E",))], "reads 'B', which no kernel materialises"),
+        ([Kernel(("B", "C", "D"), ("C", "D")), Kernel(("E",), ())], "'E' must be kept"),
+        ([Kernel(("E",), ("E",)), Kernel(("B", "C", "D"), ("D",))], "runs before"),
+        ([Kernel(("B", "D"), ("B", "D")), Kernel(("C", "E"), ("C", "E"))], "depend on each other"),
+        ([Kernel(("B", "C", "D", "E"), ("E",)), Kernel(("A_",), ())], "not an op of the graph"),
+    ],
+)
+def test_invalid_plans_are_refused_with_the_reason(kernels, message) -> None:
+    with pytest.raises(PlanError, match=message):
+        validate(FusionPlan(tuple(kernels)), _graph())
+
+
+def test_an_inlined_scatter_add_is_refused() -> None:
+    graph = neoflow.graph("B[i] = A[i] + 1\nC[i] = B[i] * 2", shapes={"A": (4,)})
+    from dataclasses import replace
+
+    scatter = replace(graph.ops[0], scatter=(graph.ops[0].body.a.indices[0],))
+    graph = replace(graph, ops=(scatter, graph.ops[1]))
+    with pytest.raises(PlanError, match="scatter-add"):
+        validate(FusionPlan((Kernel(("B", "C"), ("C",)),)), graph)
+
+
+def test_the_error_is_one_line() -> None:
+    with pytest.raises(PlanError) as info:
+        validate(FusionPlan((Kernel(("B",), ("B",)),)), _graph())
+    assert str(info.value).startswith("fusion plan error: ") and "\n" not in str(info.value)

@@ -1,0 +1,113 @@
+"""Every fusion policy computes what the unfused graph computes, forward and
+training step, on the example models; a user policy plugs in by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.errors import CompileError
+from neoflow.fusion import BUILT_IN, load_policy
+from neoflow.fusion.patterns import is_epilogue, kind, recompute_factor
+from tests.targets import TARGETS
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+POLICIES = [*BUILT_IN, "tests.fusion.user_policy:FirstReader"]
+INPUTS = {"mlp": (32, 64), "cnn": (32, 1, 8, 8), "capsule": (32, 1, 8, 8), "upsampler": (2, 4, 5, 5)}
+
+
+def _close(ours: dict, reference: dict) -> None:
+    assert set(ours) == set(reference)
+    for name, value in reference.items():
+        np.testing.assert_allclose(ours[name], value, rtol=2e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_every_policy_runs_each_example_model_like_none(name: str, target: str) -> None:
+    x = np.random.default_rng(0).standard_normal(INPUTS[name]).astype(np.float32)
+    reference = neoflow.compile(MODELS / f"{name}.onnx", target="interp").run({"x": x})
+    for policy in POLICIES:
+        model = neoflow.compile(MODELS / f"{name}.onnx", target=target, fusion=policy)
+        _close(model.run({"x": x}), reference)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "capsule"])
+def test_every_policy_trains_each_example_model_like_none(name: str, target: str) -> None:
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.standard_normal(INPUTS[name]).astype(np.float32), "y": rng.integers(0, 10, 32)}
+    spec = neoflow.TrainSpec(labels="y", optimizer="adam", lr=1e-2)
+    reference = neoflow.compile(MODELS / f"{name}.onnx", target="interp", train=spec)
+    expected = reference.gradients(batch), reference.train_step(batch), reference.parameters()
+    for policy in POLICIES:
+        model = neoflow.compile(MODELS / f"{name}.onnx", target=target, train=spec, fusion=policy)
+        _close(model.gradients(batch), expected[0])
+        assert model.train_step(batch) == pytest.approx(expected[1], rel=1e-5)
+        _close(model.parameters(), expected[2])
+        assert len(model._train.fusion_plan.kernels) <= len(reference._train.fusion_plan.kernels)
+
+
+@pytest.mark.parametrize("target", TARGETS[-1:])  # the interpreter takes 25 s here; cpu where there is a compiler
+def test_every_policy_trains_the_four_op_graph_like_none(target: str) -> None:
+    graph = neoflow.graph((MODELS / "four_op.nf").read_text())
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
+    c = (rng.standard_normal((64, 3, 3, 3)) / 5).astype(np.float32)
+    goal = {"target": rng.standard_normal((1, 19, 224, 224)).astype(np.float32)}
+    spec = neoflow.TrainSpec(loss="mse", labels="target", lr=0.5)
+    results = {}
+    for policy in POLICIES:
+        model = neoflow.compile(graph, target=target, train=spec, parameters={"A": a, "C": c}, fusion=policy)
+        results[policy] = (model.gradients(goal), model.train_step(goal))
+    for policy, (grads, loss) in results.items():
+        _close(grads, results["none"][0])
+        assert loss == pytest.approx(results["none"][1], rel=1e-5), policy
+
+
+def test_fusing_policies_make_fewer_kernels_and_store_less_on_the_four_op_step() -> None:
+    graph = neoflow.graph((MODELS / "four_op.nf").read_text())
+    spec = neoflow.TrainSpec(loss="mse", labels="target")
+    rng = np.random.default_rng(0)
+    params = {"A": rng.standard_normal((1, 3, 224, 224)), "C": rng.standard_normal((64, 3, 3, 3))}
+    plans = {}
+    for policy in ("none", "elementwise", "neoflow"):
+        model = neoflow.compile(graph, train=spec, parameters=params, fusion=policy)
+        plans[policy] = model._train.fusion_plan
+    stored = {p: sum(len(k.materialized) for k in plan.kernels) for p, plan in plans.items()}
+    assert len(plans["none"].kernels) > len(plans["elementwise"].kernels) >= len(plans["neoflow"].kernels)
+    assert stored["none"] > stored["elementwise"] > stored["neoflow"]
+    # neoflow inlines the padding into the convolution that reads it (light→heavy): elementwise does not
+    assert "B" in plans["neoflow"].kernel_of("D").inlined
+    assert "B" in plans["elementwise"].kernel_of("B").materialized
+
+
+def test_patterns_classify_the_four_op_edges() -> None:
+    graph = neoflow.graph((MODELS / "four_op.nf").read_text())
+    kinds = {op.name: kind(op) for op in graph.ops}
+    assert kinds == {"B": "light", "D": "heavy", "E": "light", "F": "light"}
+    assert not is_epilogue(graph.op("D"), graph.op("E"))  # depth-to-space permutes its read
+    assert recompute_factor(graph.op("D"), graph.op("E")) == 1.0  # ... but reads each point once
+    # inlining the padding into the convolution recomputes it for every output channel and tap that reads it
+    assert recompute_factor(graph.op("B"), graph.op("D")) == pytest.approx(64 * 112 * 112 * 27 / (3 * 228 * 228))
+
+
+def test_a_user_policy_loads_by_module_and_class() -> None:
+    policy = load_policy("tests.fusion.user_policy:FirstReader")
+    assert policy.name == "first-reader"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("greedy", "unknown fusion policy 'greedy'"),
+        ("tests.fusion.no_such_module:X", "cannot import"),
+        ("tests.fusion.user_policy:Missing", "has no 'Missing'"),
+        ("tests.fusion.user_policy:NotAPolicy", "has no plan"),
+    ],
+)
+def test_bad_policy_names_are_one_line_errors(spec: str, message: str) -> None:
+    with pytest.raises(CompileError, match=message) as info:
+        load_policy(spec)
+    assert "\n" not in str(info.value)
