@@ -143,18 +143,22 @@ def _cpu(name: str, vector_bytes: int, notes: str) -> Hardware:
 AVX2 = _cpu("avx2", 32, "x86-64 AVX2 + FMA: 16 ymm registers of 8 floats, two FMA ports")
 PORTABLE = _cpu("portable", 32, "GCC vector extensions (8 x float), for CPUs without AVX2")
 
+
+def _matrix_unit(name: str, cycles: float) -> Intrinsic:
+    """A 16x16x16 matrix multiply-accumulate unit, fp16 in and fp32 accumulate."""
+    return Intrinsic(
+        name,
+        "c[i, j] += a[i, k] * b[k, j]",
+        (("i", 16), ("j", 16), ("k", 16)),
+        input_dtype="float16",
+        accumulator_dtype="float32",
+        cycles=cycles,
+    )
+
+
 TENSOR_CORE = Hardware(
     "tensorcore",
-    (
-        Intrinsic(
-            "mma_16x16x16",
-            "c[i, j] += a[i, k] * b[k, j]",
-            (("i", 16), ("j", 16), ("k", 16)),
-            input_dtype="float16",
-            accumulator_dtype="float32",
-            cycles=8.0,
-        ),
-    ),
+    (_matrix_unit("mma_16x16x16", cycles=8.0),),
     (
         MemoryScope("fragment", 256 << 10, 1024.0),
         MemoryScope("shared", 228 << 10, 128.0),
@@ -170,16 +174,7 @@ TENSOR_CORE = Hardware(
 
 NPU_CUBE = Hardware(
     "npu",
-    (
-        Intrinsic(
-            "cube_16x16x16",
-            "c[i, j] += a[i, k] * b[k, j]",
-            (("i", 16), ("j", 16), ("k", 16)),
-            input_dtype="float16",
-            accumulator_dtype="float32",
-            cycles=1.0,
-        ),
-    ),
+    (_matrix_unit("cube_16x16x16", cycles=1.0),),
     (
         MemoryScope("L0A", 64 << 10, 512.0),
         MemoryScope("L0B", 64 << 10, 512.0),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import islpy as isl
 import sympy
@@ -110,6 +111,7 @@ def _zero(node: Expr) -> bool:
     return False
 
 
+@lru_cache(maxsize=4096)
 def _reads_in_bounds(reduce: Reduce, op: Op) -> bool:
     shapes = {t.name: t.shape for t in op.inputs}
     try:
@@ -118,13 +120,14 @@ def _reads_in_bounds(reduce: Reduce, op: Op) -> bool:
         return False
 
 
-def with_reduce(epilogue: Expr | None, reduce: Reduce) -> Expr:
-    """The body ``split_epilogue`` came from, with ``reduce`` in place of its reduction."""
+def with_reduce(epilogue: Expr | None, value: Expr) -> Expr:
+    """The body ``split_epilogue`` came from, with ``value`` (a rewritten
+    reduction, or a constant) in place of its reduction."""
     if epilogue is None:
-        return reduce
+        return value
 
     def put(node: Expr) -> Expr:
-        return reduce if isinstance(node, Reduce) else map_children(node, put)
+        return value if isinstance(node, Reduce) else map_children(node, put)
 
     return put(epilogue)
 

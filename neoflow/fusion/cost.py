@@ -64,23 +64,31 @@ def _itemsize(dtype: str) -> int:
 class CostModel:
     """Predicts kernel times for fusion policies (see the module docstring)."""
 
-    def __init__(self, machine: Machine | None = None, schedule: Schedule | None = None) -> None:
-        self.machine = machine or Machine()
+    def __init__(
+        self, machine: Machine | Callable[[], Machine] | None = None, schedule: Schedule | None = None
+    ) -> None:
+        self._machine = machine or Machine()
         self.schedule = schedule
         self._ops: dict[Op, Cost] = {}
         self._kernels: dict[tuple, Cost] = {}
 
-    def op_cost(self, op: Op, sizes: dict[str, tuple[int, str]]) -> Cost:
-        """The cost of one fused op; ``sizes`` gives (elements, dtype) of the
-        tensors it reads."""
+    @property
+    def machine(self) -> Machine:
+        """The machine's figures; a callable given for them is called on first
+        use, so a policy that never asks for a cost never measures the machine."""
+        if callable(self._machine):
+            self._machine = self._machine()
+        return self._machine
+
+    def op_cost(self, op: Op) -> Cost:
+        """The cost of one fused op."""
         cached = self._ops.get(op)
         if cached is not None:
             return cached
         work = op_work(op)
         moved = math.prod(op.shape) * _itemsize(op.dtype)
-        for name, reads in work.reads.items():
-            count, dtype = sizes.get(name, (reads, "float32"))
-            moved += min(reads, count) * _itemsize(dtype)
+        for tensor in op.inputs:
+            moved += min(work.reads.get(tensor.name, 0.0), tensor.size) * _itemsize(tensor.dtype)
         fraction = self.schedule(op) if self.schedule is not None else None
         rate = self.machine.loop_flops if fraction is None else self.machine.peak_flops * fraction
         seconds = max(work.flops / rate, moved / self.machine.bandwidth) + self.machine.call_seconds
@@ -93,10 +101,9 @@ class CostModel:
         key = (kernel.ops, kernel.materialized)
         cached = self._kernels.get(key)
         if cached is None:
-            sizes = {name: (math.prod(t.shape), t.dtype) for name, t in graph.tensors.items()}
             cached = ZERO
             for op in kernel_ops(graph, kernel):
-                cached = cached + self.op_cost(op, sizes)
+                cached = cached + self.op_cost(op)
             self._kernels[key] = cached
         return cached
 

@@ -16,16 +16,15 @@ from dataclasses import replace
 import sympy
 
 from neoflow.errors import CompileError
-from neoflow.ir import bounds
+from neoflow.ir import bounds, index
 from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Cast, Expr, Read, Reduce, map_children, map_indices
-from neoflow.ir.index import fresh_name, var
 from neoflow.ir.op import Op, Tensor
 
 
 def _rename_axes(node: Expr, names: Mapping[str, str]) -> Expr:
     """``node`` with the reduction axes in ``names`` renamed (binders and uses)."""
-    symbols = {var(old): var(new) for old, new in names.items()}
+    symbols = {index.var(old): index.var(new) for old, new in names.items()}
     node = map_indices(node, lambda e: e.xreplace(symbols))
 
     def rename(n: Expr) -> Expr:
@@ -40,11 +39,28 @@ def _rename_axes(node: Expr, names: Mapping[str, str]) -> Expr:
 def _value_at(producer: Op, point: tuple[sympy.Expr, ...], axes: Mapping[str, str]) -> Expr:
     """The producer's value at ``point`` (its reduction axes renamed by ``axes``)."""
     body = _rename_axes(producer.body, axes) if axes else producer.body
-    at = {var(v): e for v, e in zip(producer.indices, point, strict=True)}
+    at = {index.var(v): e for v, e in zip(producer.indices, point, strict=True)}
     body = map_indices(body, lambda e: e.xreplace(at))
     if dt.concrete(body.dtype) != producer.dtype:
         body = Cast(producer.dtype, body)
     return body
+
+
+def why_not_inlined(consumer: Op, producer: Op) -> str | None:
+    """Why ``producer`` cannot be inlined into ``consumer``, or None when it can:
+    a scatter-add has no value at a point, and a read inside an index (a
+    data-dependent index, ``X[I[i]]``) is not a value read to substitute."""
+    if producer.scatter is not None:
+        return f"'{producer.name}' is a scatter-add: it cannot be inlined, materialise it"
+    probes = [consumer.body]
+    if consumer.scatter is not None:
+        probes.append(Read(consumer.name, consumer.scatter, "int64"))
+    for probe in probes:
+        for access in bounds.accesses(probe):
+            for expr in access.read.indices:
+                if any(call.func.__name__ == producer.name for call in index.data_reads(expr)):
+                    return f"'{consumer.name}' reads '{producer.name}' inside an index: it cannot be inlined"
+    return None
 
 
 def inline(consumer: Op, producer: Op) -> Op:
@@ -52,11 +68,9 @@ def inline(consumer: Op, producer: Op) -> Op:
     producer's expression at the read's indices.  Raises ``CompileError`` for a
     scatter-add producer (it has no value at a point) or a read of the
     producer inside an index (a data-dependent index is not inlined)."""
-    if producer.scatter is not None:
-        raise CompileError(f"'{producer.name}' is a scatter-add and cannot be inlined", op=consumer.name)
-    for access in bounds.accesses(consumer.body):
-        if access.read.tensor == producer.name and access.read.tensor_dtype == "int64" and producer.dtype != "int64":
-            raise CompileError(f"reads '{producer.name}' inside an index; it cannot be inlined", op=consumer.name)
+    reason = why_not_inlined(consumer, producer)
+    if reason is not None:
+        raise CompileError(reason, op=consumer.name)
     taken = {name for name, _ in consumer.ranges} | set(producer.indices) | {name for name, _ in producer.ranges}
     extents = dict(producer.ranges)
     new_ranges = dict(consumer.ranges)
@@ -66,7 +80,7 @@ def inline(consumer: Op, producer: Op) -> Op:
         nonlocal reads
         if isinstance(node, Read) and node.tensor == producer.name:
             reads += 1
-            axes = {a: fresh_name(f"{a}_{producer.name}", taken) for a in producer.reduce_axes}
+            axes = {a: index.fresh_name(f"{a}_{producer.name}", taken) for a in producer.reduce_axes}
             for old, new in axes.items():
                 new_ranges[new] = extents[old]
             return _value_at(producer, node.indices, axes)

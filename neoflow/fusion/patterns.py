@@ -12,10 +12,10 @@ consumer edge is one of light→light, light→heavy (a prologue), heavy→light
 from __future__ import annotations
 
 import math
-
-import sympy
+from functools import lru_cache
 
 from neoflow.fusion.work import op_work
+from neoflow.ir import index
 from neoflow.ir.expr import Expr, Read, Reduce
 from neoflow.ir.op import Op
 
@@ -23,6 +23,7 @@ LIGHT, HEAVY = "light", "heavy"
 PATTERNS = ("light→light", "light→heavy", "heavy→light", "heavy→heavy")
 
 
+@lru_cache(maxsize=8192)
 def kind(op: Op) -> str:
     """``heavy`` when a reduction of ``op`` combines more than one point per
     output point (a scatter-add counts as heavy), else ``light``."""
@@ -58,7 +59,7 @@ def is_epilogue(producer: Op, consumer: Op) -> bool:
     found = reads_of(consumer, producer.name)
     if not found or consumer.scatter is not None:
         return False
-    own = [sympy.Symbol(v, integer=True) for v in consumer.indices]
+    own = [index.var(v) for v in consumer.indices]
     first = found[0][0].indices
     for read, inside in found:
         if inside or read.indices != first:

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from neoflow.errors import CompileError
-from neoflow.fusion.inline import inline_all
+from neoflow.fusion.inline import inline_all, why_not_inlined
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 
@@ -67,6 +67,63 @@ def must_store(graph: Graph, keep: Collection[str] = ()) -> set[str]:
     return set(graph.outputs) | set(keep) | set(graph.state_updates.values())
 
 
+class Grouping:
+    """The rule that turns groups of op names into kernels, with what it needs
+    about ``graph`` computed once (policies call it for many candidate groupings).
+
+    An op is materialised, in the first group holding it, when it must be kept
+    (``must_store``), when nothing reads it, when some reader cannot inline it
+    (a scatter-add, a read inside an index) or when a group holding a reader
+    does not hold it; everywhere else it is inlined.  A group drops the ops it
+    holds only for recomputation that nothing left in it reads."""
+
+    def __init__(self, graph: Graph, keep: Collection[str] = ()) -> None:
+        self.graph = graph
+        self.ops = {op.name: op for op in graph.ops}
+        self.position = {op.name: k for k, op in enumerate(graph.ops)}
+        self.readers: dict[str, list[str]] = {}
+        for op in graph.ops:
+            for name in op.input_names:
+                if name in self.ops:
+                    self.readers.setdefault(name, []).append(op.name)
+        self.always = must_store(graph, keep) | {name for name in self.ops if name not in self.readers}
+        self.always |= {
+            name
+            for name, readers in self.readers.items()
+            if any(why_not_inlined(self.ops[r], self.ops[name]) is not None for r in readers)
+        }
+
+    def kernels(self, groups: list[frozenset[str]], which: Iterable[int] | None = None) -> list[Kernel]:
+        """The kernels of ``groups`` (of those at positions ``which``), each
+        listing its ops in graph order; empty groups give no kernel."""
+        holders: dict[str, list[int]] = {}
+        for k, group in enumerate(groups):
+            for name in group:
+                holders.setdefault(name, []).append(k)
+        result = []
+        for k in range(len(groups)) if which is None else which:
+            materialized = {
+                name
+                for name in groups[k]
+                if holders[name][0] == k
+                and (
+                    name in self.always
+                    or any(name not in groups[j] for r in self.readers.get(name, ()) for j in holders[r])
+                )
+            }
+            members = set(groups[k])
+            while True:  # drop recomputed ops nothing left in the group reads
+                used = {t for name in members for t in self.ops[name].input_names}
+                kept = {n for n in members if n in materialized or n in used}
+                if kept == members:
+                    break
+                members = kept
+            if members:
+                order = tuple(sorted(members, key=self.position.__getitem__))
+                result.append(Kernel(order, tuple(n for n in order if n in materialized)))
+        return result
+
+
 def plan_from_groups(
     graph: Graph,
     groups: Iterable[Collection[str]],
@@ -74,39 +131,16 @@ def plan_from_groups(
     policy: str = "",
     notes: Mapping[str, str] | None = None,
 ) -> FusionPlan:
-    """A plan with one kernel per group of op names.  An op may sit in several
-    groups: it is then recomputed in each.  It is materialised (in the first
-    group holding it) when it must be kept (``must_store``) or when a reader's
-    group does not hold it; everywhere else it is inlined.  Groups are ordered
-    so that each runs after the kernels it reads from."""
-    order = {op.name: k for k, op in enumerate(graph.ops)}
-    groups = [sorted(set(g), key=lambda n: order.get(n, -1)) for g in groups]
+    """A plan with one kernel per group of op names (an op may sit in several
+    groups: it is then recomputed in each), stored and inlined ops decided by
+    ``Grouping``.  Kernels are ordered so that each runs after the kernels it
+    reads from; the plan is checked with ``validate``."""
+    groups = [frozenset(g) for g in groups]
+    names = {op.name for op in graph.ops}
     for group in groups:
-        for name in group:
-            if name not in order:
-                raise PlanError(f"the plan names '{name}', which is not an op of the graph")
-    read = {t for op in graph.ops for t in op.input_names}
-    stored = must_store(graph, keep) | {op.name for op in graph.ops if op.name not in read}
-    for op in graph.ops:
-        for group in groups:
-            if op.name in group:
-                stored.update(n for n in op.input_names if n in order and n not in group)
-    home: dict[str, int] = {}
-    for k, group in enumerate(groups):
-        for name in group:
-            home.setdefault(name, k)
-    kernels = []
-    for k, group in enumerate(groups):
-        materialized = tuple(n for n in group if n in stored and home[n] == k)
-        members = list(group)
-        while True:  # drop recomputed ops nothing left in the group reads
-            used = {t for op in graph.ops if op.name in members for t in op.input_names}
-            kept = [n for n in members if n in materialized or n in used]
-            if kept == members:
-                break
-            members = kept
-        if members:
-            kernels.append(Kernel(tuple(members), materialized))
+        for name in sorted(group - names):
+            raise PlanError(f"the plan names '{name}', which is not an op of the graph")
+    kernels = Grouping(graph, keep).kernels(groups)
     plan = FusionPlan(tuple(_kernel_order(graph, kernels)), policy, dict(notes or {}))
     validate(plan, graph, keep)
     return plan
@@ -186,10 +220,13 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
     for kernel in plan.kernels:
         members = set(kernel.ops)
         for name in kernel.inlined:
-            if ops[name].scatter is not None:
-                raise PlanError(f"'{name}' is a scatter-add: it cannot be inlined, materialise it")
-            if not any(name in ops[r].input_names for r in members):
+            readers = [ops[r] for r in kernel.ops if name in ops[r].input_names]
+            if not readers:
                 raise PlanError(f"kernel '{kernel.name}' inlines '{name}' but nothing in it reads '{name}'")
+            for reader in readers:
+                reason = why_not_inlined(reader, ops[name])
+                if reason is not None:
+                    raise PlanError(reason)
         for reader in kernel.ops:
             for tensor in ops[reader].input_names:
                 if tensor not in ops or tensor in members:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from neoflow.errors import CompileError
 from neoflow.fusion.cost import CostModel
 from neoflow.fusion.patterns import HEAVY, LIGHT, is_epilogue, kind
-from neoflow.fusion.plan import FusionPlan, Kernel, must_store, plan_from_groups, unfused
+from neoflow.fusion.plan import FusionPlan, Grouping, Kernel, must_store, plan_from_groups, unfused
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 
@@ -47,13 +47,9 @@ class _Groups:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.parent = {op.name: op.name for op in graph.ops}
-        self.ops = {op.name: op for op in graph.ops}
-        self.readers: dict[str, list[Op]] = {}
-        for op in graph.ops:
-            for name in op.input_names:
-                if name in self.ops:
-                    self.readers.setdefault(name, []).append(op)
-        self.names = {name: [op.name for op in ops] for name, ops in self.readers.items()}
+        grouping = Grouping(graph)
+        self.ops, self.readers = grouping.ops, grouping.readers
+        self.kept = must_store(graph)
 
     def find(self, name: str) -> str:
         while self.parent[name] != name:
@@ -76,17 +72,16 @@ class _Groups:
         groups = self.members()
         merged = [frozenset(g) for root, g in groups.items() if root not in (ga, gb)]
         merged.append(frozenset(groups[ga] + groups[gb]))
-        return not _cyclic(merged, self.names)
+        return not _cyclic(merged, self.readers)
 
     def merge(self, a: str, b: str) -> None:
         self.parent[self.find(a)] = self.find(b)
 
 
-def _single_reader(groups: _Groups, graph: Graph, name: str) -> Op | None:
+def _single_reader(groups: _Groups, name: str) -> Op | None:
+    """The one op reading ``name`` when it has exactly one and need not be kept."""
     readers = groups.readers.get(name, [])
-    if len(readers) == 1 and name not in must_store(graph):
-        return readers[0]
-    return None
+    return groups.ops[readers[0]] if len(readers) == 1 and name not in groups.kept else None
 
 
 def _elementwise_groups(graph: Graph) -> _Groups:
@@ -94,7 +89,7 @@ def _elementwise_groups(graph: Graph) -> _Groups:
     reader and is not kept."""
     groups = _Groups(graph)
     for op in graph.ops:
-        reader = _single_reader(groups, graph, op.name)
+        reader = _single_reader(groups, op.name)
         if reader is None or kind(reader) != LIGHT:
             continue
         if kind(op) == HEAVY and not is_epilogue(op, reader):
@@ -152,36 +147,9 @@ class _Search:
     def __init__(self, graph: Graph, cost_model: CostModel) -> None:
         self.graph = graph
         self.cost_model = cost_model
-        self.ops = {op.name: op for op in graph.ops}
-        self.readers: dict[str, list[str]] = {}
-        for op in graph.ops:
-            for name in op.input_names:
-                if name in self.ops:
-                    self.readers.setdefault(name, []).append(op.name)
-        self.position = {op.name: k for k, op in enumerate(graph.ops)}
-        self.always = must_store(graph) | {name for name in self.ops if name not in self.readers}
-
-    def kernels(self, groups: list[frozenset[str]], which: Iterable[int]) -> list[Kernel]:
-        """The kernels of groups ``which``: an op is materialised in the first
-        group holding it when it must be kept or a reader sits in a group that
-        does not hold it (the rule of ``plan_from_groups``)."""
-        holders: dict[str, list[int]] = {}
-        for k, group in enumerate(groups):
-            for name in group:
-                holders.setdefault(name, []).append(k)
-        result = []
-        for k in which:
-            group = groups[k]
-            materialized = set()
-            for name in group:
-                if holders[name][0] != k:
-                    continue
-                readers = self.readers.get(name, ())
-                if name in self.always or any(name not in groups[j] for r in readers for j in holders[r]):
-                    materialized.add(name)
-            order = tuple(sorted(group, key=self.position.__getitem__))
-            result.append(Kernel(order, tuple(n for n in order if n in materialized)))
-        return result
+        self.grouping = Grouping(graph)
+        self.ops = self.grouping.ops
+        self.readers = self.grouping.readers
 
     def delta(self, old: list[frozenset[str]], new: list[frozenset[str]]) -> float:
         """Predicted seconds of plan ``new`` minus plan ``old``.  Only kernels
@@ -190,8 +158,8 @@ class _Search:
         # groups whose ops, or whose ops' readers, moved: their kernels may differ
         moved = set().union(*(g for g in set(old) ^ set(new)))
         touched = moved | {t for name in moved for t in self.ops[name].input_names}
-        before = {(k.ops, k.materialized) for k in self.kernels(old, _holding(old, touched))}
-        after = {(k.ops, k.materialized) for k in self.kernels(new, _holding(new, touched))}
+        before = {(k.ops, k.materialized) for k in self.grouping.kernels(old, _holding(old, touched))}
+        after = {(k.ops, k.materialized) for k in self.grouping.kernels(new, _holding(new, touched))}
         seconds = 0.0
         for ops, materialized in after - before:
             seconds += self.cost_model.kernel_cost(self.graph, Kernel(ops, materialized)).seconds
@@ -285,15 +253,16 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
 
 class Chimera(FusionPolicy):
     """``elementwise``, plus compute-intensive chains: a heavy op whose only
-    reader is heavy joins that reader's kernel (the code generator tiles the
-    pair together, keeping the intermediate in a tile buffer)."""
+    reader is heavy joins that reader's kernel.  The code generator does not
+    yet tile such a pair with the intermediate in a tile buffer, so today the
+    first op is inlined into the second, i.e. recomputed per read."""
 
     name = "chimera"
 
     def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
         groups = _elementwise_groups(graph)
         for op in graph.ops:
-            reader = _single_reader(groups, graph, op.name)
+            reader = _single_reader(groups, op.name)
             chain = reader is not None and kind(op) == HEAVY and kind(reader) == HEAVY
             if chain and groups.can_merge(op.name, reader.name):
                 groups.merge(op.name, reader.name)

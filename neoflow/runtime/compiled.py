@@ -113,7 +113,6 @@ class CompiledModel:
         self.fusion = load_policy(fusion)
         kind = type(self.fusion)
         self.fusion_name = fusion if isinstance(fusion, str) else f"{kind.__module__}:{kind.__qualname__}"
-
         self.spec = spec
         self.training = training
         self.inference = inference

@@ -2,7 +2,7 @@
 
 The executor runs the fused graph (one op per materialised tensor, inlined
 producers substituted) kernel by kernel; it keeps the plan and the cost model
-for reports (``neoflow fuse``)."""
+for whoever reports on them."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def cost_model(target: str) -> CostModel:
         from neoflow.runtime.cpu import threads
         from neoflow.runtime.machine import measure_machine
 
-        return CostModel(measure_machine(threads()), peak_fraction)
+        return CostModel(lambda: measure_machine(threads()), peak_fraction)
     return CostModel(Machine())
 
 

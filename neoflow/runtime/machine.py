@@ -20,7 +20,6 @@ from neoflow.fusion.cost import Machine
 PROBE_SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
 double nf_fma_peak(long n) {
     double start = omp_get_wtime();
     float sink = 0;
@@ -80,7 +79,7 @@ def measure_machine(threads: int) -> Machine:
         try:
             return Machine(**json.loads(record.read_text()), measured=True)
         except (TypeError, ValueError):
-            pass
+            pass  # a damaged record: measure again and rewrite it
     library = ctypes.CDLL(str(path))
     library.omp_set_num_threads(ctypes.c_int(threads))
     double = ctypes.c_double

@@ -1,5 +1,6 @@
 """Fusion plans: which tensors are stored, and the plans the code generator must refuse."""
 
+import numpy as np
 import pytest
 
 import neoflow
@@ -76,3 +77,14 @@ def test_the_error_is_one_line() -> None:
     with pytest.raises(PlanError) as info:
         validate(FusionPlan((Kernel(("B",), ("B",)),)), _graph())
     assert str(info.value).startswith("fusion plan error: ") and "\n" not in str(info.value)
+
+
+def test_an_op_read_inside_an_index_is_stored_not_inlined() -> None:
+    graph = neoflow.graph("I = tensor([5], int64)\nI[i] = (i * 2) % 5\nY[i] = X[I[i]] * 2", shapes={"X": (5,)})
+    with pytest.raises(PlanError, match="reads 'I' inside an index"):
+        validate(FusionPlan((Kernel(("I", "Y"), ("Y",)),)), graph)
+    plan = plan_from_groups(graph, [["I", "Y"]])
+    assert plan.kernels == (Kernel(("I", "Y"), ("I", "Y")),)
+    fused, _ = apply_plan(graph, plan)
+    x = np.arange(5, dtype=np.float32)
+    np.testing.assert_array_equal(neoflow.evaluate(fused, {"X": x})["Y"], x[(np.arange(5) * 2) % 5] * 2)
