@@ -201,6 +201,48 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fuse(args: argparse.Namespace) -> int:
+    from neoflow.fusion.policies import load_policy
+    from neoflow.runtime import fusion_report as fr
+
+    policies = [p.strip() for p in (args.compare or args.policy).split(",") if p.strip()]
+    if not policies:
+        raise InputError("--compare needs at least one policy")
+    for policy in policies:
+        load_policy(policy)  # a bad name fails before anything is compiled
+    if args.plot and not args.compare:
+        raise InputError("--plot draws a comparison: give --compare POLICY,POLICY,...")
+    if args.repeats < 1:
+        raise InputError(f"--repeats must be at least 1, got {args.repeats}")
+    for path in (args.report, args.plot):
+        if path is not None and not Path(path).parent.is_dir():
+            raise InputError(f"no such directory for '{path}'")
+    spec = _train_spec(args)
+    step = "training step" if args.train else "inference"
+    reports = []
+    for policy in policies:
+        print(f"policy {policy}: compiling and timing the {step} ...", file=sys.stderr, flush=True)
+        model = neoflow.compile(args.model, target=args.target, train=spec, shapes=dict(args.shape), fusion=policy)
+        reports.append(fr.fusion_report(model, args.train, repeats=args.repeats, seed=args.seed))
+    sections = []
+    for report in reports:
+        title = f"{Path(args.model).name}, {report.step}, policy {report.policy} (target {report.target})"
+        table = fr.markdown(fr.KERNEL_COLUMNS, fr.kernel_table(report))
+        sections.append(f"## {title}\n\n{table}\n\nmeasured step: {report.step_seconds * 1e3:.3f} ms (median)")
+    if len(reports) > 1:
+        table = fr.markdown(fr.COMPARE_COLUMNS, fr.compare_table(reports))
+        sections.append(f"## {Path(args.model).name}, {step}: policies compared\n\n{table}")
+    text = "\n\n".join(sections) + "\n"
+    print(text, end="")
+    if args.report:
+        Path(args.report).write_text(text)
+        print(f"wrote {args.report}")
+    if args.plot:
+        fr.plot_comparison(reports, args.plot, f"{Path(args.model).name}: {step} per fusion policy")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from neoflow.runtime.datasets import load_dataset
     from neoflow.runtime.trainer import Trainer
@@ -264,6 +306,23 @@ def _train_epochs(trainer: object, epochs: int, show_bar: bool) -> list:
             parts.append(f"{result.seconds:.1f} s")
             print("  ".join(parts), flush=True)
     return results
+
+
+def _training_options(command: argparse.ArgumentParser) -> None:
+    """The options of a training step (``--train`` and what it is made of)."""
+    command.add_argument("--train", action="store_true", help="add a training step (loss, backward, optimizer)")
+    command.add_argument("--loss", default="cross_entropy", help="cross_entropy, mse, or a scalar output's name")
+    command.add_argument("--labels", default="labels", help="name of the label input (labels)")
+    command.add_argument("--output-name", default=None, metavar="NAME", help="the model output the loss reads")
+    command.add_argument("--optimizer", default="sgd", help="sgd, momentum, nesterov, adam or adamw (sgd)")
+    command.add_argument("--lr", type=float, default=0.01, help="learning rate (0.01)")
+    command.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0; 0.9 for momentum/nesterov)")
+    command.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
+    command.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (decoupled for adamw)")
+    command.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="Adam betas")
+    command.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (1e-8)")
+    command.add_argument("--freeze", action="append", default=[], metavar="NAME", help="do not train this parameter")
+    command.add_argument("--seed", type=int, default=0, help="dropout noise seed, and the random batch's seed (0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,20 +397,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POLICY",
         help="fusion policy: none, elementwise, neoflow, chimera, or module:Class (none)",
     )
-    comp.add_argument("--train", action="store_true", help="add a training step (loss, backward, optimizer)")
-    comp.add_argument("--loss", default="cross_entropy", help="cross_entropy, mse, or a scalar output's name")
-    comp.add_argument("--labels", default="labels", help="name of the label input (labels)")
-    comp.add_argument("--output-name", default=None, metavar="NAME", help="the model output the loss reads")
-    comp.add_argument("--optimizer", default="sgd", help="sgd, momentum, nesterov, adam or adamw (sgd)")
-    comp.add_argument("--lr", type=float, default=0.01, help="learning rate (0.01)")
-    comp.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0; 0.9 for momentum/nesterov)")
-    comp.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
-    comp.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (decoupled for adamw)")
-    comp.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="Adam betas")
-    comp.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (1e-8)")
-    comp.add_argument("--freeze", action="append", default=[], metavar="NAME", help="do not train this parameter")
-    comp.add_argument("--seed", type=int, default=0, help="dropout noise seed (0)")
+    _training_options(comp)
     comp.set_defaults(func=cmd_compile)
+
+    fuse_help = (
+        "Show a fusion policy's plan of a model: per kernel its ops, stored and recomputed tensors, "
+        "arithmetic, bytes, predicted and measured time; --compare runs several policies."
+    )
+    fuse = commands.add_parser("fuse", help=fuse_help, description=fuse_help)
+    fuse.add_argument("model", help="an .onnx model or an .nf program")
+    fuse.add_argument(
+        "--policy", default="neoflow", help="none, elementwise, neoflow, chimera, or module:Class (neoflow)"
+    )
+    fuse.add_argument("--compare", metavar="P1,P2,...", help="compare these policies (the first is the baseline)")
+    fuse.add_argument("--report", metavar="FILE.md", help="also write the tables as markdown")
+    fuse.add_argument("--plot", metavar="FILE.png", help="with --compare: bar charts of kernels, bytes and step time")
+    fuse.add_argument("--target", default="cpu", help="cpu or interp (cpu)")
+    fuse.add_argument("--repeats", type=int, default=5, help="timed runs per kernel and per step; medians (5)")
+    fuse.add_argument(
+        "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"
+    )
+    _training_options(fuse)
+    fuse.set_defaults(func=cmd_fuse)
 
     train_help = (
         "Train a build directory made by 'neoflow compile --train' on a data set; write the trained ONNX model."

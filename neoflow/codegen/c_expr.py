@@ -21,6 +21,8 @@ from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Binary, Cast, Const, Expr, Index, Read, Reduce, Select, Unary
 from neoflow.ir.op import Tensor
 
+PARALLEL_MIN_POINTS = 1 << 15  # below this many points, starting threads costs more than the loop
+
 C_TYPES = {
     "float16": "_Float16",
     "float32": "float",

@@ -1,10 +1,18 @@
-"""What the code generator's schedule for an op achieves, for the fusion cost model."""
+"""How the code generator's schedule for an op runs, for the fusion cost model."""
 
 from __future__ import annotations
 
 import math
 
+import sympy
+
+from neoflow.codegen.chain import chain_cycles, chain_plan
 from neoflow.codegen.gemm import MR, NR, gemm_plan, kernel_cycles
+from neoflow.codegen.lattice import split_lattice
+from neoflow.codegen.lower import in_place_reduction
+from neoflow.fusion.cost import Scheduled
+from neoflow.ir import index
+from neoflow.ir.expr import Read, Reduce
 from neoflow.ir.op import Op
 
 #: Multiply-adds per cycle of one core at the micro-kernel's peak (MR x NR per 6 cycles).
@@ -14,7 +22,7 @@ MACS_PER_CYCLE = MR * NR / 6
 def peak_fraction(op: Op) -> float | None:
     """The fraction of the FMA peak the blocked kernel reaches on ``op`` by its
     cycle model (padding, packing and write-back included), or None when ``op``
-    runs as a plain loop nest."""
+    does not run on it."""
     plan = gemm_plan(op)
     if plan is None:
         return None
@@ -25,3 +33,51 @@ def peak_fraction(op: Op) -> float | None:
         cycles += kernel_cycles(mapping, piece.op.extent)
         macs += math.prod(piece.op.extent.values())
     return min(1.0, macs / MACS_PER_CYCLE / cycles) if cycles else None
+
+
+def schedule(op: Op) -> Scheduled:
+    """How ``op`` runs: a chain of contractions tiled together (its own
+    arithmetic and share of peak), the blocked kernel (share of peak), or a
+    loop nest, vectorised when its innermost loop (over the output's last
+    index, when it has no reduction or accumulates in place; over the sum's
+    last axis for one floating-point sum) moves every access by 0 or 1."""
+    chain = chain_plan(op)
+    if chain is not None:
+        m, n, middle, k = chain.extents
+        macs = m * middle * (k + n)
+        return Scheduled(min(1.0, macs / MACS_PER_CYCLE / chain_cycles(chain)), flops=2.0 * macs)
+    fraction = peak_fraction(op)
+    if fraction is not None:
+        return Scheduled(fraction)
+    pieces = split_lattice(op) if op.scatter is None else None
+    if pieces is not None and len(pieces) > 1:  # a strided domain runs as dense pieces, each its own loop nest
+        return Scheduled(vector=all(schedule(piece.op).vector for piece in pieces if not piece.empty))
+    reductions = [node for node in op.body.walk() if isinstance(node, Reduce)]
+    if not reductions or in_place_reduction(op) is not None:
+        inner = op.indices[-1] if op.indices else None  # the innermost loop runs over the output's last index
+    elif len(reductions) == 1 and reductions[0].kind == "ReduceAdd" and not op.indices:
+        inner = reductions[0].axes[-1]  # a sum in vector lanes
+    else:
+        inner = None
+    return Scheduled(vector=inner is not None and _contiguous(op, inner))
+
+
+def _contiguous(op: Op, variable: str) -> bool:
+    """Whether a step of ``variable`` moves every read and the write of ``op`` by
+    zero or one element: a loop over it then runs in vector lanes, without gathers."""
+    symbol = index.var(variable)
+    accesses = [(read.indices, shape) for read, shape in _reads(op)]
+    if op.scatter is None:
+        accesses.append((tuple(index.var(v) for v in op.indices), op.shape))
+    for indices, shape in accesses:
+        linear = sympy.expand(sum((e * math.prod(shape[d + 1 :]) for d, e in enumerate(indices)), sympy.Integer(0)))
+        if not linear.is_polynomial(symbol) or sympy.degree(linear, symbol) > 1:
+            return False
+        if linear.coeff(symbol) not in (0, 1):
+            return False
+    return True
+
+
+def _reads(op: Op) -> list[tuple[Read, tuple[int, ...]]]:
+    shapes = {t.name: t.shape for t in op.inputs}
+    return [(node, shapes[node.tensor]) for node in op.body.walk() if isinstance(node, Read) and node.tensor in shapes]

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 import sympy
 
-from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter
+from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
-from neoflow.ir import index
 from neoflow.ir.bounds import reduction_points
-from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Reduce, Select, conjuncts
+from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
 from neoflow.ir.op import Op
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
@@ -90,18 +89,6 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
 """
 
 
-def _variables(node: Expr) -> set[str]:
-    """Index variables ``node`` uses (in index values and read indices)."""
-    names: set[str] = set()
-    for item in node.walk():
-        if isinstance(item, Index):
-            names |= index.variables(item.expr)
-        elif isinstance(item, Read):
-            for expr in item.indices:
-                names |= index.variables(expr)
-    return names
-
-
 def fold_domain(op: Op) -> Op:
     """``op`` with its contraction's domain condition moved onto the operand
     reads it restricts: ``ReduceAdd({r | cond}, A * B)`` becomes
@@ -116,10 +103,10 @@ def fold_domain(op: Op) -> Op:
     if body.where is None or not isinstance(body.body, Binary) or body.body.op != "*":
         return op
     factors = [body.body.a, body.body.b]
-    scopes = [_variables(f) for f in factors]
+    scopes = [index_variables(f) for f in factors]
     guards: list[list[Expr]] = [[], []]
     for part in conjuncts(body.where):
-        needed = _variables(part)
+        needed = index_variables(part)
         side = next((k for k in (0, 1) if needed <= scopes[k]), None)
         if side is None:
             return op
@@ -270,8 +257,9 @@ def store_slice(piece: Piece, value: str) -> str:
     point of ``piece``'s slice of ``out``, in parallel."""
     variables = [(v, piece.op.extent[v]) for v in piece.op.indices]
     target = " + ".join([str(piece.base), *(f"v_{v} * {piece.strides[v]}" for v, _ in variables)])
-    return f"""        #pragma omp parallel for
-        for (int64_t f = 0; f < {piece.op.output.size}; ++f) {{
+    size = piece.op.output.size
+    return f"""        #pragma omp parallel for if({size} >= {PARALLEL_MIN_POINTS})
+        for (int64_t f = 0; f < {size}; ++f) {{
             {unflatten_index("f", variables)}
             out[{target}] = {value};
         }}"""

@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 
 import islpy as isl
 
-from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, cast, linear_index
+from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, c_type, cast, linear_index
+from neoflow.codegen.chain import chain_function, chain_plan
 from neoflow.codegen.gemm import gemm_function, gemm_plan, store_slice
-from neoflow.codegen.lattice import Piece, split_lattice
+from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.errors import CompileError
-from neoflow.ir import bounds
-from neoflow.ir.expr import Binary, Expr, Reduce, Select
+from neoflow.ir import bounds, index
+from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select
 from neoflow.ir.op import Op
 
 PREFIX = bounds.PREFIX
-PARALLEL_MIN_POINTS = 1 << 15  # below this, starting threads costs more than the loop
 _IDENTITY = {
     "ReduceAdd": "0",
     "ReduceMul": "1",
@@ -89,6 +89,23 @@ def _fully_affine(cond: Expr) -> bool:
     return bounds.condition_to_isl(cond) is not None
 
 
+def in_place_reduction(op: Op) -> tuple[Reduce, Expr | None] | None:
+    """``(reduction, epilogue)`` when the loop nest of ``op`` accumulates in place
+    in its output (one reduction, none nested, the output's last dimension at
+    least 4 long: its loop is innermost and vectorised), else None."""
+    split = split_epilogue(op.body, op) if op.scatter is None else None
+    if split is None or len(op.indices) == 0 or op.extent[op.indices[-1]] < 4:
+        return None
+    body = split[0]
+    if (
+        body.dtype != op.dtype
+        or any(isinstance(n, Reduce) for n in body.body.walk())
+        or (body.where is not None and any(isinstance(n, Reduce) for n in body.where.walk()))
+    ):
+        return None
+    return split
+
+
 class Lowering:
     """Lower one op to C: ``function(name)`` returns the C definition of a
     function taking the output buffer, then the input buffers in ``op.inputs`` order."""
@@ -110,6 +127,7 @@ class Lowering:
         self.values.on_branch = self._branch
         self._scope: _Scope | None = None
         self._computed: dict[tuple, str] = {}
+        self.sums: dict[str, str] = {}  # update statement of a floating-point sum → its accumulator
 
     # --------------------------------------------------------------- statements
 
@@ -160,6 +178,8 @@ class Lowering:
         term = self.values(node.body, dtype)
         combine = self._combine(node, name, term)
         self._add(inner, inner_vars, f"{name} = {combine};")
+        if node.kind == "ReduceAdd" and dtype.startswith("float"):
+            self.sums[self.statements[-1].name] = name
         self._scope = scope
         return name
 
@@ -222,23 +242,20 @@ class Lowering:
             self._store(scope, body)
 
     def _accumulate_in_place(self, box: str) -> bool:
-        """For ``Out[x] = Reduce({r | cond}, term)`` (no nested reduction), accumulate
-        straight into ``Out`` with the reduction loops *outside* the innermost output
-        loop: that loop then carries independent updates the C compiler vectorises,
-        instead of one accumulator's latency chain.  Returns whether it applied."""
+        """For ``Out[x] = f(Reduce({r | cond}, term))`` (one reduction, none nested),
+        accumulate straight into ``Out`` with the reduction loops *outside* the
+        innermost output loop: that loop then carries independent updates the C
+        compiler vectorises, instead of one accumulator's latency chain.  An
+        epilogue ``f`` (a bias, a mask, a crop) is applied by a last pass over the
+        point's row.  Returns whether it applied."""
         op = self.op
-        body = op.body
-        if (
-            op.scatter is not None
-            or not isinstance(body, Reduce)
-            or len(op.indices) == 0
-            or self.extent[op.indices[-1]] < 4
-            or any(isinstance(n, Reduce) for n in body.body.walk())
-            or (body.where is not None and any(isinstance(n, Reduce) for n in body.where.walk()))
-        ):
+        split = in_place_reduction(op)
+        if split is None:
             return False
+        body, epilogue = split
         *outer, inner = op.indices
-        target = f"out[{linear_index([f'{PREFIX}{v}' for v in op.indices], op.shape)}]"
+        indices = [f"{PREFIX}{v}" for v in op.indices]
+        target = f"out[{linear_index(indices, op.shape)}]"
         init_scope = _Scope(list(op.indices), [PREFIX + v for v in outer], [box], [])
         self._scope = init_scope
         self._add(init_scope, list(op.indices), f"{target} = {self._identity(body)};", [PREFIX + inner])
@@ -252,6 +269,11 @@ class Lowering:
         combine = self._combine(body, target, term)
         tail = [*(PREFIX + a for a in body.axes), PREFIX + inner]
         self._add(update, [*op.indices, *body.axes], f"{target} = {combine};", tail)
+        if epilogue is not None:
+            self._scope = init_scope
+            accumulated = Read(op.name, tuple(index.var(v) for v in op.indices), op.dtype)
+            value = self.values(with_reduce(epilogue, accumulated), op.dtype)
+            self._add(init_scope, list(op.indices), f"{target} = {value};", [PREFIX + inner])
         return True
 
     # ---------------------------------------------------------------------- C
@@ -291,8 +313,11 @@ class Lowering:
         parallel = op.scatter is None and any(self.extent[v] > 1 for v in op.indices) and work >= PARALLEL_MIN_POINTS
         private = f" private({', '.join(a for _, a in self.accumulators)})" if self.accumulators else ""
         outer_dims = {f"c{k}" for k in range(len(op.indices))}
+        # a scalar sum: its threads each sum a share of the outermost loop
+        total = next(iter(self.sums.values())) if not op.indices and len(self.accumulators) == 1 and self.sums else None
         open_loops: list[int] = []  # indentation of the enclosing for loops
-        for line in loops.splitlines():
+        rows = loops.splitlines()
+        for number, line in enumerate(rows):
             text = line.lstrip()
             indent = len(line) - len(text)
             while open_loops and indent <= open_loops[-1]:
@@ -301,11 +326,23 @@ class Lowering:
                 # an outermost loop over an output dimension (isl may put sibling loops in a block)
                 if parallel and not open_loops and text[9:].split(" ", 1)[0] in outer_dims:
                     lines.append(f"    {' ' * indent}#pragma omp parallel for{private}")
+                elif total is not None and not open_loops and work >= PARALLEL_MIN_POINTS:
+                    lines.append(f"    {' ' * indent}#pragma omp parallel for reduction(+:{total})")
+                summed = self._summed_by(rows[number + 1] if number + 1 < len(rows) else "")
+                if summed is not None:
+                    # the loop around one sum's update: let the compiler split the sum into vector lanes
+                    lines.append(f"    {' ' * indent}#pragma omp simd reduction(+:{summed})")
                 open_loops.append(indent)
             lines.append("    " + line)
         lines.append("}")
         undefs = [f"#undef {s.name}" for s in self.statements]
         return "\n".join([*macros, *lines, *undefs])
+
+    def _summed_by(self, line: str) -> str | None:
+        """The accumulator of the sum whose update ``line`` (the body of a loop) is, if it is one."""
+        text = line.strip()
+        name = text.split("(", 1)[0]
+        return self.sums.get(name) if text.endswith(");") and text.count(";") == 1 else None
 
 
 def lower_pieces(op: Op, pieces: list[Piece], name: str) -> str:
@@ -333,9 +370,13 @@ def lower_pieces(op: Op, pieces: list[Piece], name: str) -> str:
 
 
 def lower_op(op: Op, name: str) -> str:
-    """The C function ``name`` computing ``op``: the blocked kernel for contractions
-    worth it, dense pieces for other lattice domains, else the plain loop nest."""
+    """The C function ``name`` computing ``op``: a chain of two contractions tiled
+    together (``chain``), the blocked kernel for contractions worth it, dense
+    pieces for other lattice domains, else the plain loop nest."""
     try:
+        chain = chain_plan(op)
+        if chain is not None:
+            return chain_function(op, chain, name)
         plan = gemm_plan(op)
         if plan is not None:
             return gemm_function(op, plan, name)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from neoflow.codegen.hardware import Hardware, Intrinsic, hardware
 from neoflow.ir import dtypes as dt
-from neoflow.ir.expr import Binary, Cast, Expr, Read, Reduce, Select
+from neoflow.ir.expr import Binary, Expr, Read, Reduce, index_variables
 from neoflow.ir.op import Op
 
 
@@ -52,12 +52,15 @@ class Contraction:
 
 
 def _operand(node: Expr) -> Read | None:
-    """The read under casts and a padding guard (``Select(cond, read, 0)``)."""
-    while isinstance(node, Cast):
-        node = node.x
-    if isinstance(node, Select):
-        return _operand(node.a) if getattr(node.b, "value", None) == 0 else None
-    return node if isinstance(node, Read) else None
+    """The one read an operand is a function of: the read itself, under casts,
+    a padding guard (``Select(cond, read, 0)``) or an element-wise prologue a
+    fusion plan inlined (``max(h[i, k], 0)``), as long as the expression reads
+    one tensor element and uses no variable that element's indices do not."""
+    reads = {n for n in node.walk() if isinstance(n, Read)}
+    if len(reads) != 1 or any(isinstance(n, Reduce) for n in node.walk()):
+        return None
+    (read,) = reads
+    return read if index_variables(node) <= index_variables(read) else None
 
 
 def contraction(op: Op) -> Contraction | None:

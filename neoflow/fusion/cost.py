@@ -6,10 +6,14 @@ intermediate as bytes written and read again.  Bytes are the compulsory
 traffic to memory: every materialised output written once, every tensor read
 from outside the kernel's registers read once (as much of it as is touched).
 Time is ``max(flops / rate, bytes / bandwidth) + call overhead`` with the
-machine's measured peak and bandwidth, where ``rate`` is the share of peak the
-code generator's schedule reaches for that op (``schedule``, supplied by the
-target: the blocked matmul kernel gets most of the peak, a plain loop nest
-``Machine.loop_flops``).
+machine's measured figures.  ``rate`` comes from the code generator's schedule
+for the op (``schedule``, supplied by the target): the blocked matmul and chain
+kernels reach a share of the FMA peak, a loop nest whose inner loop runs in
+vector lanes ``Machine.vector_flops``, any other ``Machine.loop_flops``; a
+chain kernel also says how much arithmetic it really does (its inner sum once
+per point, not once per read).  ``bandwidth`` is the last-level cache's when
+the kernel's bytes fit in it (the producer just wrote them there), else
+memory's.
 """
 
 from __future__ import annotations
@@ -27,14 +31,18 @@ from neoflow.ir.op import Op
 
 @dataclass(frozen=True)
 class Machine:
-    """What the roofline needs: FMA peak and a plain loop's arithmetic rate
-    (flop/s), memory bandwidth (bytes/s) and the fixed cost of one kernel call
-    (s).  ``measured`` says whether the figures come from this machine."""
+    """What the roofline needs: FMA peak, a plain loop's and a vectorised loop's
+    arithmetic rates (flop/s), memory and last-level cache bandwidths (bytes/s),
+    that cache's size (bytes) and the fixed cost of one kernel call (s).
+    ``measured`` says whether the figures come from this machine."""
 
     peak_flops: float = 100e9
     loop_flops: float = 4e9
     bandwidth: float = 15e9
     call_seconds: float = 5e-6
+    vector_flops: float = 16e9
+    cache_bandwidth: float = 60e9
+    cache_bytes: float = 8e6
     measured: bool = False
 
 
@@ -52,9 +60,21 @@ class Cost:
 
 ZERO = Cost(0.0, 0.0, 0.0)
 
-#: ``schedule(op)``: the fraction of the FMA peak the target's code for ``op``
-#: reaches, or None for a plain loop nest.
-Schedule = Callable[[Op], float | None]
+
+@dataclass(frozen=True)
+class Scheduled:
+    """How the target's code runs an op: ``fraction`` of the FMA peak (blocked
+    kernels; None for a loop nest), ``vector`` whether a loop nest's inner loop
+    runs in vector lanes, ``flops`` the arithmetic it performs when that is not
+    the expression's count (None: the same)."""
+
+    fraction: float | None = None
+    vector: bool = False
+    flops: float | None = None
+
+
+#: ``schedule(op)``: how the target's code for ``op`` runs.
+Schedule = Callable[[Op], Scheduled]
 
 
 def _itemsize(dtype: str) -> int:
@@ -89,10 +109,16 @@ class CostModel:
         moved = math.prod(op.shape) * _itemsize(op.dtype)
         for tensor in op.inputs:
             moved += min(work.reads.get(tensor.name, 0.0), tensor.size) * _itemsize(tensor.dtype)
-        fraction = self.schedule(op) if self.schedule is not None else None
-        rate = self.machine.loop_flops if fraction is None else self.machine.peak_flops * fraction
-        seconds = max(work.flops / rate, moved / self.machine.bandwidth) + self.machine.call_seconds
-        cost = Cost(work.flops, float(moved), seconds)
+        how = self.schedule(op) if self.schedule is not None else Scheduled()
+        machine = self.machine
+        if how.fraction is not None:
+            rate = machine.peak_flops * how.fraction
+        else:
+            rate = machine.vector_flops if how.vector else machine.loop_flops
+        flops = work.flops if how.flops is None else how.flops
+        bandwidth = machine.cache_bandwidth if moved <= machine.cache_bytes else machine.bandwidth
+        seconds = max(flops / rate, moved / bandwidth) + machine.call_seconds
+        cost = Cost(flops, float(moved), seconds)
         self._ops[op] = cost
         return cost
 

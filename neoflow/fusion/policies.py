@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from neoflow.errors import CompileError
 from neoflow.fusion.cost import CostModel
+from neoflow.fusion.inline import inline, why_not_inlined
 from neoflow.fusion.patterns import HEAVY, LIGHT, is_epilogue, kind
 from neoflow.fusion.plan import FusionPlan, Grouping, Kernel, must_store, plan_from_groups, unfused
 from neoflow.ir.graph import Graph
@@ -253,20 +254,32 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
 
 class Chimera(FusionPolicy):
     """``elementwise``, plus compute-intensive chains: a heavy op whose only
-    reader is heavy joins that reader's kernel.  The code generator does not
-    yet tile such a pair with the intermediate in a tile buffer, so today the
-    first op is inlined into the second, i.e. recomputed per read."""
+    reader is heavy joins that reader's kernel when the cost model predicts the
+    pair together to be faster than apart.  On the cpu target a GEMM chain so
+    fused runs as one kernel holding the intermediate in a tile buffer
+    (``codegen.chain``, tiles by Chimera's data-movement analysis); where the
+    target has no such kernel the pair costs a recomputation per read, which
+    the cost model refuses."""
 
     name = "chimera"
 
     def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
         groups = _elementwise_groups(graph)
+        notes = {}
         for op in graph.ops:
             reader = _single_reader(groups, op.name)
             chain = reader is not None and kind(op) == HEAVY and kind(reader) == HEAVY
-            if chain and groups.can_merge(op.name, reader.name):
+            if not chain or why_not_inlined(reader, op) is not None or not groups.can_merge(op.name, reader.name):
+                continue
+            together = cost_model.op_cost(inline(reader, op))
+            apart = cost_model.op_cost(op) + cost_model.op_cost(reader)
+            if together.seconds < apart.seconds:
                 groups.merge(op.name, reader.name)
-        return plan_from_groups(graph, groups.members().values(), policy=self.name)
+                notes[reader.name] = (
+                    f"'{op.name}' -> '{reader.name}' tiled together: predicted {together.seconds * 1e3:.3f} ms "
+                    f"against {apart.seconds * 1e3:.3f} ms apart"
+                )
+        return plan_from_groups(graph, groups.members().values(), policy=self.name, notes=notes)
 
 
 BUILT_IN: dict[str, type[FusionPolicy]] = {policy.name: policy for policy in (NoFusion, Elementwise, NeoFlow, Chimera)}

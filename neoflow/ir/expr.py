@@ -232,3 +232,15 @@ def conjuncts(cond: Expr) -> list[Expr]:
 def bound_variables(node: Expr) -> set[str]:
     """Names of all reduction axes in ``node``."""
     return {axis for r in reductions(node) for axis in r.axes}
+
+
+def index_variables(node: Expr) -> set[str]:
+    """Index variables ``node`` uses (in index values and read indices)."""
+    names: set[str] = set()
+    for item in node.walk():
+        if isinstance(item, Index):
+            names |= {str(symbol) for symbol in item.expr.free_symbols}
+        elif isinstance(item, Read):
+            for expr in item.indices:
+                names |= {str(symbol) for symbol in expr.free_symbols}
+    return names

@@ -77,6 +77,13 @@ def compile(
     return CompiledModel(inference, training, train, target, proto, dict(shapes or {}), fusion)
 
 
+def _random(rng: np.random.Generator, shape: Sequence[int], dtype: str, classes: int) -> np.ndarray:
+    """Standard normal floats, or integers in ``[0, classes)``."""
+    if dtype.startswith("float"):
+        return rng.standard_normal(shape).astype(dt.numpy_dtype(dtype))
+    return rng.integers(0, classes, size=shape).astype(dt.numpy_dtype(dtype))
+
+
 def _bind(graph: Graph, parameters: Mapping[str, np.ndarray]) -> Graph:
     """``graph`` with the given inputs turned into parameters."""
     table = internal_names(graph)
@@ -210,6 +217,29 @@ class CompiledModel:
             self._gradients = build_executor(self.target, training.graph, keep, self.fusion)
         outputs = self._gradients.run(self._training_feed(batch))
         return {self.public_name(p): outputs[g] for p, g in training.gradients.items()}
+
+    def example_batch(self, training: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
+        """Random values for every input ``run`` (or, with ``training``,
+        ``train_step``: labels included) needs, by name: what timing a step takes."""
+        rng = np.random.default_rng(seed)
+        if training:
+            spec = self._require_training()
+            tensors = list(spec.data_inputs)
+        else:
+            spec = None
+            tensors = [t for t in self.inference.free_inputs if t.name not in self._values]
+        batch = {self.public_name(t.name): _random(rng, t.shape, t.dtype, 2) for t in tensors}
+        if spec is not None and spec.labels is not None:
+            classes = spec.graph.tensors[spec.prediction].shape[-1]
+            batch[self.spec.labels] = _random(rng, spec.labels.shape, spec.labels.dtype, classes)
+        return batch
+
+    def executor_and_feed(self, batch: Mapping[str, np.ndarray], training: bool = False) -> tuple[object, dict]:
+        """The executor of inference (or of the training step) and its full feed
+        for ``batch`` (parameters and state included): for profiling its kernels."""
+        if training:
+            return self._train, self._training_feed(batch)
+        return self._run, self._feed(self.inference, batch, {})
 
     def _require_training(self) -> TrainingGraph:
         if self.training is None:

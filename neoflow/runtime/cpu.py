@@ -16,6 +16,8 @@ from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
+from neoflow.ir.op import Op
+from neoflow.runtime.executor import run_graph
 from neoflow.runtime.memory import MemoryPlan, plan_memory
 
 
@@ -69,21 +71,17 @@ class CpuExecutor:
                 function.restype = None
                 self.kernels[op.name] = function
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Evaluate the graph on ``inputs``; returns the kept tensors by name."""
-        values = dict(inputs)
-        for op, dead in zip(self.graph.ops, self.plan.free_after, strict=True):
-            kernel = self.kernels.get(op.name)
-            if kernel is None:
-                values[op.name] = evaluate_op(op, {name: values[name] for name in op.input_names})
-            else:
-                args = [np.ascontiguousarray(values[t.name], dtype=dt.numpy_dtype(t.dtype)) for t in op.inputs]
-                out = np.empty(op.shape, dt.numpy_dtype(op.dtype))
-                kernel(out.ctypes.data, *(a.ctypes.data for a in args))
-                values[op.name] = out
-            for name in dead:
-                values.pop(name, None)
-        return {name: values[name] for name in self.keep}
+    def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The value of ``op`` (one of the graph's) from its inputs' ``values``."""
+        kernel = self.kernels.get(op.name)
+        if kernel is None:
+            return evaluate_op(op, {name: values[name] for name in op.input_names})
+        args = [np.ascontiguousarray(values[t.name], dtype=dt.numpy_dtype(t.dtype)) for t in op.inputs]
+        out = np.empty(op.shape, dt.numpy_dtype(op.dtype))
+        kernel(out.ctypes.data, *(a.ctypes.data for a in args))
+        return out
+
+    run = run_graph
 
 
 def sanitizer_program(graph: Graph) -> str:

@@ -8,7 +8,20 @@ import numpy as np
 
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
+from neoflow.ir.op import Op
 from neoflow.runtime.memory import MemoryPlan, plan_memory
+
+
+def run_graph(executor, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Evaluate ``executor``'s graph on ``inputs`` (every graph input by name,
+    checked by the caller) op by op with its ``run_op``, dropping each tensor
+    after its last reader; returns the kept tensors by name."""
+    values = dict(inputs)
+    for op, dead in zip(executor.graph.ops, executor.plan.free_after, strict=True):
+        values[op.name] = executor.run_op(op, values)
+        for name in dead:
+            values.pop(name, None)
+    return {name: values[name] for name in executor.keep}
 
 
 class InterpreterExecutor:
@@ -22,15 +35,11 @@ class InterpreterExecutor:
         self.keep = tuple(dict.fromkeys(keep))
         self.plan: MemoryPlan = plan_memory(graph, self.keep)
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Evaluate the graph on ``inputs`` (every graph input by name, checked by
-        the caller); returns the kept tensors by name."""
-        values = dict(inputs)
-        for op, dead in zip(self.graph.ops, self.plan.free_after, strict=True):
-            values[op.name] = evaluate_op(op, {name: values[name] for name in op.input_names})
-            for name in dead:
-                values.pop(name, None)
-        return {name: values[name] for name in self.keep}
+    def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The value of ``op`` (one of the graph's) from its inputs' ``values``."""
+        return evaluate_op(op, {name: values[name] for name in op.input_names})
+
+    run = run_graph
 
 
 def _cpu(graph: Graph, keep: Collection[str]):

@@ -22,11 +22,11 @@ def cost_model(target: str) -> CostModel:
     """The cost model for ``target``: this machine's measured figures and the
     code generator's schedule for ``cpu``; nominal figures otherwise."""
     if target == "cpu":
-        from neoflow.codegen.estimate import peak_fraction
+        from neoflow.codegen.estimate import schedule
         from neoflow.runtime.cpu import threads
         from neoflow.runtime.machine import measure_machine
 
-        return CostModel(lambda: measure_machine(threads()), peak_fraction)
+        return CostModel(lambda: measure_machine(threads()), schedule)
     return CostModel(Machine())
 
 

@@ -15,6 +15,7 @@ from functools import cache
 import numpy as np
 
 from neoflow.codegen.compiler import build_library, cache_dir
+from neoflow.codegen.hardware import AVX2
 from neoflow.fusion.cost import Machine
 
 PROBE_SOURCE = r"""
@@ -56,6 +57,15 @@ double nf_loop_rate(float *out, const float *in, long n, int reps) {
     }
     return 5.0 * (double)n * reps / (omp_get_wtime() - start);
 }
+/* a loop the compiler runs in vector lanes: an element-wise update */
+double nf_vector_rate(float *out, const float *in, long n, int reps) {
+    double start = omp_get_wtime();
+    for (int r = 0; r < reps; ++r) {
+        #pragma omp parallel for
+        for (long i = 0; i < n; ++i) out[i] = out[i] * 0.999f + in[i] * 0.5f;
+    }
+    return 3.0 * (double)n * reps / (omp_get_wtime() - start);
+}
 /* streaming bandwidth: out = a * 2 + b, bytes read and written */
 double nf_bandwidth(float *out, const float *a, const float *b, long n, int reps) {
     double start = omp_get_wtime();
@@ -69,11 +79,16 @@ void nf_empty(float *out) { out[0] = 0; }
 """
 
 
+def _last_level_cache() -> float:
+    """The largest data cache's size in bytes (the code generator's hardware description)."""
+    return float(max(scope.capacity for scope in AVX2.scopes if scope.name.startswith("L")))
+
+
 @cache
 def measure_machine(threads: int) -> Machine:
     """This machine's figures for ``threads`` threads (cached on disk)."""
     path = build_library(PROBE_SOURCE)
-    key = hashlib.sha256(f"{path.name}/{threads}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path.name}/{threads}/{sorted(Machine.__dataclass_fields__)}".encode()).hexdigest()[:16]
     record = cache_dir() / "machine" / f"{key}.json"
     if record.is_file():
         try:
@@ -84,24 +99,42 @@ def measure_machine(threads: int) -> Machine:
     library.omp_set_num_threads(ctypes.c_int(threads))
     double = ctypes.c_double
     library.nf_fma_peak.restype = library.nf_loop_rate.restype = library.nf_bandwidth.restype = double
+    library.nf_vector_rate.restype = double
     library.nf_fma_peak.argtypes = [ctypes.c_long]
     pointer = ctypes.c_void_p
     library.nf_loop_rate.argtypes = [pointer, pointer, ctypes.c_long, ctypes.c_int]
+    library.nf_vector_rate.argtypes = [pointer, pointer, ctypes.c_long, ctypes.c_int]
     library.nf_bandwidth.argtypes = [pointer, pointer, pointer, ctypes.c_long, ctypes.c_int]
     library.nf_empty.argtypes = [pointer]
     peak = max(library.nf_fma_peak(20_000_000) for _ in range(3))
     small = np.ones(1 << 16, np.float32)
     out_small = np.zeros_like(small)
     loop = max(library.nf_loop_rate(out_small.ctypes.data, small.ctypes.data, small.size, 200) for _ in range(3))
-    big = [np.ones(1 << 23, np.float32) for _ in range(3)]
+    vector = max(library.nf_vector_rate(out_small.ctypes.data, small.ctypes.data, small.size, 200) for _ in range(3))
+    cache_bytes = _last_level_cache()
+    big = [np.ones(max(1 << 23, int(cache_bytes)), np.float32) for _ in range(3)]  # 3 x 4 x the cache
     bandwidth = max(library.nf_bandwidth(*(b.ctypes.data for b in big), big[0].size, 4) for _ in range(3))
+    # a quarter of the cache: tensors a kernel's producer has just written
+    mid = [np.ones(int(cache_bytes) // 48, np.float32) for _ in range(3)]
+    cached = max(library.nf_bandwidth(*(b.ctypes.data for b in mid), mid[0].size, 50) for _ in range(3))
+    # one kernel call as an executor makes it: the output allocated, an input checked, the C function called
     calls = []
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(1000):
-            library.nf_empty(out_small.ctypes.data)
+            out = np.empty(16, np.float32)
+            np.ascontiguousarray(small, dtype=np.float32)
+            library.nf_empty(out.ctypes.data)
         calls.append((time.perf_counter() - start) / 1000)
-    figures = {"peak_flops": peak, "loop_flops": loop, "bandwidth": bandwidth, "call_seconds": min(calls)}
+    figures = {
+        "peak_flops": peak,
+        "loop_flops": loop,
+        "bandwidth": bandwidth,
+        "call_seconds": min(calls),
+        "vector_flops": vector,
+        "cache_bandwidth": cached,
+        "cache_bytes": cache_bytes,
+    }
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(figures))
     return Machine(**figures, measured=True)

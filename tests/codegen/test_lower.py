@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+import pytest
+
 import neoflow
 from neoflow.codegen.lower import Lowering, lower_op
+from tests.targets import NEEDS_CC
 
 
 def _c(text: str, shapes: dict, out_shape=None) -> str:
@@ -44,13 +48,48 @@ def test_reduction_accumulates_in_place_outside_the_innermost_output_loop() -> N
     assert "omp parallel" not in small  # too little work to start threads for
 
 
-def test_reduction_inside_an_expression_uses_an_accumulator() -> None:
-    code = _c("Y[i] = log(ReduceAdd({k}, X[i, k] * X[i, k]))", {"X": (512, 64)})
+def test_reductions_inside_an_expression_use_accumulators() -> None:
+    code = _c("Y[i] = ReduceAdd({k}, X[i, k]) / ReduceAdd({k}, X[i, k] * X[i, k])", {"X": (512, 64)})
     init = code.index("acc0 = ((float)(0))")
     update = code.index("acc0 = acc0 + ")
     store = code.index("out[")
     assert init < update < store
-    assert "#pragma omp parallel for private(acc0)" in code
+    assert "#pragma omp parallel for private(acc0, acc1)" in code
+    # each sum's loop is split into vector lanes
+    assert "#pragma omp simd reduction(+:acc0)" in code and "#pragma omp simd reduction(+:acc1)" in code
+
+
+def test_one_reduction_under_an_epilogue_accumulates_in_place_then_finishes() -> None:
+    code = _c("Y[i, j] = Select(j > 0, ReduceAdd({k}, A[i, k] * B[k, j]), 0) + 1", {"A": (7, 9), "B": (9, 30)})
+    assert "acc0" not in code
+    update = code.index("out[(v_i) * 30 + v_j] = out[(v_i) * 30 + v_j] + ")
+    finish = code.index("out[(v_i) * 30 + v_j] = (((v_j > 0) ? out[(v_i) * 30 + v_j] : ")
+    assert update < finish
+
+
+def test_a_scalar_sum_is_shared_among_threads_and_vector_lanes() -> None:
+    code = _c("L[] = ReduceAdd({a, b}, X[a, b] * X[a, b]) / 2", {"X": (300, 200)})
+    assert "#pragma omp parallel for reduction(+:acc0)" in code
+    assert "#pragma omp simd reduction(+:acc0)" in code
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(
+    ("text", "shapes"),
+    [
+        ("Y[i, j] = Select(j > 0, ReduceAdd({k}, A[i, k] * B[k, j]), 0) + 1", {"A": (7, 9), "B": (9, 30)}),
+        ("L[] = ReduceAdd({a, b}, A[a, b] * A[a, b]) / 2", {"A": (300, 200)}),
+        ("Y[i] = ReduceAdd({k}, A[i, k]) / ReduceAdd({k}, A[i, k] * A[i, k])", {"A": (512, 64)}),
+    ],
+)
+def test_epilogues_and_sums_compute_what_the_interpreter_does(text: str, shapes: dict) -> None:
+    op = neoflow.op(text, shapes=shapes)
+    inputs = {
+        name: np.random.default_rng(0).standard_normal(shape).astype(np.float32) for name, shape in shapes.items()
+    }
+    compiled = neoflow.compile(op, target="cpu").run(inputs)
+    expected = neoflow.compile(op, target="interp").run(inputs)
+    np.testing.assert_allclose(compiled, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_scatter_is_zeroed_first_and_not_parallel() -> None:

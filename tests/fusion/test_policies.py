@@ -111,3 +111,26 @@ def test_bad_policy_names_are_one_line_errors(spec: str, message: str) -> None:
     with pytest.raises(CompileError, match=message) as info:
         load_policy(spec)
     assert "\n" not in str(info.value)
+
+
+GEMM_CHAIN = """
+A = tensor([512, 64])
+B = tensor([64, 512])
+D = tensor([512, 64])
+C[i, l] = ReduceAdd({k}, A[i, k] * B[k, l])
+E[i, n] = ReduceAdd({l}, C[i, l] * D[l, n])
+"""
+
+
+def test_chimera_tiles_a_gemm_chain_where_the_target_has_the_kernel() -> None:
+    from neoflow.codegen.estimate import schedule
+    from neoflow.fusion import CostModel, Machine
+
+    graph = neoflow.graph(GEMM_CHAIN)
+    # the cpu's schedule knows the chain kernel: one kernel, C in a tile buffer, with the reason noted
+    plan = load_policy("chimera").plan(graph, CostModel(Machine(), schedule))
+    assert [k.ops for k in plan.kernels] == [("C", "E")] and plan.kernels[0].inlined == ("C",)
+    assert "tiled together" in plan.notes["E"]
+    # without it the pair would recompute C for every column of E: kept apart
+    plan = load_policy("chimera").plan(graph, CostModel(Machine()))
+    assert [k.ops for k in plan.kernels] == [("C",), ("E",)]

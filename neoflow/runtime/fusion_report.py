@@ -1,0 +1,239 @@
+"""What a fusion plan does to a model: per kernel, its ops, what it stores and
+recomputes, its arithmetic, bytes, predicted and measured time; one policy
+against another.  ``neoflow fuse`` prints these."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from neoflow.runtime.fusing import planning_graph
+
+if TYPE_CHECKING:
+    from neoflow.runtime.compiled import CompiledModel
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One kernel of a plan: ``recomputed`` are its inlined ops (computed in
+    their readers' loops, never stored); times in seconds."""
+
+    name: str
+    ops: tuple[str, ...]
+    materialized: tuple[str, ...]
+    recomputed: tuple[str, ...]
+    flops: float
+    bytes: float
+    predicted: float
+    measured: float
+
+
+@dataclass(frozen=True)
+class PolicyReport:
+    """A policy's plan of one model's step (``"inference"`` or ``"training
+    step"``): its kernels and the measured median time of the whole step."""
+
+    policy: str
+    step: str
+    rows: tuple[KernelRow, ...]
+    step_seconds: float
+    target: str
+
+    @property
+    def bytes(self) -> float:
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def flops(self) -> float:
+        return sum(r.flops for r in self.rows)
+
+    @property
+    def predicted(self) -> float:
+        return sum(r.predicted for r in self.rows)
+
+
+def time_ops(executor, feed: Mapping[str, np.ndarray], repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each op of ``executor``'s graph, run alone ``repeats``
+    times on the values the ops before it produced (``feed``: every graph input),
+    after one untimed run of the whole graph."""
+    executor.run(feed)  # once untimed: threads started, pages touched
+    values = dict(feed)
+    seconds = {}
+    for op in executor.graph.ops:
+        times = []
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            values[op.name] = executor.run_op(op, values)
+            times.append(time.perf_counter() - start)
+        seconds[op.name] = statistics.median(times)
+    return seconds
+
+
+def time_step(executor, feed: Mapping[str, np.ndarray], repeats: int = 5) -> float:
+    """Median seconds of one whole run of ``executor`` on ``feed`` (after one warm-up run)."""
+    executor.run(feed)
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        executor.run(feed)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5, seed: int = 0) -> PolicyReport:
+    """Plan, predict and measure ``model``'s inference (or training step) under
+    the policy it was compiled with."""
+    executor, feed = model.executor_and_feed(model.example_batch(training, seed), training)
+    plan = executor.fusion_plan
+    source = executor.source_graph
+    costs = executor.cost_model
+    graph = planning_graph(source, executor.keep)
+    measured = time_ops(executor, feed, repeats)
+    rows = []
+    for kernel, group in zip(plan.kernels, executor.kernel_groups, strict=True):
+        cost = costs.kernel_cost(graph, kernel)
+        rows.append(
+            KernelRow(
+                kernel.name,
+                kernel.ops,
+                kernel.materialized,
+                kernel.inlined,
+                cost.flops,
+                cost.bytes,
+                cost.seconds,
+                sum(measured[name] for name in group),
+            )
+        )
+    step = time_step(executor, feed, repeats)
+    return PolicyReport(plan.policy, "training step" if training else "inference", tuple(rows), step, model.target)
+
+
+# ----------------------------------------------------------------- rendering
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation of two equally long samples (ties get their mean rank)."""
+
+    def ranks(values: Sequence[float]) -> np.ndarray:
+        array = np.asarray(values, dtype=float)
+        order = np.argsort(array, kind="stable")
+        result = np.empty(len(array))
+        result[order] = np.arange(len(array), dtype=float)
+        for value in np.unique(array):
+            tied = array == value
+            result[tied] = result[tied].mean()
+        return result
+
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError("spearman needs two samples of the same length, at least 2")
+    return float(np.corrcoef(ranks(x), ranks(y))[0, 1])
+
+
+def _names(names: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" +{len(names) - limit}" if len(names) > limit else "") if names else "-"
+
+
+def _megabytes(value: float) -> str:
+    return f"{value / 1e6:.2f}"
+
+
+def _milliseconds(value: float) -> str:
+    return f"{value * 1e3:.3f}"
+
+
+KERNEL_COLUMNS = ("#", "kernel", "ops", "materialised", "recomputed", "MFLOP", "MB", "predicted ms", "measured ms")
+
+
+def kernel_table(report: PolicyReport) -> list[list[str]]:
+    """The rows of the per-kernel table (``KERNEL_COLUMNS``), a total last."""
+    rows = [
+        [
+            str(k),
+            row.name,
+            _names(row.ops),
+            _names(row.materialized),
+            _names(row.recomputed),
+            f"{row.flops / 1e6:.2f}",
+            _megabytes(row.bytes),
+            _milliseconds(row.predicted),
+            _milliseconds(row.measured),
+        ]
+        for k, row in enumerate(report.rows)
+    ]
+    total_measured = sum(r.measured for r in report.rows)
+    rows.append(
+        [
+            "",
+            "total",
+            str(sum(len(r.ops) for r in report.rows)),
+            "",
+            "",
+            f"{report.flops / 1e6:.2f}",
+            _megabytes(report.bytes),
+            _milliseconds(report.predicted),
+            _milliseconds(total_measured),
+        ]
+    )
+    return rows
+
+
+COMPARE_COLUMNS = ("policy", "kernels", "MB moved", "predicted ms", "step ms (median)", "vs first")
+
+
+def compare_table(reports: Sequence[PolicyReport]) -> list[list[str]]:
+    """One row per policy (``COMPARE_COLUMNS``); the ratio is the first policy's
+    step time over this one's (above 1: faster)."""
+    first = reports[0].step_seconds
+    return [
+        [
+            r.policy,
+            str(len(r.rows)),
+            _megabytes(r.bytes),
+            _milliseconds(r.predicted),
+            _milliseconds(r.step_seconds),
+            f"{first / r.step_seconds:.2f}x",
+        ]
+        for r in reports
+    ]
+
+
+def markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot_comparison(reports: Sequence[PolicyReport], path: str | Path, title: str) -> Path:
+    """Bar charts of kernels, bytes moved and measured step time per policy (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.policy for r in reports]
+    panels: list[tuple[str, Callable[[PolicyReport], float]]] = [
+        ("kernels", lambda r: len(r.rows)),
+        ("MB moved (predicted)", lambda r: r.bytes / 1e6),
+        ("step time, ms (measured median)", lambda r: r.step_seconds * 1e3),
+    ]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for axis, (label, value) in zip(axes, panels, strict=True):
+        heights = [value(r) for r in reports]
+        bars = axis.bar(names, heights, color=[f"C{k}" for k in range(len(names))])
+        axis.bar_label(bars, fmt="%.3g", fontsize=8)
+        axis.set_title(label, fontsize=10)
+        axis.tick_params(axis="x", rotation=30, labelsize=8)
+    figure.suptitle(title, fontsize=11)
+    figure.tight_layout()
+    out = Path(path)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out

@@ -1,0 +1,78 @@
+"""GEMM chains tiled together (Chimera): matching, tile choice, and the kernel's results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.codegen.chain import chain_plan, choose_tiles, data_movement, footprint
+from neoflow.codegen.lower import lower_op
+from tests.targets import NEEDS_CC
+
+CHAIN = "E[i, n] = ReduceAdd({l}, ReduceAdd({k}, A[i, k] * B[k, l]) * D[l, n])"
+# the same chain with every operand transposed and the output written as [n, i]
+TRANSPOSED = "E[n, i] = ReduceAdd({l}, Dt[n, l] * ReduceAdd({k}, Bt[l, k] * At[k, i]))"
+
+
+def _shapes(m: int, n: int, l: int, k: int, transposed: bool = False) -> dict:  # noqa: E741
+    if transposed:
+        return {"At": (k, m), "Bt": (l, k), "Dt": (n, l)}
+    return {"A": (m, k), "B": (k, l), "D": (l, n)}
+
+
+def test_a_gemm_chain_is_matched_in_either_layout() -> None:
+    plan = chain_plan(neoflow.op(CHAIN, shapes=_shapes(1024, 64, 1024, 64)), threads=2)
+    assert plan is not None
+    assert (plan.row, plan.col, plan.middle, plan.depth) == ("i", "n", "l", "k")
+    assert plan.extents == (1024, 64, 1024, 64)
+    flipped = chain_plan(neoflow.op(TRANSPOSED, shapes=_shapes(300, 40, 200, 50, True)), threads=2)
+    assert flipped is not None and (flipped.row, flipped.col) == ("i", "n")
+    assert "GEMM chain" in lower_op(neoflow.op(CHAIN, shapes=_shapes(1024, 64, 1024, 64)), "kernel")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "E[i, n] = ReduceAdd({l}, ReduceAdd({k}, A[i, k] * B[k, l]) + D[l, n])",  # not a product
+        "E[i, n] = ReduceAdd({l}, ReduceAdd({k}, A[i, k] * B[k, n]) * D[l, n])",  # inner sum reads the column
+        "E[i, n] = ReduceMax({l}, ReduceAdd({k}, A[i, k] * B[k, l]) * D[l, n])",  # not a sum
+    ],
+)
+def test_other_nested_reductions_are_not_chains(text: str) -> None:
+    shapes = {"A": (64, 64), "B": (64, 64), "D": (64, 64)}
+    assert chain_plan(neoflow.op(text, shapes=shapes)) is None
+
+
+def test_tiles_minimise_data_movement_within_the_cache() -> None:
+    capacity = 512 * 1024
+    m, n, l, k = 1024, 64, 1024, 64  # noqa: E741
+    tile_m, tile_l = choose_tiles(m, n, l, k, cache_bytes=capacity, threads=2)
+    assert tile_m % 16 == 0 and tile_l % 6 == 0
+    assert footprint(n, k, tile_m, tile_l) * 4 <= capacity
+    chosen = data_movement(m, n, l, k, tile_m, tile_l)
+    # no other admissible tiling moves less, and the chosen one beats storing C (2 M L extra elements)
+    for other_m in range(16, 257, 16):
+        for other_l in range(6, 1027, 6):
+            if footprint(n, k, other_m, other_l) * 4 <= capacity and (1024 // other_m) % 2 == 0:
+                assert chosen <= data_movement(m, n, l, k, other_m, other_l)
+    assert chosen < m * k + k * l + l * n + m * n + 2 * m * l
+    # a smaller cache gives smaller tiles
+    small_m, small_l = choose_tiles(m, n, l, k, cache_bytes=64 * 1024, threads=2)
+    assert footprint(n, k, small_m, small_l) * 4 <= 64 * 1024 and small_m * small_l < tile_m * tile_l
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(
+    ("text", "sizes", "transposed"),
+    [(CHAIN, (70, 20, 100, 40), False), (TRANSPOSED, (53, 13, 97, 61), True), (CHAIN, (256, 64, 192, 48), False)],
+)
+def test_the_chain_kernel_computes_what_the_interpreter_does(text: str, sizes: tuple, transposed: bool) -> None:
+    shapes = _shapes(*sizes, transposed)
+    op = neoflow.op(text, shapes=shapes)
+    assert chain_plan(op) is not None
+    rng = np.random.default_rng(1)
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    compiled = neoflow.compile(op, target="cpu").run(inputs)
+    expected = neoflow.compile(op, target="interp").run(inputs)
+    np.testing.assert_allclose(compiled, expected, rtol=1e-4, atol=1e-3)

@@ -1,0 +1,65 @@
+"""The fusion cost model: bytes of stored intermediates, rates from the target's
+schedule, cache against memory bandwidth."""
+
+from __future__ import annotations
+
+import pytest
+
+import neoflow
+from neoflow.codegen.estimate import schedule
+from neoflow.fusion import CostModel, Kernel, Machine
+from neoflow.fusion.cost import Scheduled
+
+GRAPH = """
+X = tensor([256, 256])
+Y[i, j] = max(X[i, j], 0)
+Z[i, j] = Y[i, j] * 2
+"""
+MACHINE = Machine(
+    peak_flops=100e9,
+    loop_flops=1e9,
+    bandwidth=10e9,
+    call_seconds=1e-6,
+    vector_flops=8e9,
+    cache_bandwidth=50e9,
+    cache_bytes=1e6,
+)
+
+
+def test_inlining_drops_the_intermediate_write_and_read() -> None:
+    graph = neoflow.graph(GRAPH)
+    model = CostModel(MACHINE)
+    apart = model.kernel_cost(graph, Kernel(("Y",), ("Y",))) + model.kernel_cost(graph, Kernel(("Z",), ("Z",)))
+    fused = model.kernel_cost(graph, Kernel(("Y", "Z"), ("Z",)))
+    assert apart.bytes - fused.bytes == 2 * 256 * 256 * 4
+    assert fused.flops == apart.flops and fused.seconds < apart.seconds
+
+
+def test_time_is_a_roofline_with_the_schedule_rate_and_the_cache_bandwidth_when_it_fits() -> None:
+    op = neoflow.graph(GRAPH).op("Z")  # 256 KiB in, 256 KiB out, 65536 multiplies
+    moved = 2 * 256 * 256 * 4
+    scalar = CostModel(MACHINE).op_cost(op)
+    assert scalar.seconds == pytest.approx(max(65536 / 1e9, moved / 50e9) + 1e-6)
+    vector = CostModel(MACHINE, lambda op: Scheduled(vector=True)).op_cost(op)
+    assert vector.seconds == pytest.approx(max(65536 / 8e9, moved / 50e9) + 1e-6)
+    small_cache = CostModel(Machine(**{**MACHINE.__dict__, "cache_bytes": 1e5})).op_cost(op)
+    assert small_cache.seconds == pytest.approx(max(65536 / 1e9, moved / 10e9) + 1e-6)
+    blocked = CostModel(MACHINE, lambda op: Scheduled(fraction=0.5, flops=1e9)).op_cost(op)
+    assert blocked.flops == 1e9 and blocked.seconds == pytest.approx(1e9 / 50e9 + 1e-6)
+
+
+def test_the_cpu_schedule_names_each_kind_of_code() -> None:
+    gemm = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (256, 256), "B": (256, 256)})
+    assert 0.3 < schedule(gemm).fraction <= 1.0
+    assert schedule(neoflow.op("Y[i] = exp(X[i])", shapes={"X": (1000,)})) == Scheduled(vector=True)
+    # a transposed or a depth-to-space read would need gathers: a scalar loop
+    assert not schedule(neoflow.op("Y[i, j] = X[j, i] * 2", shapes={"X": (64, 64)})).vector
+    assert not schedule(neoflow.op("Y[i, j] = X[i, j // 2]", shapes={"X": (64, 32)})).vector
+    total = neoflow.op("L[] = ReduceAdd({i}, X[i] * X[i])", shapes={"X": (1000,)})
+    assert schedule(total).vector
+    chain = neoflow.op(
+        "E[i, n] = ReduceAdd({l}, ReduceAdd({k}, A[i, k] * B[k, l]) * D[l, n])",
+        shapes={"A": (512, 64), "B": (64, 512), "D": (512, 64)},
+    )
+    # the inner sum once per (i, l), not once per (i, l, n)
+    assert schedule(chain).flops == 2 * 512 * 512 * (64 + 64)

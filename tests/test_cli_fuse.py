@@ -1,0 +1,74 @@
+"""neoflow fuse: per-kernel reports, policy comparisons, plots; bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from neoflow.cli import main
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+MLP = str(MODELS / "mlp.onnx")
+QUICK = ["--target", "interp", "--repeats", "1"]
+
+
+def _rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+
+
+def test_report_has_one_row_per_kernel_with_measured_times(tmp_path: Path, capsys) -> None:
+    report = tmp_path / "mlp.md"
+    assert main(["fuse", MLP, "--train", "--policy", "elementwise", "--report", str(report), *QUICK]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    header, kernels, total = rows[0], rows[1:-1], rows[-1]
+    assert header[:5] == ["#", "kernel", "ops", "materialised", "recomputed"]
+    assert header[-2:] == ["predicted ms", "measured ms"]
+    assert len(kernels) >= 5 and total[1] == "total"
+    # every kernel was timed, and the element-wise policy inlined something
+    assert all(float(row[-1]) > 0 for row in kernels)
+    assert any(row[4] != "-" for row in kernels)
+    assert "training step, policy elementwise" in out
+    assert report.read_text().strip() == out.split(f"wrote {report}")[0].strip()
+
+
+def test_compare_draws_every_policy_including_a_user_policy(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    plot, report = tmp_path / "cmp.png", tmp_path / "cmp.md"
+    policies = "none,elementwise,neoflow,tests.fusion.user_policy:FirstReader"
+    args = ["fuse", MLP, "--compare", policies, "--plot", str(plot), "--report", str(report), *QUICK]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    compared = _rows(out.split("policies compared")[1])
+    assert [row[0] for row in compared[1:]] == ["none", "elementwise", "neoflow", "first-reader"]
+    assert compared[1][-1] == "1.00x"
+    kernels = {row[0]: int(row[1]) for row in compared[1:]}
+    assert kernels["none"] > kernels["elementwise"] >= kernels["neoflow"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    assert "first-reader" in report.read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--policy", "nope"], "unknown fusion policy 'nope'"),
+        (["--compare", "none,tests.fusion.user_policy:NotAPolicy"], "has no plan(graph, cost_model) method"),
+        (["--plot", "x.png"], "--plot draws a comparison"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--report", "no/such/dir/r.md"], "no such directory"),
+    ],
+)
+def test_bad_requests_are_one_line_errors_and_write_nothing(
+    args: list[str], message: str, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuse", MLP, *args, "--target", "interp"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_model_is_a_one_line_error(capsys) -> None:
+    assert main(["fuse", "no_such_model.onnx", "--target", "interp"]) == 1
+    assert "no_such_model.onnx" in capsys.readouterr().err
