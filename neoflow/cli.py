@@ -228,7 +228,8 @@ def cmd_fuse(args: argparse.Namespace) -> int:
     for report in reports:
         title = f"{Path(args.model).name}, {report.step}, policy {report.policy} (target {report.target})"
         table = fr.markdown(fr.KERNEL_COLUMNS, fr.kernel_table(report))
-        sections.append(f"## {title}\n\n{table}\n\nmeasured step: {report.step_seconds * 1e3:.3f} ms (median)")
+        notes = "".join(f"\n- {kernel}: {note}" for kernel, note in report.notes.items())
+        sections.append(f"## {title}\n\n{table}\n\nmeasured step: {report.step_seconds * 1e3:.3f} ms (median){notes}")
     if len(reports) > 1:
         table = fr.markdown(fr.COMPARE_COLUMNS, fr.compare_table(reports))
         sections.append(f"## {Path(args.model).name}, {step}: policies compared\n\n{table}")

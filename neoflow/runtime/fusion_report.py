@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +44,7 @@ class PolicyReport:
     rows: tuple[KernelRow, ...]
     step_seconds: float
     target: str
+    notes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def bytes(self) -> float:
@@ -111,7 +112,8 @@ def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5
             )
         )
     step = time_step(executor, feed, repeats)
-    return PolicyReport(plan.policy, "training step" if training else "inference", tuple(rows), step, model.target)
+    step_name = "training step" if training else "inference"
+    return PolicyReport(plan.policy, step_name, tuple(rows), step, model.target, dict(plan.notes))
 
 
 # ----------------------------------------------------------------- rendering
