@@ -132,8 +132,8 @@ def ranking(repeats: int) -> tuple[float, int]:
                 predicted.append(row.predicted)
                 measured.append(row.measured)
     for policy in ("none", "neoflow"):
+        model = four_op(policy)
         for training in (False, True):
-            model = four_op(policy)
             for row in fusion_report(model, training, repeats=repeats).rows:
                 predicted.append(row.predicted)
                 measured.append(row.measured)

@@ -126,7 +126,7 @@ def test_compile_with_a_fusion_policy_records_it_and_reloads_with_it(tmp_path: P
     assert json.loads((build / "manifest.json").read_text())["fusion"] == "elementwise"
     model = neoflow.load(build)
     assert model._train.fusion_plan.policy == "elementwise"
-    assert len(model._train.fusion_plan.kernels) < len(model._train.source_graph.ops)
+    assert len(model._train.fusion_plan.kernels) < len(model._train.planned_graph.ops)
     assert main(["compile", str(MODELS / "mlp.onnx"), "--fusion", "nope", "-o", str(tmp_path / "bad")]) == 1
     err = capsys.readouterr().err
     assert "unknown fusion policy 'nope'" in err and err.count("\n") == 1

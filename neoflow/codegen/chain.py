@@ -20,10 +20,9 @@ transposed (``C^T = B^T A^T``, ``E^T = D^T C^T``) so that the first one writes
 its 6 x 16 results straight into the layout the second one streams: the tile
 buffer is never reshuffled.  ``B`` and ``D`` are packed once for all blocks.
 
-``TM`` and ``TL`` minimise the chain's data movement volume (Chimera's
-analysis: with this order ``A`` is read ``ceil(L/TL)`` times less often than
-... see ``data_movement``) under the constraint that every block the inner
-loops touch fits in the cache (``choose_tiles``).
+``TM`` and ``TL`` minimise the chain's data movement volume for this order
+(Chimera's analysis, ``data_movement``) under the constraint that every block
+the inner loops touch fits in the cache (``choose_tiles``).
 """
 
 from __future__ import annotations
@@ -33,13 +32,13 @@ import os
 from dataclasses import dataclass
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, linear_index
-from neoflow.codegen.gemm import MR, NR
+from neoflow.codegen.gemm import MR, NR, round_up
 from neoflow.codegen.hardware import AVX2
 from neoflow.ir.expr import Binary, Expr, Reduce, index_variables
 from neoflow.ir.op import Op
 
 #: The per-core cache the tiles must fit (bytes): this CPU's L2.
-CACHE_BYTES = next(scope.capacity for scope in AVX2.scopes if scope.name == "L2")
+CACHE_BYTES = AVX2.scope("L2").capacity
 #: Below this many multiply-adds a chain is left to the plain loop nest.
 MIN_MACS = 1 << 18
 
@@ -100,9 +99,9 @@ def choose_tiles(
     Chimera's Lagrange-multiplier one; over these few discrete candidates an
     exhaustive search finds its exact optimum."""
     capacity = cache_bytes // 4
-    rows = _round(m, NR)
-    columns = _round(middle, MR)
-    most_m = max(NR, _round(math.ceil(rows / (2 * threads)), NR))
+    rows = round_up(m, NR)
+    columns = round_up(middle, MR)
+    most_m = max(NR, round_up(math.ceil(rows / (2 * threads)), NR))
     best: tuple[float, int, int] | None = None
     for tile_m in range(NR, min(rows, most_m) + 1, NR):
         blocks = math.ceil(rows / tile_m)
@@ -117,10 +116,6 @@ def choose_tiles(
     if best is None:
         return NR, MR
     return best[2], best[3]
-
-
-def _round(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def chain_plan(op: Op, threads: int | None = None) -> ChainPlan | None:
@@ -170,7 +165,7 @@ def chain_cycles(plan: ChainPlan) -> float:
     depth step plus about 30 to start and store), packing (2 cycles an element)
     and summing the second product's partial results, on padded sizes."""
     m, n, middle, k = plan.extents
-    rows, cols, width = _round(m, NR), _round(n, MR), _round(middle, MR)
+    rows, cols, width = round_up(m, NR), round_up(n, MR), round_up(middle, MR)
     first = (width / MR) * (rows / NR) * (6.0 * k + 30)
     tiles = math.ceil(width / plan.tile_l)
     second = (cols / MR) * (rows / NR) * (6.0 * width + tiles * (30 + 96))
@@ -189,7 +184,7 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     value_d = printer(plan.factor_d, "float32")
     i, n, mid, k = plan.row, plan.col, plan.middle, plan.depth
     m_size, n_size, l_size, k_size = plan.extents
-    padded_m, padded_n, padded_l = _round(m_size, NR), _round(n_size, MR), _round(l_size, MR)
+    padded_m, padded_n, padded_l = round_up(m_size, NR), round_up(n_size, MR), round_up(l_size, MR)
     tm, tl = plan.tile_m, plan.tile_l
     target = linear_index([f"v_{v}" for v in op.indices], op.shape)
     params = "".join(f", const float *restrict in{j}" for j in range(len(op.inputs)))
@@ -197,8 +192,8 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     /* {plan.describe()} */
     enum {{ M = {m_size}, N = {n_size}, L = {l_size}, K = {k_size} }};
     enum {{ MP = {padded_m}, NP = {padded_n}, LP = {padded_l}, TM = {tm}, TL = {tl} }};
-    float *bt = (float *)aligned_alloc(64, sizeof(float) * {_round(padded_l * k_size, 16)});  /* B^T: [l/6][k][6] */
-    float *dt = (float *)aligned_alloc(64, sizeof(float) * {_round(padded_n * padded_l, 16)});  /* D^T: [n/6][l][6] */
+    float *bt = (float *)aligned_alloc(64, sizeof(float) * {round_up(padded_l * k_size, 16)});  /* B^T: [l/6][k][6] */
+    float *dt = (float *)aligned_alloc(64, sizeof(float) * {round_up(padded_n * padded_l, 16)});  /* D^T: [n/6][l][6] */
     #pragma omp parallel for
     for (int64_t lp = 0; lp < LP; ++lp)
         for (int64_t kp = 0; kp < K; ++kp) {{
@@ -216,9 +211,9 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     #pragma omp parallel
     {{
         /* per thread: A^T block [i/16][k][16], the tile buffer C^T [i/16][l][16], E^T block [i/16][n][16] */
-        float *at = (float *)aligned_alloc(64, sizeof(float) * {_round(tm * k_size, 16)});
-        float *ct = (float *)aligned_alloc(64, sizeof(float) * {_round(tm * tl, 16)});
-        float *et = (float *)aligned_alloc(64, sizeof(float) * {_round(tm * padded_n, 16)});
+        float *at = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * k_size, 16)});
+        float *ct = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * tl, 16)});
+        float *et = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * padded_n, 16)});
         float part[96] __attribute__((aligned(64)));
         #pragma omp for schedule(dynamic)
         for (int64_t m0 = 0; m0 < MP; m0 += TM) {{

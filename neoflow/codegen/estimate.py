@@ -66,18 +66,12 @@ def _contiguous(op: Op, variable: str) -> bool:
     """Whether a step of ``variable`` moves every read and the write of ``op`` by
     zero or one element: a loop over it then runs in vector lanes, without gathers."""
     symbol = index.var(variable)
-    accesses = [(read.indices, shape) for read, shape in _reads(op)]
+    shapes = {t.name: t.shape for t in op.inputs}
+    accesses = [(n.indices, shapes[n.tensor]) for n in op.body.walk() if isinstance(n, Read) and n.tensor in shapes]
     if op.scatter is None:
         accesses.append((tuple(index.var(v) for v in op.indices), op.shape))
     for indices, shape in accesses:
-        linear = sympy.expand(sum((e * math.prod(shape[d + 1 :]) for d, e in enumerate(indices)), sympy.Integer(0)))
-        if not linear.is_polynomial(symbol) or sympy.degree(linear, symbol) > 1:
-            return False
-        if linear.coeff(symbol) not in (0, 1):
+        linear = index.flat_offset(indices, shape)
+        if not linear.is_polynomial(symbol) or sympy.degree(linear, symbol) > 1 or linear.coeff(symbol) not in (0, 1):
             return False
     return True
-
-
-def _reads(op: Op) -> list[tuple[Read, tuple[int, ...]]]:
-    shapes = {t.name: t.shape for t in op.inputs}
-    return [(node, shapes[node.tensor]) for node in op.body.walk() if isinstance(node, Read) and node.tensor in shapes]

@@ -24,13 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import sympy
-
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
+from neoflow.ir.index import flat_offset, var
 from neoflow.ir.op import Op
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
@@ -199,9 +198,9 @@ def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
     groups = dict(mapping.axes)
     m, n, k = (math.prod(extent[v] for v in groups[a]) for a in ("i", "j", "k"))
     batches = math.prod(extent[v] for v in mapping.outer)
-    compute = _round(m, MR) * _round(n, NR) * k / (MR * NR) * 6.0
-    pack_b = k * _round(n, NR) * (2 + len(groups["j"]) + len(groups["k"]))
-    pack_a = -(-n // NC) * _round(m, MR) * k * (2 + len(groups["i"]) + len(groups["k"]))
+    compute = round_up(m, MR) * round_up(n, NR) * k / (MR * NR) * 6.0
+    pack_b = k * round_up(n, NR) * (2 + len(groups["j"]) + len(groups["k"]))
+    pack_a = -(-n // NC) * round_up(m, MR) * k * (2 + len(groups["i"]) + len(groups["k"]))
     write_back = m * n * -(-k // KC) * 1.5
     return batches * (compute + pack_a + pack_b + write_back)
 
@@ -337,7 +336,9 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         if epilogue is not None:
             epilogue_term = f""" {_lookup("row", "i", rows)} {_lookup("col", "jc + j", cols)}
                     {{ const float acc_ = sum; sum = (float)({finish(epilogue, "float32")}); }}"""
-        split = _depth_split_code(tables, (m, n, k), batch, offset(batch), pack_a, pack_b("0", b_outer), epilogue_term)
+        split = _depth_split_code(
+            tables, (m, n, k), batch, batches, offset(batch), pack_a, pack_b("0", b_outer), epilogue_term
+        )
         return packers, split
     # the b block is packed by every thread, each a slice of the packer's outer loop
     pack_b_shared = "for (int64_t part = 0; part < threads_; ++part)\n                        " + pack_b(
@@ -347,7 +348,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         packers,
         f"""
         {tables}
-        float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, _round(n, NR))});
+        float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, round_up(n, NR))});
         char *contiguous = (char *)malloc({-(-min(NC, n) // NR)});
         /* row blocks: a multiple of the thread count when there are enough rows, otherwise
            the column strips are shared out too */
@@ -377,7 +378,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                     {pack_b_shared}
                     #pragma omp parallel
                     {{
-                        float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(MC, MR)});
+                        float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {round_up(MC, MR)});
                         float tile[{MR * NR}] __attribute__((aligned(64)));
                         #pragma omp for schedule(dynamic)
                         for (int64_t task = 0; task < mblocks * jparts; ++task) {{
@@ -460,20 +461,19 @@ def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], s
     """Whether the last variable of ``first`` moves the read of ``factor`` less in
     memory than the last variable of ``second`` (so it should be the inner loop)."""
     read = next(n for n in factor.walk() if isinstance(n, Read))
-    shape = tensors[read.tensor].shape
-    linear = sum((expr * math.prod(shape[d + 1 :]) for d, expr in enumerate(read.indices)), sympy.Integer(0))
-    linear = sympy.expand(linear)
+    linear = flat_offset(read.indices, tensors[read.tensor].shape)
 
     def step(group: list[tuple[str, int]]) -> float:
         if not group:
             return math.inf
-        coefficient = linear.coeff(sympy.Symbol(group[-1][0], integer=True))
+        coefficient = linear.coeff(var(group[-1][0]))
         return abs(float(coefficient)) if coefficient.is_number and coefficient != 0 else math.inf
 
     return step(first) < step(second)
 
 
-def _round(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
 
 
@@ -493,6 +493,7 @@ def _depth_split_code(
     tables: str,
     sizes: tuple[int, int, int],
     batch: list[tuple[str, int]],
+    batches: int,
     batch_offset: str,
     pack_a: str,
     pack_b: str,
@@ -506,7 +507,7 @@ def _depth_split_code(
         {tables}
         const int64_t width_ = {min(NC, n)};
         float *partial = (float *)malloc(sizeof(float) * threads_ * {m} * width_);
-        for (int64_t batch_ = 0; batch_ < {_batch_count(batch)}; ++batch_) {{
+        for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
             {unflatten_index("batch_", batch)}
             float *restrict to_batch = outp + {batch_offset};
             for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
@@ -520,8 +521,8 @@ def _depth_split_code(
 #else
                     const int64_t me = 0, team = 1;
 #endif
-                    float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(MC, MR)});
-                    float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {_round(min(NC, n), NR)});
+                    float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {round_up(MC, MR)});
+                    float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {round_up(min(NC, n), NR)});
                     float tile[{MR * NR}] __attribute__((aligned(64)));
                     float *mine = partial + me * {m} * width_;
                     const int64_t blocks = {-(-k // KC)};
@@ -557,8 +558,3 @@ def _depth_split_code(
         }}
         free(partial);
         {_FREE_TABLES}"""
-
-
-def _batch_count(batch: list[tuple[str, int]]) -> int:
-    """The number of batch points (1 without batch variables)."""
-    return math.prod(e for _, e in batch)

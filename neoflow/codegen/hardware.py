@@ -95,6 +95,13 @@ class Hardware:
     notes: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 
+    def scope(self, name: str) -> MemoryScope:
+        """The memory scope called ``name``."""
+        for item in self.scopes:
+            if item.name == name:
+                return item
+        raise KeyError(f"{self.name} has no memory scope '{name}' ({', '.join(s.name for s in self.scopes)})")
+
     def intrinsic(self, name: str) -> Intrinsic:
         """The intrinsic called ``name``."""
         for item in self.intrinsics:

@@ -209,10 +209,12 @@ def _simplify(state: _State) -> tuple[_State, bool]:
     return replace(state, reduce=Reduce(reduce.kind, reduce.axes, reduce.extents, reduce.body, where)), no_points
 
 
-def split_lattice(op: Op) -> list[Piece] | None:
+@lru_cache(maxsize=1024)
+def split_lattice(op: Op) -> tuple[Piece, ...] | None:
     """``op``'s domain as dense pieces (one piece, the op itself, when its reduction
     has no lattice condition); None when a lattice condition has no variable with
-    a coefficient coprime to its modulus to split on, or too many pieces would result."""
+    a coefficient coprime to its modulus to split on, or too many pieces would result.
+    Cached: the blocked kernel's planner, the lowering and the cost model all ask."""
     parts = split_epilogue(op.body, op)
     if parts is None:
         return None
@@ -267,4 +269,4 @@ def split_lattice(op: Op) -> list[Piece] | None:
         ranges = tuple((v, state.extent[v]) for v in (*state.indices, *axes))
         piece_op = Op(Tensor(op.name, shape, op.dtype), tuple(state.indices), body, op.inputs, ranges)
         pieces.append(Piece(piece_op, state.strides, state.base, empty))
-    return pieces
+    return tuple(pieces)

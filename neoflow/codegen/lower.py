@@ -22,7 +22,7 @@ AST generator prints the loops.  Statements are C macros the loops call.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -345,7 +345,7 @@ class Lowering:
         return self.sums.get(name) if text.endswith(");") and text.count(";") == 1 else None
 
 
-def lower_pieces(op: Op, pieces: list[Piece], name: str) -> str:
+def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
     """The C function ``name`` computing ``op`` piece by piece (``lattice.split_lattice``):
     each dense piece is a plain loop nest (``name_p<k>``) into a contiguous buffer,
     scattered to its strided slice of the output; empty pieces zero theirs."""

@@ -67,6 +67,15 @@ def must_store(graph: Graph, keep: Collection[str] = ()) -> set[str]:
     return set(graph.outputs) | set(keep) | set(graph.state_updates.values())
 
 
+def holders(groups: Iterable[Collection[str]]) -> dict[str, list[int]]:
+    """For each op name, the positions of the groups holding it (in order)."""
+    found: dict[str, list[int]] = {}
+    for k, group in enumerate(groups):
+        for name in group:
+            found.setdefault(name, []).append(k)
+    return found
+
+
 class Grouping:
     """The rule that turns groups of op names into kernels, with what it needs
     about ``graph`` computed once (policies call it for many candidate groupings).
@@ -96,19 +105,16 @@ class Grouping:
     def kernels(self, groups: list[frozenset[str]], which: Iterable[int] | None = None) -> list[Kernel]:
         """The kernels of ``groups`` (of those at positions ``which``), each
         listing its ops in graph order; empty groups give no kernel."""
-        holders: dict[str, list[int]] = {}
-        for k, group in enumerate(groups):
-            for name in group:
-                holders.setdefault(name, []).append(k)
+        where = holders(groups)
         result = []
         for k in range(len(groups)) if which is None else which:
             materialized = {
                 name
                 for name in groups[k]
-                if holders[name][0] == k
+                if where[name][0] == k
                 and (
                     name in self.always
-                    or any(name not in groups[j] for r in self.readers.get(name, ()) for j in holders[r])
+                    or any(name not in groups[j] for r in self.readers.get(name, ()) for j in where[r])
                 )
             }
             members = set(groups[k])

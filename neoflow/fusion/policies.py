@@ -17,7 +17,7 @@ from neoflow.errors import CompileError
 from neoflow.fusion.cost import CostModel
 from neoflow.fusion.inline import inline, why_not_inlined
 from neoflow.fusion.patterns import HEAVY, LIGHT, is_epilogue, kind
-from neoflow.fusion.plan import FusionPlan, Grouping, Kernel, must_store, plan_from_groups, unfused
+from neoflow.fusion.plan import FusionPlan, Grouping, Kernel, holders, must_store, plan_from_groups, unfused
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 
@@ -29,7 +29,7 @@ class FusionPolicy:
     name = "policy"
 
     def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define plan(graph, cost_model)")
 
 
 class NoFusion(FusionPolicy):
@@ -175,17 +175,13 @@ def _holding(groups: list[frozenset[str]], names: set[str]) -> list[int]:
 
 def _cyclic(groups: list[frozenset[str]], readers: dict[str, list[str]]) -> bool:
     """Whether the groups' read dependencies form a cycle."""
-    holders: dict[str, set[int]] = {}
-    for k, group in enumerate(groups):
-        for name in group:
-            holders.setdefault(name, set()).add(k)
+    where = holders(groups)
     successors: list[set[int]] = [set() for _ in groups]
-    for name, found in holders.items():
-        source = min(found)
+    for name, found in where.items():
         for reader in readers.get(name, ()):
-            for k in holders[reader]:
+            for k in where[reader]:
                 if k not in found:
-                    successors[source].add(k)
+                    successors[found[0]].add(k)
     state = [0] * len(groups)
     for start in range(len(groups)):
         if state[start]:
@@ -219,19 +215,16 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
     """Candidate moves: merge the groups at the two ends of an edge, recompute
     a light producer inside one reader's group, or inside every reader's group
     (then it is stored nowhere unless it must be kept)."""
-    holders: dict[str, list[int]] = {}
-    for k, group in enumerate(groups):
-        for name in group:
-            holders.setdefault(name, []).append(k)
+    where = holders(groups)
     seen = set()
     for op in graph.ops:
         for name in op.input_names:
             if name not in ops:
                 continue
-            for b in holders[op.name]:
+            for b in where[op.name]:
                 if name in groups[b]:
                     continue
-                a = holders[name][0]
+                a = where[name][0]
                 if (a, b) not in seen:
                     seen.add((a, b))
                     yield frozenset((a, b)), (groups[a] | groups[b],)
@@ -242,7 +235,7 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
         if kind(op) != LIGHT or op.name in stored:
             continue
         readers = {k for k, g in enumerate(groups) if any(op.name in ops[r].input_names for r in g)}
-        home = set(holders[op.name])
+        home = set(where[op.name])
         if not readers or readers <= home:
             continue
         changed = sorted(readers | home)

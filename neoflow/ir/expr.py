@@ -13,7 +13,7 @@ from functools import cached_property
 
 import sympy
 
-from neoflow.ir import dtypes
+from neoflow.ir import dtypes, index
 from neoflow.ir.dtypes import WEAK_FLOAT, WEAK_INT
 
 UNARY_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "sigmoid", "abs", "erf")
@@ -239,8 +239,8 @@ def index_variables(node: Expr) -> set[str]:
     names: set[str] = set()
     for item in node.walk():
         if isinstance(item, Index):
-            names |= {str(symbol) for symbol in item.expr.free_symbols}
+            names |= index.variables(item.expr)
         elif isinstance(item, Read):
             for expr in item.indices:
-                names |= {str(symbol) for symbol in expr.free_symbols}
+                names |= index.variables(expr)
     return names

@@ -11,7 +11,7 @@ text language.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 
 import numpy as np
@@ -30,6 +30,12 @@ def var(name: str) -> sympy.Symbol:
 def index_vars(rank: int, prefix: str = "i") -> list[str]:
     """``i0, i1, ...``: index variable names for a tensor of ``rank`` dimensions."""
     return [f"{prefix}{d}" for d in range(rank)]
+
+
+def flat_offset(indices: Sequence[IndexExpr], shape: Sequence[int]) -> sympy.Expr:
+    """The row-major element offset of ``indices`` into a tensor of ``shape`` (expanded)."""
+    terms = (expr * math.prod(shape[d + 1 :]) for d, expr in enumerate(indices))
+    return sympy.expand(sum(terms, sympy.Integer(0)))
 
 
 def const(value: int) -> sympy.Integer:

@@ -222,16 +222,16 @@ class CompiledModel:
         """Random values for every input ``run`` (or, with ``training``,
         ``train_step``: labels included) needs, by name: what timing a step takes."""
         rng = np.random.default_rng(seed)
-        if training:
-            spec = self._require_training()
-            tensors = list(spec.data_inputs)
+        step = self._require_training() if training else None
+        if step is not None:
+            tensors = list(step.data_inputs)
         else:
-            spec = None
             tensors = [t for t in self.inference.free_inputs if t.name not in self._values]
+        # integer data inputs (indices, masks) get 0 or 1: in range for any tensor they index
         batch = {self.public_name(t.name): _random(rng, t.shape, t.dtype, 2) for t in tensors}
-        if spec is not None and spec.labels is not None:
-            classes = spec.graph.tensors[spec.prediction].shape[-1]
-            batch[self.spec.labels] = _random(rng, spec.labels.shape, spec.labels.dtype, classes)
+        if step is not None and step.labels is not None:
+            classes = step.graph.tensors[step.prediction].shape[-1]
+            batch[self.spec.labels] = _random(rng, step.labels.shape, step.labels.dtype, classes)
         return batch
 
     def executor_and_feed(self, batch: Mapping[str, np.ndarray], training: bool = False) -> tuple[object, dict]:

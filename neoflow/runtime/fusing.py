@@ -37,12 +37,11 @@ def planning_graph(graph: Graph, keep: Collection[str]) -> Graph:
     return dataclasses.replace(graph, outputs=outputs)
 
 
-def plan_for(graph: Graph, keep: Collection[str], fusion: str | FusionPolicy, model: CostModel) -> FusionPlan:
-    """The plan ``fusion`` makes for ``graph`` (checked with ``validate``)."""
+def plan_for(graph: Graph, fusion: str | FusionPolicy, model: CostModel) -> FusionPlan:
+    """The plan ``fusion`` makes for ``graph`` (a ``planning_graph``; checked with ``validate``)."""
     policy = load_policy(fusion)
-    target = planning_graph(graph, keep)
-    plan = policy.plan(target, model)
-    validate(plan, target)
+    plan = policy.plan(graph, model)
+    validate(plan, graph)
     if not plan.policy:
         plan = dataclasses.replace(plan, policy=getattr(policy, "name", type(policy).__name__))
     return plan
@@ -50,13 +49,15 @@ def plan_for(graph: Graph, keep: Collection[str], fusion: str | FusionPolicy, mo
 
 def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str | FusionPolicy = DEFAULT_POLICY):
     """An executor of ``target`` running ``graph`` fused by policy ``fusion``;
-    it carries ``fusion_plan``, ``kernel_groups`` and ``cost_model``."""
+    it carries ``fusion_plan``, the ``planned_graph`` it was made for (``graph``
+    with ``keep`` among its outputs), ``kernel_groups`` and ``cost_model``."""
     model = cost_model(target)
-    plan = plan_for(graph, keep, fusion, model)
-    fused, groups = apply_plan(planning_graph(graph, keep), plan)
+    planned = planning_graph(graph, keep)
+    plan = plan_for(planned, fusion, model)
+    fused, groups = apply_plan(planned, plan)
     executor = EXECUTORS[target](fused, keep)
     executor.fusion_plan = plan
     executor.kernel_groups = groups
-    executor.source_graph = graph
+    executor.planned_graph = planned
     executor.cost_model = model
     return executor

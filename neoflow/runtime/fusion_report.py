@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from neoflow.runtime.fusing import planning_graph
-
 if TYPE_CHECKING:
     from neoflow.runtime.compiled import CompiledModel
 
@@ -67,24 +65,24 @@ def time_ops(executor, feed: Mapping[str, np.ndarray], repeats: int = 5) -> dict
     values = dict(feed)
     seconds = {}
     for op in executor.graph.ops:
-        times = []
-        for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            values[op.name] = executor.run_op(op, values)
-            times.append(time.perf_counter() - start)
-        seconds[op.name] = statistics.median(times)
+        seconds[op.name], values[op.name] = _median_seconds(lambda op=op: executor.run_op(op, values), repeats)
     return seconds
 
 
 def time_step(executor, feed: Mapping[str, np.ndarray], repeats: int = 5) -> float:
     """Median seconds of one whole run of ``executor`` on ``feed`` (after one warm-up run)."""
     executor.run(feed)
-    times = []
+    return _median_seconds(lambda: executor.run(feed), repeats)[0]
+
+
+def _median_seconds(run: Callable[[], object], repeats: int) -> tuple[float, object]:
+    """The median seconds of ``repeats`` calls of ``run`` (at least one), and what the last returned."""
+    times, result = [], None
     for _ in range(max(1, repeats)):
         start = time.perf_counter()
-        executor.run(feed)
+        result = run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), result
 
 
 def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5, seed: int = 0) -> PolicyReport:
@@ -92,9 +90,8 @@ def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5
     the policy it was compiled with."""
     executor, feed = model.executor_and_feed(model.example_batch(training, seed), training)
     plan = executor.fusion_plan
-    source = executor.source_graph
     costs = executor.cost_model
-    graph = planning_graph(source, executor.keep)
+    graph = executor.planned_graph
     measured = time_ops(executor, feed, repeats)
     rows = []
     for kernel, group in zip(plan.kernels, executor.kernel_groups, strict=True):

@@ -1,5 +1,6 @@
-"""Measures the machine for the fusion cost model: FMA peak, a plain loop's rate,
-memory bandwidth and the cost of one kernel call, with generated C.
+"""Measures the machine for the fusion cost model with generated C: FMA peak, a
+scalar and a vectorised loop's rates, bandwidth from memory and from the
+last-level cache, and the cost of one kernel call.
 
 Measured once per machine, compiler and thread count; the figures are cached
 as JSON beside the compiled kernels."""
@@ -80,8 +81,8 @@ void nf_empty(float *out) { out[0] = 0; }
 
 
 def _last_level_cache() -> float:
-    """The largest data cache's size in bytes (the code generator's hardware description)."""
-    return float(max(scope.capacity for scope in AVX2.scopes if scope.name.startswith("L")))
+    """The last-level cache's size in bytes (the code generator's hardware description)."""
+    return float(AVX2.scope("L3").capacity)
 
 
 @cache

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.gemm import gemm_plan as gemm_mapping
+from neoflow.codegen.gemm import gemm_plan
 from tests.targets import NEEDS_CC
 
 pytestmark = NEEDS_CC
@@ -68,7 +68,7 @@ def test_blocked_kernel_matches_the_interpreter(case: str) -> None:
     text, shapes = CASES[case]
     out_shape = shapes.pop("Y", None)
     op = neoflow.op(text, shapes=shapes, out_shape=out_shape)
-    assert gemm_mapping(op) is not None, "the op should take the blocked kernel"
+    assert gemm_plan(op) is not None, "the op should take the blocked kernel"
     rng = np.random.default_rng(0)
     inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
     expected = neoflow.evaluate(op, inputs)
@@ -84,7 +84,7 @@ def test_small_non_float32_and_unfoldable_conditions_use_the_generic_loops() -> 
     masked = neoflow.op(
         "C[i, j] = ReduceAdd({k | i + j < 64}, A[i, k] * B[k, j])", shapes={"A": (64, 64), "B": (64, 64)}
     )
-    assert gemm_mapping(small) is None and gemm_mapping(double) is None and gemm_mapping(masked) is None
+    assert gemm_plan(small) is None and gemm_plan(double) is None and gemm_plan(masked) is None
 
 
 def test_parity_domains_with_few_columns_keep_the_exact_loops() -> None:
@@ -94,8 +94,8 @@ def test_parity_domains_with_few_columns_keep_the_exact_loops() -> None:
         "D[n, k, p, q] = ReduceAdd({r, s}, B[n, c, p*2+r*2, q*2+s*2] * C[k, c, r, s])",
         shapes={"B": (1, 3, 68, 68), "C": (64, 3, 3, 3)},
     )
-    assert gemm_mapping(op) is not None
-    assert gemm_mapping(neoflow.grad(op)["B"]) is None
+    assert gemm_plan(op) is not None
+    assert gemm_plan(neoflow.grad(op)["B"]) is None
 
 
 def test_weight_gradients_share_out_the_reduction() -> None:
@@ -108,8 +108,6 @@ def test_weight_gradients_share_out_the_reduction() -> None:
 
 
 def test_a_strided_adjoint_runs_the_blocked_kernel_on_each_dense_piece() -> None:
-    from neoflow.codegen.gemm import gemm_plan
-
     op = neoflow.op(
         "Y[n, k, p, q] = ReduceAdd({c, r, s}, X[n, c, 2*p + r, 2*q + s] * W[k, c, r, s])",
         shapes={"X": (2, 32, 33, 33), "W": (32, 32, 3, 3)},
