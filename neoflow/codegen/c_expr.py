@@ -273,3 +273,14 @@ class ValuePrinter:
             raise CompileError(f"operator '{node.op}' has no C form")
         result = "bool" if node.dtype == "bool" else operand
         return cast(text, result, node.dtype)
+
+
+def unflatten_index(flat: str, variables: list[tuple[str, int]]) -> str:
+    """C declaring ``v_<name>`` for each variable from a row-major flat index."""
+    if not variables:
+        return ""
+    lines = [f"int64_t rest_ = {flat};"]
+    for name, extent in reversed(variables[1:]):
+        lines.append(f"const int64_t v_{name} = rest_ % {extent}; rest_ /= {extent};")
+    lines.append(f"const int64_t v_{variables[0][0]} = rest_;")
+    return " ".join(lines)

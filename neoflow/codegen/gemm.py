@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter
+from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, unflatten_index
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
+from neoflow.codegen.packing import affine_operand, affine_packer, free_tables, operand_tables
 from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
 from neoflow.ir.index import flat_offset, var
@@ -85,6 +86,25 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
     memcpy(c, acc, sizeof(acc));
 }
 #endif
+/* the 6 x 16 product written (or, with accumulate, added) straight into rows of c that are
+   ldc floats apart, each row's 16 columns contiguous; the rows are fetched while it computes */
+static inline void nf_micro_6x16_to(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
+                                    int64_t ldc, int accumulate) {
+    float tile[96] __attribute__((aligned(64)));
+    for (int r = 0; r < 6; ++r) {
+        __builtin_prefetch(c + r * ldc, 1);
+        __builtin_prefetch(c + r * ldc + 15, 1);
+    }
+    nf_micro_6x16(kc, a, b, tile);
+    for (int r = 0; r < 6; ++r) {
+        float *restrict row = c + r * ldc;
+        const float *restrict from = tile + r * 16;
+        if (accumulate)
+            for (int j = 0; j < 16; ++j) row[j] += from[j];
+        else
+            for (int j = 0; j < 16; ++j) row[j] = from[j];
+    }
+}
 """
 
 
@@ -205,17 +225,6 @@ def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
     return batches * (compute + pack_a + pack_b + write_back)
 
 
-def unflatten_index(flat: str, variables: list[tuple[str, int]]) -> str:
-    """C declaring ``v_<name>`` for each variable from a row-major flat index."""
-    if not variables:
-        return ""
-    lines = [f"int64_t rest_ = {flat};"]
-    for name, extent in reversed(variables[1:]):
-        lines.append(f"const int64_t v_{name} = rest_ % {extent}; rest_ /= {extent};")
-    lines.append(f"const int64_t v_{variables[0][0]} = rest_;")
-    return " ".join(lines)
-
-
 def _table(name: str, variables: list[tuple[str, int]], offset: str | None) -> str:
     """C filling ``<name>_tab`` (the value of each variable at every flat index of
     the group, interleaved) and, given an offset expression, ``<name>_off``."""
@@ -295,7 +304,10 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
 
     epilogue_loop = ""
     if epilogue is not None:
-        epilogue_loop = f"""if (last_) {{
+        epilogue_loop = f"""
+                                    if (last_)
+                                        for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
+                                            float *to = to_batch + row_off[ic + ir + ii];
                                             {_lookup("row", "ic + ir + ii", rows)}
                                             for (int64_t jj = 0; jj < width; ++jj) {{
                                                 {_lookup("col", "jc + jr + jj", cols)}
@@ -308,28 +320,51 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     arguments = "".join(f", in{i}" for i in range(len(op.inputs))) + "".join(f", v_{v}" for v, _ in batch)
     a_inner = _inner_is_first(factor_a, tensors, rows, depth)
     b_inner = _inner_is_first(factor_b, tensors, cols, depth)
-    packers = "\n".join(
-        [
-            _packer(f"{prefix}_pack_a", MR, rows, value_a, depth, a_inner, params),
-            _packer(f"{prefix}_pack_b", NR, cols, value_b, depth, b_inner, params),
-        ]
-    )
+    shapes = {t.name: t.shape for t in op.inputs}
+    sides = []
+    for side, width, factor, value, group, inner in (
+        ("a", MR, factor_a, value_a, rows, a_inner),
+        ("b", NR, factor_b, value_b, cols, b_inner),
+    ):
+        name = f"{prefix}_pack_{side}"
+        affine = affine_operand(factor, shapes)
+        if affine is None:
+            generic_tables = "row_tab" if side == "a" else "col_tab"
+            sides.append(
+                (_packer(name, width, group, value, depth, inner, params), "", "", f"{generic_tables}, dep_tab")
+            )
+            continue
+        tensor = names[affine.tensor]
+        sides.append(
+            (
+                affine_packer(name, width, affine, tensor, batch, inner, params),
+                f"{operand_tables(f'{side}_side', affine, group, False)}\n        "
+                f"{operand_tables(f'{side}_dep', affine, depth, True)}",
+                f"{free_tables(f'{side}_side', affine)} {free_tables(f'{side}_dep', affine)}",
+                f"{side}_side, {side}_dep",
+            )
+        )
+    packers = "\n".join(code for code, _, _, _ in sides)
+    operand_setup = "\n        ".join(setup for _, setup, _, _ in sides if setup)
+    operand_free = " ".join(free for _, _, free, _ in sides if free)
+    a_tables, b_tables = (tables for _, _, _, tables in sides)
     b_outer = "kc" if b_inner else "nc"
 
     def pack_b(lo: str, hi: str) -> str:
         zero = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
-        return f"""{prefix}_pack_b(bpack, jc, nc, pc, kc, {lo}, {hi}, col_tab, dep_tab{arguments});
+        return f"""{prefix}_pack_b(bpack, jc, nc, pc, kc, {lo}, {hi}, {b_tables}{arguments});
                     for (int64_t j = nc; j < strips * {NR}; ++j)
                         for (int64_t p = 0; p < kc; ++p) {zero} = 0.0f;"""
 
     zero_a = f"apack[(i / {MR}) * {MR} * kc + p * {MR} + i % {MR}]"
-    pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {"kc" if a_inner else "mc"}, row_tab, dep_tab{arguments});
+    pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {"kc" if a_inner else "mc"}, {a_tables}{arguments});
                             for (int64_t i = mc; i < (mc + {MR - 1}) / {MR} * {MR}; ++i)
                                 for (int64_t p = 0; p < kc; ++p) {zero_a} = 0.0f;"""
     tables = f"""float *restrict outp = out + {piece.base};
         {_table("row", rows, offset(rows))}
         {_table("col", cols, offset(cols))}
         {_table("dep", depth, None)}
+        {operand_setup}
 {_THREADS}"""
     if _split_depth(m, n, k):
         epilogue_term = ""
@@ -337,7 +372,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             epilogue_term = f""" {_lookup("row", "i", rows)} {_lookup("col", "jc + j", cols)}
                     {{ const float acc_ = sum; sum = (float)({finish(epilogue, "float32")}); }}"""
         split = _depth_split_code(
-            tables, (m, n, k), batch, batches, offset(batch), pack_a, pack_b("0", b_outer), epilogue_term
+            tables, (m, n, k), batch, batches, offset(batch), pack_a, pack_b("0", b_outer), epilogue_term, operand_free
         )
         return packers, split
     # the b block is packed by every thread, each a slice of the packer's outer loop
@@ -348,6 +383,14 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         packers,
         f"""
         {tables}
+        /* the distance between the rows of each full strip of {MR} output rows, 0 where they are not evenly spaced */
+        int64_t *row_steps = (int64_t *)malloc(sizeof(int64_t) * {-(-m // MR)});
+        for (int64_t s = 0; s < {-(-m // MR)}; ++s) {{
+            int64_t step = s * {MR} + {MR} <= {m} ? row_off[s * {MR} + 1] - row_off[s * {MR}] : 0;
+            for (int64_t r = 2; step && r < {MR}; ++r)
+                if (row_off[s * {MR} + r] - row_off[s * {MR} + r - 1] != step) step = 0;
+            row_steps[s] = step;
+        }}
         float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, round_up(n, NR))});
         char *contiguous = (char *)malloc({-(-min(NC, n) // NR)});
         /* row blocks: a multiple of the thread count when there are enough rows, otherwise
@@ -391,25 +434,24 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                                 const int64_t width = nc - jr < {NR} ? nc - jr : {NR};
                                 const int dense = contiguous[jr / {NR}];
                                 for (int64_t ir = 0; ir < mc; ir += {MR}) {{
-                                    nf_micro_6x16(kc, apack + ir * kc, bpack + jr * kc, tile);
-                                    for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
-                                        const float *from = tile + ii * {NR};
-                                        float *to = to_batch + row_off[ic + ir + ii];
-                                        if (dense) {{
-                                            float *restrict run = to + col_off[jc + jr];
+                                    const int64_t row_step = row_steps[(ic + ir) / {MR}];
+                                    if (dense && row_step)
+                                        nf_micro_6x16_to(kc, apack + ir * kc, bpack + jr * kc,
+                                                         to_batch + row_off[ic + ir] + col_off[jc + jr],
+                                                         row_step, pc != 0);
+                                    else {{
+                                        nf_micro_6x16(kc, apack + ir * kc, bpack + jr * kc, tile);
+                                        for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
+                                            const float *from = tile + ii * {NR};
+                                            float *to = to_batch + row_off[ic + ir + ii];
                                             if (pc == 0)
-                                                for (int64_t jj = 0; jj < {NR}; ++jj) run[jj] = from[jj];
+                                                for (int64_t jj = 0; jj < width; ++jj)
+                                                    to[col_off[jc + jr + jj]] = from[jj];
                                             else
-                                                for (int64_t jj = 0; jj < {NR}; ++jj) run[jj] += from[jj];
-                                        }} else if (pc == 0) {{
-                                            for (int64_t jj = 0; jj < width; ++jj)
-                                                to[col_off[jc + jr + jj]] = from[jj];
-                                        }} else {{
-                                            for (int64_t jj = 0; jj < width; ++jj)
-                                                to[col_off[jc + jr + jj]] += from[jj];
+                                                for (int64_t jj = 0; jj < width; ++jj)
+                                                    to[col_off[jc + jr + jj]] += from[jj];
                                         }}
-                                        {epilogue_loop}
-                                    }}
+                                    }}{epilogue_loop}
                                 }}
                             }}
                         }}
@@ -420,7 +462,8 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         }}
         free(bpack);
         free(contiguous);
-        {_FREE_TABLES}""",
+        free(row_steps);
+        {_FREE_TABLES} {operand_free}""",
     )
 
 
@@ -498,10 +541,11 @@ def _depth_split_code(
     pack_a: str,
     pack_b: str,
     epilogue: str,
+    operand_free: str,
 ) -> str:
     """C for the blocked kernel with the ``KC`` blocks shared out among the threads: each
     accumulates its part of the sum in its own ``m x nc`` buffer, and the buffers are then
-    added up into the output (with the epilogue)."""
+    added up into the output (with the epilogue); ``operand_free`` releases the packers' tables."""
     m, n, k = sizes
     return f"""
         {tables}
@@ -557,4 +601,4 @@ def _depth_split_code(
             }}
         }}
         free(partial);
-        {_FREE_TABLES}"""
+        {_FREE_TABLES} {operand_free}"""

@@ -1,0 +1,234 @@
+"""Packers for the blocked kernel's operands that read through offset tables.
+
+The blocked kernel (``neoflow.codegen.gemm``) copies blocks of each operand into
+contiguous strips before the micro-kernel streams them.  When the operand is a
+read at an affine index, guarded by affine bounds (the padding of a convolution:
+``Select(0 <= p + r - 1 < 56 && ..., X[n, c, p + r - 1, q + s - 1], 0)``), every
+quantity the packer needs is a sum of a part that depends on the strip's side
+(the rows or the columns), a part that depends on the depth and a part that
+depends on the batch.  The side and depth parts are tabulated once per call; the
+packer then adds two table entries per quantity, compares each guarded
+quantity with its range in one unsigned comparison and reads the element,
+instead of decoding every index variable and evaluating the read expression at
+each element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from neoflow.codegen.c_expr import IndexPrinter, unflatten_index
+from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Select, conjuncts
+from neoflow.ir.index import flat_offset
+
+_FLIP = {">=": "<=", ">": "<", "<=": ">=", "<": ">"}
+
+
+@dataclass(frozen=True)
+class Range:
+    """``low <= linear <= high`` (either bound may be missing) for a linear index expression."""
+
+    linear: sympy.Expr
+    low: int | None
+    high: int | None
+
+
+@dataclass(frozen=True)
+class AffineOperand:
+    """An operand ``Select(guards, tensor[index], 0)`` whose flat offset and guards are affine."""
+
+    tensor: str
+    offset: sympy.Expr
+    ranges: tuple[Range, ...]
+
+    def quantities(self) -> list[sympy.Expr]:
+        """The tabulated quantities: the read's offset, then each range's expression
+        shifted so that its bound is zero (its low bound when it has one)."""
+        shifted = [r.linear - (r.low if r.low is not None else r.high) for r in self.ranges]
+        return [self.offset, *shifted]
+
+
+def affine_operand(factor: Expr, shapes: dict[str, tuple[int, ...]]) -> AffineOperand | None:
+    """``factor`` as an affine guarded read, or None when it is anything else (a prologue
+    computing values, a data-dependent index, a guard that is not a bound on an affine
+    index expression)."""
+    guards: list[Expr] = []
+    while isinstance(factor, Select):
+        if not (isinstance(factor.b, Const) and factor.b.value == 0):
+            return None
+        guards.extend(conjuncts(factor.cond))
+        factor = factor.a
+    if not isinstance(factor, Read) or factor.tensor_dtype != "float32":
+        return None
+    offset = sympy.expand(flat_offset(factor.indices, shapes[factor.tensor]))
+    if not _is_linear(offset):
+        return None
+    bounds: dict[sympy.Expr, list[int | None]] = {}
+    for guard in guards:
+        bound = _bound(guard)
+        if bound is None:
+            return None
+        linear, low, high = bound
+        entry = bounds.setdefault(linear, [None, None])
+        if low is not None:
+            entry[0] = low if entry[0] is None else max(entry[0], low)
+        if high is not None:
+            entry[1] = high if entry[1] is None else min(entry[1], high)
+    ranges = tuple(Range(linear, low, high) for linear, (low, high) in bounds.items())
+    return AffineOperand(factor.tensor, offset, ranges)
+
+
+def _is_linear(expr: sympy.Expr) -> bool:
+    """Whether ``expr`` is a sum of integer multiples of index variables and an integer."""
+    if expr.free_symbols and not all(s.is_Symbol for s in expr.free_symbols):
+        return False
+    try:
+        poly = sympy.Poly(expr, *sorted(expr.free_symbols, key=str)) if expr.free_symbols else None
+    except sympy.PolynomialError:
+        return False
+    if poly is None:
+        return expr.is_Integer
+    return poly.total_degree() <= 1 and all(c.is_Integer for c in poly.coeffs())
+
+
+def _bound(guard: Expr) -> tuple[sympy.Expr, int | None, int | None] | None:
+    """A guard ``a OP b`` (integer index expressions) as ``(linear, low, high)``:
+    ``low <= linear <= high`` with ``linear``'s constant term removed and its first
+    coefficient positive; None for any other condition."""
+    if not (isinstance(guard, Binary) and guard.op in _FLIP):
+        return None
+    sides = []
+    for side in (guard.a, guard.b):
+        if isinstance(side, Index):
+            sides.append(sympy.expand(side.expr))
+        elif isinstance(side, Const) and isinstance(side.value, int) and not isinstance(side.value, bool):
+            sides.append(sympy.Integer(side.value))
+        else:
+            return None
+    difference = sympy.expand(sides[0] - sides[1])  # difference OP 0
+    if not _is_linear(difference) or not difference.free_symbols:
+        return None
+    op = guard.op
+    constant = int(difference.as_coeff_Add()[0])
+    linear = difference - constant
+    first = sympy.Poly(linear, *sorted(linear.free_symbols, key=str)).coeffs()[0]
+    if first < 0:
+        linear, constant, op = -linear, -constant, _FLIP[op]
+    # linear + constant OP 0  <=>  linear OP -constant
+    limit = -constant
+    if op == ">=":
+        return linear, limit, None
+    if op == ">":
+        return linear, limit + 1, None
+    if op == "<=":
+        return linear, None, limit
+    return linear, None, limit - 1
+
+
+def part(expr: sympy.Expr, names: set[str], constant: bool) -> sympy.Expr:
+    """The terms of linear ``expr`` in the variables ``names`` (and its constant term
+    when ``constant``)."""
+    terms = sympy.Add.make_args(expr)
+    kept = [t for t in terms if t.free_symbols and {s.name for s in t.free_symbols} <= names]
+    if constant:
+        kept += [t for t in terms if not t.free_symbols]
+    return sympy.Add(*kept)
+
+
+def operand_tables(name: str, operand: AffineOperand, variables: list[tuple[str, int]], first_depth: bool) -> str:
+    """C allocating ``<name>[q]`` (one ``int64_t`` table per quantity of ``operand``) and
+    filling entry ``f`` with the part of each quantity in ``variables`` at their ``f``-th
+    point (row-major); the depth tables (``first_depth``) carry the constant terms."""
+    names = {v for v, _ in variables}
+    size = 1
+    for _, extent in variables:
+        size *= extent
+    printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
+    quantities = operand.quantities()
+    stores = " ".join(
+        f"{name}[{q}][f] = {printer(part(expr, names, first_depth))};" for q, expr in enumerate(quantities)
+    )
+    return (
+        f"int64_t *{name}[{len(quantities)}];\n        "
+        f"for (int q = 0; q < {len(quantities)}; ++q)\n"
+        f"            {name}[q] = (int64_t *)malloc(sizeof(int64_t) * {max(size, 1)});\n"
+        f"        for (int64_t f = 0; f < {size}; ++f) {{ {unflatten_index('f', variables)} {stores} }}"
+    )
+
+
+def free_tables(name: str, operand: AffineOperand) -> str:
+    """C freeing the tables of ``operand_tables``."""
+    return f"for (int q = 0; q < {len(operand.quantities())}; ++q) free({name}[q]);"
+
+
+def affine_packer(
+    name: str,
+    width: int,
+    operand: AffineOperand,
+    tensor_name: str,
+    batch: list[tuple[str, int]],
+    side_inner: bool,
+    params: str,
+) -> str:
+    """A C function with the generic packer's contract (``gemm._packer``) for an affine
+    operand: strips ``width`` wide of rows (or columns) ``[start, start + size)`` and
+    depth ``[pc, pc + kc)``, the outer loop over ``[lo, hi)``, reading through the side
+    tables ``side[q]`` and depth tables ``dep[q]`` of ``operand_tables``."""
+    printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
+    batch_names = {v for v, _ in batch}
+    quantities = operand.quantities()
+    bases = " ".join(
+        f"const int64_t base{q}_ = {printer(part(expr, batch_names, False))};" for q, expr in enumerate(quantities)
+    )
+
+    def element(side: str, depth: str) -> str:
+        """The packed value, with quantity ``q`` = ``side(q) + depth(q)``."""
+        checks = []
+        for q, r in enumerate(operand.ranges, start=1):
+            value = f"({side.format(q=q)} + {depth.format(q=q)})"
+            if r.low is not None and r.high is not None:
+                checks.append(f"(uint64_t){value} <= (uint64_t){r.high - r.low}")
+            elif r.low is not None:
+                checks.append(f"{value} >= 0")
+            else:
+                checks.append(f"{value} <= 0")
+        read = f"{tensor_name}[{side.format(q=0)} + {depth.format(q=0)}]"
+        return f"({' && '.join(checks)}) ? {read} : 0.0f" if checks else read
+
+    count = len(quantities)
+    header = f"""static NF_SCALAR void {name}(float *restrict buffer, int64_t start, int64_t size, int64_t pc,
+        int64_t kc, int64_t lo, int64_t hi, int64_t *const *side, int64_t *const *dep{params}) {{
+    {bases}"""
+    if side_inner:
+        depth_values = " ".join(f"const int64_t d{q}_ = dep[{q}][pc + p] + base{q}_;" for q in range(count))
+        sides = " ".join(f"const int64_t *restrict s{q}_ = side[{q}] + start;" for q in range(count))
+        return f"""{header}
+    {sides}
+    for (int64_t p = lo; p < hi; ++p) {{
+        {depth_values}
+        float *restrict row = buffer + p * {width};
+        for (int64_t s = 0; s < size; s += {width}) {{
+            float *restrict strip = row + s * kc;
+            const int64_t n = size - s < {width} ? size - s : {width};
+            for (int64_t ii = 0; ii < n; ++ii)
+                strip[ii] = {element("s{q}_[s + ii]", "d{q}_")};
+        }}
+    }}
+}}"""
+    side_values = " ".join(f"const int64_t s{q}_ = side[{q}][start + i] + base{q}_;" for q in range(count))
+    depths = " ".join(f"const int64_t *restrict d{q}_ = dep[{q}] + pc;" for q in range(count))
+    return f"""{header}
+    {depths}
+    for (int64_t i = lo; i < hi; ++i) {{
+        {side_values}
+        float *restrict column = buffer + (i / {width}) * {width} * kc + i % {width};
+        for (int64_t p = 0; p < kc; ++p)
+            column[p * {width}] = {element("s{q}_", "d{q}_[p]")};
+    }}
+}}"""
+
+
+def _no_data_reads(tensor: str, indices: object) -> str:
+    raise AssertionError(f"an affine operand has no data-dependent index (read of {tensor})")

@@ -1,0 +1,94 @@
+"""Operand packers that read through offset tables: which operands qualify, their ranges, and results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sympy
+
+import neoflow
+from neoflow.codegen.gemm import gemm_plan
+from neoflow.codegen.lower import lower_op
+from neoflow.codegen.packing import Range, affine_operand
+from neoflow.ir.expr import Binary
+from neoflow.ir.index import var
+from tests.targets import NEEDS_CC
+
+CONV = (
+    "Y[n, k, p, q] = ReduceAdd({c, r, s}, Select(p + r - 1 >= 0 && p + r - 1 < 9 && q + s - 1 >= 0 && "
+    "q + s - 1 < 9, X[n, c, p + r - 1, q + s - 1], 0) * W[k, c, r, s])"
+)
+CONV_SHAPES = {"X": (2, 16, 9, 9), "W": (32, 16, 3, 3), "Y": (2, 32, 9, 9)}
+
+
+def _op(text: str, shapes: dict) -> neoflow.Op:
+    """The op of ``text``; a ``Y`` entry of ``shapes`` is the output's shape."""
+    shapes = dict(shapes)
+    return neoflow.op(text, shapes=shapes, out_shape=shapes.pop("Y", None))
+
+
+def _factors(text: str, shapes: dict) -> tuple:
+    op = _op(text, shapes)
+    product = op.body.body
+    assert isinstance(product, Binary)
+    return product.a, product.b, {t.name: t.shape for t in op.inputs}
+
+
+def test_a_padded_read_becomes_an_offset_and_two_ranges() -> None:
+    padded, weight, shapes = _factors(CONV, CONV_SHAPES)
+    operand = affine_operand(padded, shapes)
+    p, q, r, s, n, c = (var(v) for v in "pqrsnc")
+    assert operand is not None and operand.tensor == "X"
+    assert sympy.expand(operand.offset - (n * 16 * 81 + c * 81 + (p + r - 1) * 9 + q + s - 1)) == 0
+    assert set(operand.ranges) == {Range(p + r, 1, 9), Range(q + s, 1, 9)}
+    plain = affine_operand(weight, shapes)
+    assert plain is not None and plain.ranges == ()
+
+
+def test_one_sided_and_strict_bounds_are_normalised() -> None:
+    text = "C[i, j] = ReduceAdd({k}, Select(k - i <= 3 && i + k > 2, A[i, k], 0) * B[k, j])"
+    guarded, _, shapes = _factors(text, {"A": (8, 8), "B": (8, 8)})
+    operand = affine_operand(guarded, shapes)
+    i, k = var("i"), var("k")
+    # k - i <= 3 is i - k >= -3 (first coefficient made positive); i + k > 2 is i + k >= 3
+    assert operand is not None and set(operand.ranges) == {Range(i - k, -3, None), Range(i + k, 3, None)}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "C[i, j] = ReduceAdd({k}, max(A[i, k], 0) * B[k, j])",  # a prologue computing values
+        "C[i, j] = ReduceAdd({k}, Select(i > 2, A[i, k], 1) * B[k, j])",  # the other branch is not zero
+        "C[i, j] = ReduceAdd({k}, Select(i % 2 == 0, A[i, k], 0) * B[k, j])",  # a guard that is not a bound
+        "C[i, j] = ReduceAdd({k}, A[i, k // 2] * B[k, j])",  # a quasi-affine index
+    ],
+)
+def test_other_operands_keep_the_generic_packer(text: str) -> None:
+    operand, _, shapes = _factors(text, {"A": (8, 8), "B": (8, 8)})
+    assert affine_operand(operand, shapes) is None
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(
+    ("text", "shapes"),
+    [
+        (CONV, CONV_SHAPES),
+        (
+            "C[n, i, j] = ReduceAdd({k}, Select(k - i <= 3 && i + k > 2, A[n, i, k], 0) * B[k, j])",
+            {"A": (2, 40, 60), "B": (60, 50)},
+        ),
+        (
+            "C[i, j] = ReduceAdd({k}, Select(k >= 5, A[k, i], 0) * Select(j + k < 70, B[j, k], 0))",
+            {"A": (60, 40), "B": (50, 60)},
+        ),
+    ],
+)
+def test_table_packers_compute_what_the_interpreter_does(text: str, shapes: dict) -> None:
+    op = _op(text, shapes)
+    assert gemm_plan(op) is not None
+    assert "int64_t *const *side" in lower_op(op, "kernel"), "the packers should read through offset tables"
+    rng = np.random.default_rng(1)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+    expected = neoflow.evaluate(op, inputs)
+    got = neoflow.compile(op, target="cpu").run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
