@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, unflatten_index
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
@@ -321,43 +322,27 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     a_inner = _inner_is_first(factor_a, tensors, rows, depth)
     b_inner = _inner_is_first(factor_b, tensors, cols, depth)
     shapes = {t.name: t.shape for t in op.inputs}
-    sides = []
-    for side, width, factor, value, group, inner in (
-        ("a", MR, factor_a, value_a, rows, a_inner),
-        ("b", NR, factor_b, value_b, cols, b_inner),
-    ):
-        name = f"{prefix}_pack_{side}"
-        affine = affine_operand(factor, shapes)
-        if affine is None:
-            generic_tables = "row_tab" if side == "a" else "col_tab"
-            sides.append(
-                (_packer(name, width, group, value, depth, inner, params), "", "", f"{generic_tables}, dep_tab")
-            )
-            continue
-        tensor = names[affine.tensor]
-        sides.append(
-            (
-                affine_packer(name, width, affine, tensor, batch, inner, params),
-                f"{operand_tables(f'{side}_side', affine, group, False)}\n        "
-                f"{operand_tables(f'{side}_dep', affine, depth, True)}",
-                f"{free_tables(f'{side}_side', affine)} {free_tables(f'{side}_dep', affine)}",
-                f"{side}_side, {side}_dep",
-            )
-        )
-    packers = "\n".join(code for code, _, _, _ in sides)
-    operand_setup = "\n        ".join(setup for _, setup, _, _ in sides if setup)
-    operand_free = " ".join(free for _, _, free, _ in sides if free)
-    a_tables, b_tables = (tables for _, _, _, tables in sides)
+    pack_a_code = _operand_packer(
+        prefix, "a", MR, factor_a, value_a, rows, depth, batch, a_inner, shapes, names, params
+    )
+    pack_b_code = _operand_packer(
+        prefix, "b", NR, factor_b, value_b, cols, depth, batch, b_inner, shapes, names, params
+    )
+    sides = (pack_a_code, pack_b_code)
+    packers = "\n".join(side.code for side in sides)
+    operand_setup = "\n        ".join(side.setup for side in sides if side.setup)
+    operand_free = " ".join(side.release for side in sides if side.release)
     b_outer = "kc" if b_inner else "nc"
 
     def pack_b(lo: str, hi: str) -> str:
         zero = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
-        return f"""{prefix}_pack_b(bpack, jc, nc, pc, kc, {lo}, {hi}, {b_tables}{arguments});
+        return f"""{prefix}_pack_b(bpack, jc, nc, pc, kc, {lo}, {hi}, {pack_b_code.tables}{arguments});
                     for (int64_t j = nc; j < strips * {NR}; ++j)
                         for (int64_t p = 0; p < kc; ++p) {zero} = 0.0f;"""
 
     zero_a = f"apack[(i / {MR}) * {MR} * kc + p * {MR} + i % {MR}]"
-    pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {"kc" if a_inner else "mc"}, {a_tables}{arguments});
+    a_outer = "kc" if a_inner else "mc"
+    pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {a_outer}, {pack_a_code.tables}{arguments});
                             for (int64_t i = mc; i < (mc + {MR - 1}) / {MR} * {MR}; ++i)
                                 for (int64_t p = 0; p < kc; ++p) {zero_a} = 0.0f;"""
     tables = f"""float *restrict outp = out + {piece.base};
@@ -464,6 +449,51 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         free(contiguous);
         free(row_steps);
         {_FREE_TABLES} {operand_free}""",
+    )
+
+
+class OperandPacker(NamedTuple):
+    """One operand's packing function and the C the kernel needs around it: ``setup``
+    builds the tables the packer reads, ``release`` frees them, ``tables`` are the
+    packer's table arguments."""
+
+    code: str
+    setup: str
+    release: str
+    tables: str
+
+
+def _operand_packer(
+    prefix: str,
+    side: str,
+    width: int,
+    factor: Expr,
+    value: str,
+    group: list[tuple[str, int]],
+    depth: list[tuple[str, int]],
+    batch: list[tuple[str, int]],
+    side_inner: bool,
+    shapes: dict[str, tuple[int, ...]],
+    names: dict[str, str],
+    params: str,
+) -> OperandPacker:
+    """The packer of operand ``side`` (``a``: rows, ``b``: columns): through offset tables
+    when the operand is an affine guarded read (``packing.affine_operand``), otherwise the
+    generic packer evaluating ``value`` from the shared index tables; the function is named
+    ``<prefix>_pack_<side>``."""
+    name = f"{prefix}_pack_{side}"
+    affine = affine_operand(factor, shapes)
+    if affine is None:
+        generic = "row_tab" if side == "a" else "col_tab"
+        return OperandPacker(
+            _packer(name, width, group, value, depth, side_inner, params), "", "", f"{generic}, dep_tab"
+        )
+    return OperandPacker(
+        affine_packer(name, width, affine, names[affine.tensor], batch, side_inner, params),
+        f"{operand_tables(f'{side}_side', affine, group, False)}\n        "
+        f"{operand_tables(f'{side}_dep', affine, depth, True)}",
+        f"{free_tables(f'{side}_side', affine)} {free_tables(f'{side}_dep', affine)}",
+        f"{side}_side, {side}_dep",
     )
 
 

@@ -15,6 +15,7 @@ each element.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy
@@ -82,14 +83,12 @@ def affine_operand(factor: Expr, shapes: dict[str, tuple[int, ...]]) -> AffineOp
 
 def _is_linear(expr: sympy.Expr) -> bool:
     """Whether ``expr`` is a sum of integer multiples of index variables and an integer."""
-    if expr.free_symbols and not all(s.is_Symbol for s in expr.free_symbols):
-        return False
-    try:
-        poly = sympy.Poly(expr, *sorted(expr.free_symbols, key=str)) if expr.free_symbols else None
-    except sympy.PolynomialError:
-        return False
-    if poly is None:
+    if not expr.free_symbols:
         return expr.is_Integer
+    try:
+        poly = sympy.Poly(expr, *sorted(expr.free_symbols, key=str))
+    except sympy.PolynomialError:  # floor, Mod or a data-dependent read among the terms
+        return False
     return poly.total_degree() <= 1 and all(c.is_Integer for c in poly.coeffs())
 
 
@@ -127,7 +126,7 @@ def _bound(guard: Expr) -> tuple[sympy.Expr, int | None, int | None] | None:
     return linear, None, limit - 1
 
 
-def part(expr: sympy.Expr, names: set[str], constant: bool) -> sympy.Expr:
+def _part(expr: sympy.Expr, names: set[str], constant: bool) -> sympy.Expr:
     """The terms of linear ``expr`` in the variables ``names`` (and its constant term
     when ``constant``)."""
     terms = sympy.Add.make_args(expr)
@@ -142,13 +141,11 @@ def operand_tables(name: str, operand: AffineOperand, variables: list[tuple[str,
     filling entry ``f`` with the part of each quantity in ``variables`` at their ``f``-th
     point (row-major); the depth tables (``first_depth``) carry the constant terms."""
     names = {v for v, _ in variables}
-    size = 1
-    for _, extent in variables:
-        size *= extent
+    size = math.prod(extent for _, extent in variables)
     printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
     quantities = operand.quantities()
     stores = " ".join(
-        f"{name}[{q}][f] = {printer(part(expr, names, first_depth))};" for q, expr in enumerate(quantities)
+        f"{name}[{q}][f] = {printer(_part(expr, names, first_depth))};" for q, expr in enumerate(quantities)
     )
     return (
         f"int64_t *{name}[{len(quantities)}];\n        "
@@ -180,7 +177,7 @@ def affine_packer(
     batch_names = {v for v, _ in batch}
     quantities = operand.quantities()
     bases = " ".join(
-        f"const int64_t base{q}_ = {printer(part(expr, batch_names, False))};" for q, expr in enumerate(quantities)
+        f"const int64_t base{q}_ = {printer(_part(expr, batch_names, False))};" for q, expr in enumerate(quantities)
     )
 
     def element(side: str, depth: str) -> str:
@@ -197,17 +194,18 @@ def affine_packer(
         read = f"{tensor_name}[{side.format(q=0)} + {depth.format(q=0)}]"
         return f"({' && '.join(checks)}) ? {read} : 0.0f" if checks else read
 
-    count = len(quantities)
+    def declare(template: str) -> str:
+        """``template`` (a C declaration of quantity ``{q}``) for every quantity."""
+        return " ".join(template.format(q=q) for q in range(len(quantities)))
+
     header = f"""static NF_SCALAR void {name}(float *restrict buffer, int64_t start, int64_t size, int64_t pc,
         int64_t kc, int64_t lo, int64_t hi, int64_t *const *side, int64_t *const *dep{params}) {{
     {bases}"""
     if side_inner:
-        depth_values = " ".join(f"const int64_t d{q}_ = dep[{q}][pc + p] + base{q}_;" for q in range(count))
-        sides = " ".join(f"const int64_t *restrict s{q}_ = side[{q}] + start;" for q in range(count))
         return f"""{header}
-    {sides}
+    {declare("const int64_t *restrict s{q}_ = side[{q}] + start;")}
     for (int64_t p = lo; p < hi; ++p) {{
-        {depth_values}
+        {declare("const int64_t d{q}_ = dep[{q}][pc + p] + base{q}_;")}
         float *restrict row = buffer + p * {width};
         for (int64_t s = 0; s < size; s += {width}) {{
             float *restrict strip = row + s * kc;
@@ -217,12 +215,10 @@ def affine_packer(
         }}
     }}
 }}"""
-    side_values = " ".join(f"const int64_t s{q}_ = side[{q}][start + i] + base{q}_;" for q in range(count))
-    depths = " ".join(f"const int64_t *restrict d{q}_ = dep[{q}] + pc;" for q in range(count))
     return f"""{header}
-    {depths}
+    {declare("const int64_t *restrict d{q}_ = dep[{q}] + pc;")}
     for (int64_t i = lo; i < hi; ++i) {{
-        {side_values}
+        {declare("const int64_t s{q}_ = side[{q}][start + i] + base{q}_;")}
         float *restrict column = buffer + (i / {width}) * {width} * kc + i % {width};
         for (int64_t p = 0; p < kc; ++p)
             column[p * {width}] = {element("s{q}_", "d{q}_[p]")};
