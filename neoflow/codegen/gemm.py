@@ -542,7 +542,7 @@ def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], s
         coefficient = linear.coeff(var(group[-1][0]))
         return abs(float(coefficient)) if coefficient.is_number and coefficient != 0 else math.inf
 
-    return step(first) < step(second)
+    return step(first) <= step(second)
 
 
 def round_up(value: int, multiple: int) -> int:

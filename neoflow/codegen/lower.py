@@ -37,6 +37,9 @@ from neoflow.ir import bounds, index
 from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select
 from neoflow.ir.op import Op
 
+#: an outermost parallel loop shorter than this is collapsed with the loop it holds
+SHORT_PARALLEL_LOOP = 16
+
 PREFIX = bounds.PREFIX
 _IDENTITY = {
     "ReduceAdd": "0",
@@ -325,7 +328,18 @@ class Lowering:
             if text.startswith("for (int "):
                 # an outermost loop over an output dimension (isl may put sibling loops in a block)
                 if parallel and not open_loops and text[9:].split(" ", 1)[0] in outer_dims:
-                    lines.append(f"    {' ' * indent}#pragma omp parallel for{private}")
+                    following = rows[number + 1].lstrip() if number + 1 < len(rows) else ""
+                    # a short outer loop leaves threads idle: share out the loop nested in it too
+                    # (OpenMP needs that loop's bounds not to depend on the outer one: constants here)
+                    # (and the loop to be all it holds: isl braces a body of several statements)
+                    nested = (
+                        not text.endswith("{")
+                        and following.startswith("for (int ")
+                        and following[9:].split(" ", 1)[0] in outer_dims
+                    )
+                    short = _trip_count(text) < SHORT_PARALLEL_LOOP and _trip_count(following) < math.inf
+                    collapse = " collapse(2)" if nested and short else ""
+                    lines.append(f"    {' ' * indent}#pragma omp parallel for{collapse}{private}")
                 elif total is not None and not open_loops and work >= PARALLEL_MIN_POINTS:
                     lines.append(f"    {' ' * indent}#pragma omp parallel for reduction(+:{total})")
                 summed = self._summed_by(rows[number + 1] if number + 1 < len(rows) else "")
@@ -343,6 +357,19 @@ class Lowering:
         text = line.strip()
         name = text.split("(", 1)[0]
         return self.sums.get(name) if text.endswith(");") and text.count(";") == 1 else None
+
+
+def _trip_count(loop: str) -> float:
+    """The iteration count of an isl ``for (int c = A; c <= B; c += 1)`` line with constant
+    bounds, infinity when they are not constants."""
+    try:
+        header = loop[loop.index("(") + 1 : loop.index(")")]
+        start, stop, _ = (part.strip() for part in header.split(";"))
+        low = int(start.split("=", 1)[1])
+        high = int(stop.split("<=", 1)[1]) if "<=" in stop else int(stop.split("<", 1)[1]) - 1
+    except ValueError:
+        return math.inf
+    return high - low + 1
 
 
 def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:

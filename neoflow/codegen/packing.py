@@ -182,15 +182,9 @@ def affine_packer(
 
     def element(side: str, depth: str) -> str:
         """The packed value, with quantity ``q`` = ``side(q) + depth(q)``."""
-        checks = []
-        for q, r in enumerate(operand.ranges, start=1):
-            value = f"({side.format(q=q)} + {depth.format(q=q)})"
-            if r.low is not None and r.high is not None:
-                checks.append(f"(uint64_t){value} <= (uint64_t){r.high - r.low}")
-            elif r.low is not None:
-                checks.append(f"{value} >= 0")
-            else:
-                checks.append(f"{value} <= 0")
+        checks = [
+            _in_range(r, f"({side.format(q=q)} + {depth.format(q=q)})") for q, r in enumerate(operand.ranges, start=1)
+        ]
         read = f"{tensor_name}[{side.format(q=0)} + {depth.format(q=0)}]"
         return f"({' && '.join(checks)}) ? {read} : 0.0f" if checks else read
 
@@ -202,13 +196,31 @@ def affine_packer(
         int64_t kc, int64_t lo, int64_t hi, int64_t *const *side, int64_t *const *dep{params}) {{
     {bases}"""
     if side_inner:
+        # a strip whose read offsets are consecutive and whose guarded quantities are arithmetic
+        # sequences is a run: where both ends pass every guard, all of it does, and it is one copy
+        steps = " && ".join(
+            f"s{q}_[s + ii] - s{q}_[s] == ii * (s{q}_[s + 1] - s{q}_[s])" for q in range(1, len(quantities))
+        )
+        arithmetic = f"s0_[s + ii] == s0_[s] + ii{' && ' + steps if steps else ''}"
+        end_checks = _end_checks(operand.ranges, width)
         return f"""{header}
     {declare("const int64_t *restrict s{q}_ = side[{q}] + start;")}
+    const int64_t strips = (size + {width - 1}) / {width};
+    char run[strips > 0 ? strips : 1];
+    for (int64_t s = 0; s < size; s += {width}) {{
+        int ok = size - s >= {width};
+        for (int64_t ii = 1; ok && ii < {width}; ++ii) ok = {arithmetic};
+        run[s / {width}] = (char)ok;
+    }}
     for (int64_t p = lo; p < hi; ++p) {{
         {declare("const int64_t d{q}_ = dep[{q}][pc + p] + base{q}_;")}
         float *restrict row = buffer + p * {width};
         for (int64_t s = 0; s < size; s += {width}) {{
             float *restrict strip = row + s * kc;
+            if (run[s / {width}]{end_checks}) {{
+                memcpy(strip, {tensor_name} + s0_[s] + d0_, sizeof(float) * {width});
+                continue;
+            }}
             const int64_t n = size - s < {width} ? size - s : {width};
             for (int64_t ii = 0; ii < n; ++ii)
                 strip[ii] = {element("s{q}_[s + ii]", "d{q}_")};
@@ -224,6 +236,24 @@ def affine_packer(
             column[p * {width}] = {element("s{q}_", "d{q}_[p]")};
     }}
 }}"""
+
+
+def _end_checks(ranges: tuple[Range, ...], width: int) -> str:
+    """C ``&& ...`` requiring both ends of the strip at ``s`` (quantity ``q`` = side table
+    ``s{q}_`` + ``d{q}_``) to pass every guard."""
+    checks = [
+        _in_range(r, f"(s{q}_[{at}] + d{q}_)")
+        for q, r in enumerate(ranges, start=1)
+        for at in ("s", f"s + {width - 1}")
+    ]
+    return "".join(f" && {check}" for check in checks)
+
+
+def _in_range(bound: Range, value: str) -> str:
+    """C testing that ``value`` (a quantity shifted so that its bound is zero) is in ``bound``."""
+    if bound.low is not None and bound.high is not None:
+        return f"(uint64_t){value} <= (uint64_t){bound.high - bound.low}"
+    return f"{value} >= 0" if bound.low is not None else f"{value} <= 0"
 
 
 def _no_data_reads(tensor: str, indices: object) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.lower import Lowering, lower_op
+from neoflow.codegen.lower import Lowering, _trip_count, lower_op
 from tests.targets import NEEDS_CC
 
 
@@ -103,3 +103,41 @@ def test_ops_differing_only_in_names_lower_to_the_same_code() -> None:
     a = _c("Y[i] = X[i] * 2", {"X": (5,)})
     b = _c("Z[i] = W[i] * 2", {"W": (5,)})
     assert a == b
+
+
+@NEEDS_CC
+def test_a_short_outer_loop_is_collapsed_with_the_loop_it_holds() -> None:
+    # three channels would keep at most three threads busy: channel and row are shared out together
+    text = "Y[c, h, w] = max(X[c, h, w], 0) * X[c, h, w]"
+    shapes = {"X": (3, 200, 200)}
+    code = _c(text, shapes)
+    assert "#pragma omp parallel for collapse(2)" in code
+    assert "collapse" not in _c(text, {"X": (32, 200, 200)})
+    op = neoflow.op(text, shapes=shapes)
+    rng = np.random.default_rng(3)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+    expected = neoflow.evaluate(op, inputs)
+    np.testing.assert_allclose(neoflow.compile(op, target="cpu").run(inputs), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("loop", "count"),
+    [
+        ("for (int c1 = 0; c1 <= 2; c1 += 1)", 3),
+        ("for (int c1 = 3; c1 <= 18; c1 += 1)", 16),
+        ("for (int c1 = max(0, c0 - 3); c1 <= 2; c1 += 1)", float("inf")),
+        ("for (int c1 = 0; c1 <= min(5, c0); c1 += 1)", float("inf")),
+    ],
+)
+def test_trip_count_of_constant_loops(loop: str, count: float) -> None:
+    assert _trip_count(loop) == count
+
+
+@NEEDS_CC
+def test_a_short_outer_loop_holding_several_statements_is_not_collapsed() -> None:
+    # the channels below 2 and the others are separate loops inside the batch loop
+    op = neoflow.op("Y[n, c, h] = Select(c < 2, X[n, c, h], 2 * X[n, c, h])", shapes={"X": (2, 4, 9000)})
+    code = lower_op(op, "kernel")
+    assert "collapse" not in code
+    inputs = {"X": np.random.default_rng(4).standard_normal((2, 4, 9000)).astype(np.float32)}
+    np.testing.assert_allclose(neoflow.compile(op, target="cpu").run(inputs), neoflow.evaluate(op, inputs))

@@ -92,3 +92,18 @@ def test_table_packers_compute_what_the_interpreter_does(text: str, shapes: dict
     expected = neoflow.evaluate(op, inputs)
     got = neoflow.compile(op, target="cpu").run(inputs)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@NEEDS_CC
+def test_runs_of_a_padded_read_are_copied_whole_and_their_guards_hold_at_both_ends() -> None:
+    # 20-wide rows in 6-wide strips: runs inside a row, strips across rows, and runs that
+    # start inside the image but end in its padding (they must not be copied whole)
+    text = CONV.replace("< 9", "< 20")
+    op = _op(text, {"X": (2, 8, 20, 20), "W": (16, 8, 3, 3), "Y": (2, 16, 20, 20)})
+    source = lower_op(op, "kernel")
+    assert "memcpy(strip" in source, "the packer should copy runs of consecutive reads whole"
+    rng = np.random.default_rng(2)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+    expected = neoflow.evaluate(op, inputs)
+    got = neoflow.compile(op, target="cpu").run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
