@@ -532,7 +532,8 @@ def _packer(
 
 def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], second: list[tuple[str, int]]) -> bool:
     """Whether the last variable of ``first`` moves the read of ``factor`` less in
-    memory than the last variable of ``second`` (so it should be the inner loop)."""
+    memory than the last variable of ``second`` (so it should be the inner loop), or
+    both move it by one element."""
     read = next(n for n in factor.walk() if isinstance(n, Read))
     linear = flat_offset(read.indices, tensors[read.tensor].shape)
 
@@ -542,7 +543,8 @@ def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], s
         coefficient = linear.coeff(var(group[-1][0]))
         return abs(float(coefficient)) if coefficient.is_number and coefficient != 0 else math.inf
 
-    return step(first) <= step(second)
+    # a tie at unit steps goes to the side: its strips are then runs of consecutive reads, copied whole
+    return step(first) < step(second) or step(first) == step(second) == 1
 
 
 def round_up(value: int, multiple: int) -> int:
