@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.run import _set_threads, machine
+from benchmarks.timing import interleaved_medians
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 POLICIES = ("none", "elementwise", "neoflow", "chimera")
@@ -63,16 +63,11 @@ def compare_training(build, runs: int) -> list:
     models = {policy: build(policy) for policy in POLICIES}
     reports = {policy: fusion_report(model, training=True, repeats=3) for policy, model in models.items()}
     batches = {policy: model.example_batch(training=True) for policy, model in models.items()}
-    times: dict[str, list[float]] = {policy: [] for policy in models}
-    for _ in range(2):  # warm-up
-        for policy, model in models.items():
-            model.train_step(batches[policy])
-    for _ in range(runs):
-        for policy, model in models.items():
-            start = time.perf_counter()
-            model.train_step(batches[policy])
-            times[policy].append(time.perf_counter() - start)
-    return [dataclasses.replace(reports[p], step_seconds=statistics.median(times[p])) for p in models]
+    steps = {
+        policy: (lambda model=model, batch=batches[policy]: model.train_step(batch)) for policy, model in models.items()
+    }
+    times = interleaved_medians(steps, runs)
+    return [dataclasses.replace(reports[p], step_seconds=times[p]) for p in models]
 
 
 def gemm_chain(runs: int, m: int = 1024, width: int = 1024, k: int = 64, n: int = 64) -> dict:
@@ -95,17 +90,10 @@ E[i, n] = ReduceAdd({{l}}, C[i, l] * D[l, n])
     for model in models.values():
         got = model.run(inputs)["E"]
         assert np.abs(got - expected).max() <= 1e-3 * np.abs(expected).max()
-    times: dict[str, list[float]] = {policy: [] for policy in models}
-    for round_ in range(runs + 2):
-        for policy, model in models.items():
-            start = time.perf_counter()
-            model.run(inputs)
-            if round_ >= 2:
-                times[policy].append(time.perf_counter() - start)
+    result = interleaved_medians({p: (lambda model=model: model.run(inputs)) for p, model in models.items()}, runs)
     fused = models["chimera"]._run.graph.ops
     plan = chain_plan(fused[0]) if len(fused) == 1 else None
     flops = 2.0 * m * width * (k + n)
-    result = {p: statistics.median(t) for p, t in times.items()}
     return {
         "kernels": {p: len(models[p]._run.graph.ops) for p in models},
         "seconds": result,

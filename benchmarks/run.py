@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.timing import median_seconds
+from benchmarks.timing import interleaved_medians
 
 
 def _set_threads(threads: int) -> None:
@@ -308,13 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for build in builders:
         work = build()
-        times = {name: (median_seconds(fn, runs) if fn else None) for name, fn in work.systems.items()}
+        measured = interleaved_medians({name: fn for name, fn in work.systems.items() if fn}, runs)
+        times = {name: measured.get(name) for name in work.systems}
         rows.append((work, times))
         parts = [f"{name} {t * 1e3:.2f} ms" for name, t in times.items() if t]
         print(f"{work.name}: " + ", ".join(parts), flush=True)
     lines = [
         f"Machine: {machine()}; {args.threads} threads "
-        f"for every system; median of {runs} runs after warm-up; measured FMA peak {peak:.1f} GFLOP/s.",
+        f"for every system; median of {runs} runs after warm-up, the systems taking turns run by run; "
+        f"measured FMA peak {peak:.1f} GFLOP/s.",
         "",
         "| workload | neoflow | " + " | ".join(PEERS) + " | neoflow GFLOP/s (% of peak) | goal |",
         "| --- | --- | " + " | ".join("---" for _ in PEERS) + " | --- | --- |",

@@ -1,19 +1,28 @@
-"""Timing helper shared by the benchmarks."""
+"""Timing helpers shared by the benchmarks."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
 def median_seconds(fn: Callable[[], object], runs: int, warmup: int = 2) -> float:
     """Median wall time of ``fn`` over ``runs`` runs after ``warmup`` untimed runs."""
+    return interleaved_medians({"fn": fn}, runs, warmup)["fn"]
+
+
+def interleaved_medians(systems: Mapping[str, Callable[[], object]], runs: int, warmup: int = 2) -> dict[str, float]:
+    """Median wall time of each of ``systems`` over ``runs`` rounds, after ``warmup``
+    untimed rounds; each round runs every system once, in turn, so that a slow spell
+    of a shared machine falls on all of them alike rather than on whichever ran then."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in systems.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in systems.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import neoflow
-from benchmarks.timing import median_seconds
+from benchmarks.timing import interleaved_medians
 from neoflow.runtime.memory import MemoryPlan
 from tests.runtime.torch_models import MODELS
 
@@ -81,9 +81,12 @@ def main() -> None:
         model = neoflow.compile(MODELS_DIR / name, train=spec)
         plan: MemoryPlan = model.memory["training"]
         batch = _batch(model, rng)
-        ours = median_seconds(lambda model=model, batch=batch: model.train_step(batch), RUNS)
+        systems = {"neoflow": lambda model=model, batch=batch: model.train_step(batch)}
         torch_step = _torch_step(name, model, batch)
-        theirs = median_seconds(torch_step, RUNS) if torch_step else None
+        if torch_step:
+            systems["torch"] = torch_step
+        times = interleaved_medians(systems, RUNS)
+        ours, theirs = times["neoflow"], times.get("torch")
         peer = f"{theirs * 1e3:.2f} ms" if theirs else "-"
         ratio = f"{theirs / ours:.2f}x" if theirs else "-"
         print(
