@@ -18,7 +18,7 @@ from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
 from neoflow.ir.op import Op
 from neoflow.runtime.executor import run_graph
-from neoflow.runtime.memory import MemoryPlan, plan_memory
+from neoflow.runtime.memory import ALIGNMENT, MemoryPlan, plan_memory
 
 
 def threads() -> int:
@@ -49,9 +49,23 @@ def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
     return "\n\n".join(parts) + "\n", functions, interpreted
 
 
+def graph_entry(graph: Graph, functions: Mapping[str, str]) -> str:
+    """C function ``nf_run_graph(b)`` calling the kernel of every op of ``graph`` in
+    order, tensor ``k`` of ``graph.tensors`` at ``b[k]``: a whole run in one call."""
+    slot = {name: k for k, name in enumerate(graph.tensors)}
+    calls = []
+    for op in graph.ops:
+        arguments = ", ".join(f"b[{slot[name]}]" for name in [op.name, *(t.name for t in op.inputs)])
+        calls.append(f"    {functions[op.name]}({arguments});")
+    return "void nf_run_graph(void *const *b) {\n" + "\n".join(calls) + "\n}\n"
+
+
 class CpuExecutor:
     """Runs ``graph`` as compiled C kernels (ops without a C lowering run in the
-    interpreter and are listed in ``interpreted``), freeing tensors by ``plan``."""
+    interpreter and are listed in ``interpreted``), freeing tensors by ``plan``.
+    When every op has a kernel, a run is one call into the library: the
+    intermediates live in one arena per run at the plan's offsets and the kept
+    tensors in arrays of their own."""
 
     target = "cpu"
 
@@ -60,6 +74,8 @@ class CpuExecutor:
         self.keep = tuple(dict.fromkeys(keep))
         self.plan: MemoryPlan = plan_memory(graph, self.keep)
         self.source, names, self.interpreted = module_source(graph)
+        if not self.interpreted:
+            self.source += "\n" + graph_entry(graph, names)
         self.library_path = build_library(self.source)
         self.library = ctypes.CDLL(str(self.library_path))
         self.library.nf_set_threads(ctypes.c_int(threads()))
@@ -70,6 +86,42 @@ class CpuExecutor:
                 function.argtypes = [ctypes.c_void_p] * (1 + len(op.inputs))
                 function.restype = None
                 self.kernels[op.name] = function
+        self.entry = None
+        if not self.interpreted:
+            self.entry = self.library.nf_run_graph
+            self.entry.argtypes = [ctypes.c_void_p]
+            self.entry.restype = None
+        slots = {name: k for k, name in enumerate(graph.tensors)}
+        produced = {op.name: op for op in graph.ops}
+        self._input_slots = [(t.name, slots[t.name], dt.numpy_dtype(t.dtype)) for t in graph.inputs]
+        self._kept_slots = [
+            (name, slots[name], produced[name].shape, dt.numpy_dtype(produced[name].dtype))
+            for name in self.keep
+            if name in produced
+        ]
+        arena = [name for name in self.plan.offsets if name in slots and name not in self.keep]
+        self._arena_slots = np.array([slots[name] for name in arena], dtype=np.intp)
+        self._arena_offsets = np.array([self.plan.offsets[name] for name in arena], dtype=np.uintp)
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The kept tensors by name, from every graph input by name (checked by the caller)."""
+        if self.entry is None:
+            return run_graph(self, inputs)
+        pointers = np.zeros(len(self.graph.tensors), dtype=np.uintp)
+        arena = np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8)
+        start = arena.ctypes.data
+        pointers[self._arena_slots] = start + (-start) % ALIGNMENT + self._arena_offsets
+        held = []
+        for name, slot, dtype in self._input_slots:
+            array = np.ascontiguousarray(inputs[name], dtype=dtype)
+            held.append(array)
+            pointers[slot] = array.ctypes.data
+        outputs = {}
+        for name, slot, shape, dtype in self._kept_slots:
+            outputs[name] = np.empty(shape, dtype)
+            pointers[slot] = outputs[name].ctypes.data
+        self.entry(pointers.ctypes.data)
+        return {name: outputs[name] if name in outputs else inputs[name] for name in self.keep}
 
     def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
         """The value of ``op`` (one of the graph's) from its inputs' ``values``."""
@@ -80,8 +132,6 @@ class CpuExecutor:
         out = np.empty(op.shape, dt.numpy_dtype(op.dtype))
         kernel(out.ctypes.data, *(a.ctypes.data for a in args))
         return out
-
-    run = run_graph
 
 
 def sanitizer_program(graph: Graph) -> str:

@@ -1,0 +1,62 @@
+"""The cpu executor's whole-graph entry point: one call per run, intermediates in an arena."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import neoflow
+from neoflow.ir.interpreter import evaluate_op
+from neoflow.runtime.cpu import CpuExecutor
+from neoflow.runtime.executor import run_graph
+from tests.targets import NEEDS_CC
+
+CHAIN = """
+X = tensor([64, 48])
+W = tensor([48, 32])
+H[i, j] = ReduceAdd({k}, X[i, k] * W[k, j])
+R[i, j] = max(H[i, j], 0)
+S[i, j] = R[i, j] * 2 + H[i, j]
+T[i, j] = S[i, j] - R[i, j]
+L[] = ReduceAdd({i, j}, T[i, j] * T[i, j])
+"""
+
+
+def _reference(graph, inputs: dict) -> dict:
+    values = dict(inputs)
+    for op in graph.ops:
+        values[op.name] = evaluate_op(op, {name: values[name] for name in op.input_names})
+    return values
+
+
+@NEEDS_CC
+def test_a_run_is_one_call_and_computes_what_the_kernels_do_one_by_one() -> None:
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("T", "L"))
+    assert executor.entry is not None and "nf_run_graph" in executor.source
+    assert executor.plan.arena_bytes < sum(op.output.size * 4 for op in graph.ops), "slots are shared"
+    rng = np.random.default_rng(0)
+    inputs = {
+        "X": rng.standard_normal((64, 48)).astype(np.float32),
+        "W": rng.standard_normal((48, 32)).astype(np.float32),
+    }
+    whole = executor.run(inputs)
+    one_by_one = run_graph(executor, inputs)
+    expected = _reference(graph, inputs)
+    for name in ("T", "L"):
+        np.testing.assert_allclose(whole[name], one_by_one[name], rtol=1e-6)
+        np.testing.assert_allclose(whole[name], expected[name], rtol=1e-4, atol=1e-3)
+
+
+@NEEDS_CC
+def test_kept_tensors_of_one_run_are_not_overwritten_by_the_next() -> None:
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("T",))
+    rng = np.random.default_rng(1)
+    first_inputs = {
+        "X": rng.standard_normal((64, 48)).astype(np.float32),
+        "W": rng.standard_normal((48, 32)).astype(np.float32),
+    }
+    first = executor.run(first_inputs)
+    kept = first["T"].copy()
+    executor.run({"X": -first_inputs["X"], "W": first_inputs["W"]})
+    np.testing.assert_array_equal(first["T"], kept)
