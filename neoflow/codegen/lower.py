@@ -34,11 +34,13 @@ from neoflow.codegen.gemm import gemm_function, gemm_plan, store_slice
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.errors import CompileError
 from neoflow.ir import bounds, index
-from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select
+from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select, index_variables
 from neoflow.ir.op import Op
 
 #: an outermost parallel loop shorter than this is collapsed with the loop it holds
 SHORT_PARALLEL_LOOP = 16
+#: an output dimension this short, accumulated in place, is updated innermost (its rows together)
+SMALL_OUTPUT_ROWS = 4
 
 PREFIX = bounds.PREFIX
 _IDENTITY = {
@@ -131,6 +133,7 @@ class Lowering:
         self._scope: _Scope | None = None
         self._computed: dict[tuple, str] = {}
         self.sums: dict[str, str] = {}  # update statement of a floating-point sum → its accumulator
+        self.parallel_depth = len(op.indices)  # the schedule dimensions that are output loops a thread may own
 
     # --------------------------------------------------------------- statements
 
@@ -257,26 +260,38 @@ class Lowering:
             return False
         body, epilogue = split
         *outer, inner = op.indices
+        # a few output rows (three channels) are updated together, innermost: each read of the
+        # other operand then serves all of them
+        small = [v for v in outer if 1 < self.extent[v] <= SMALL_OUTPUT_ROWS][-1:]
+        kept = [v for v in outer if v not in small]
+        shared = small and any(
+            inner in used and small[0] not in used
+            for used in (index_variables(node) for node in body.body.walk() if isinstance(node, Read))
+        )
+        if not shared or not any(self.extent[v] > 1 for v in kept) or self.extent[inner] < 2 * SMALL_OUTPUT_ROWS:
+            small, kept = [], outer
+        rows = [PREFIX + v for v in small]
+        self.parallel_depth = len(kept)
         indices = [f"{PREFIX}{v}" for v in op.indices]
         target = f"out[{linear_index(indices, op.shape)}]"
-        init_scope = _Scope(list(op.indices), [PREFIX + v for v in outer], [box], [])
+        init_scope = _Scope(list(op.indices), [PREFIX + v for v in kept], [box], [])
         self._scope = init_scope
-        self._add(init_scope, list(op.indices), f"{target} = {self._identity(body)};", [PREFIX + inner])
+        self._add(init_scope, list(op.indices), f"{target} = {self._identity(body)};", [*rows, PREFIX + inner])
         axes_box = bounds.box_constraint({a: self.extent[a] for a in body.axes})
-        update = _Scope([*op.indices, *body.axes], [PREFIX + v for v in outer], [box, axes_box], [], init_scope.counter)
+        update = _Scope([*op.indices, *body.axes], [PREFIX + v for v in kept], [box, axes_box], [], init_scope.counter)
         self._scope = update
         if body.where is not None:
             update = update.guarded(body.where, self.values, True)
             self._scope = update
         term = self.values(body.body, body.dtype)
         combine = self._combine(body, target, term)
-        tail = [*(PREFIX + a for a in body.axes), PREFIX + inner]
+        tail = [*(PREFIX + a for a in body.axes), PREFIX + inner, *rows]
         self._add(update, [*op.indices, *body.axes], f"{target} = {combine};", tail)
         if epilogue is not None:
             self._scope = init_scope
             accumulated = Read(op.name, tuple(index.var(v) for v in op.indices), op.dtype)
             value = self.values(with_reduce(epilogue, accumulated), op.dtype)
-            self._add(init_scope, list(op.indices), f"{target} = {value};", [PREFIX + inner])
+            self._add(init_scope, list(op.indices), f"{target} = {value};", [*rows, PREFIX + inner])
         return True
 
     # ---------------------------------------------------------------------- C
@@ -315,7 +330,7 @@ class Lowering:
         work = math.prod(self.extent.values())
         parallel = op.scatter is None and any(self.extent[v] > 1 for v in op.indices) and work >= PARALLEL_MIN_POINTS
         private = f" private({', '.join(a for _, a in self.accumulators)})" if self.accumulators else ""
-        outer_dims = {f"c{k}" for k in range(len(op.indices))}
+        outer_dims = {f"c{k}" for k in range(self.parallel_depth)}
         # a scalar sum: its threads each sum a share of the outermost loop
         total = next(iter(self.sums.values())) if not op.indices and len(self.accumulators) == 1 and self.sums else None
         open_loops: list[int] = []  # indentation of the enclosing for loops

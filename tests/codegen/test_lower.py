@@ -141,3 +141,24 @@ def test_a_short_outer_loop_holding_several_statements_is_not_collapsed() -> Non
     assert "collapse" not in code
     inputs = {"X": np.random.default_rng(4).standard_normal((2, 4, 9000)).astype(np.float32)}
     np.testing.assert_allclose(neoflow.compile(op, target="cpu").run(inputs), neoflow.evaluate(op, inputs))
+
+
+@NEEDS_CC
+def test_a_few_output_rows_sharing_a_read_are_updated_together_innermost() -> None:
+    # three output channels read the same row of dY: the channel loop goes inside the row loop
+    text = "dX[c, y, x] = ReduceAdd({k, r | y - r >= 0 && y - r < 30}, dY[k, y - r, x] * W[k, c, r])"
+    op = neoflow.op(text, shapes={"dY": (8, 30, 40), "W": (8, 3, 3)}, out_shape=(3, 32, 40))
+    code = Lowering(op).function("kernel")
+    update = next(line for line in code.splitlines() if line.lstrip().startswith("S1("))
+    loop = code.splitlines()[code.splitlines().index(update) - 1].strip()
+    assert loop.startswith("for (int") and "<= 2;" in loop, "the channel loop should hold the update"
+    rng = np.random.default_rng(5)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+    np.testing.assert_allclose(
+        neoflow.compile(op, target="cpu").run(inputs), neoflow.evaluate(op, inputs), rtol=1e-4, atol=1e-4
+    )
+    # where every read moves with the channel, nothing is shared: the usual order stays
+    alone = "Z[c, y, x] = ReduceAdd({k}, V[c, k, y, x] * U[k])"
+    plain = Lowering(neoflow.op(alone, shapes={"V": (3, 8, 32, 40), "U": (8,)})).function("kernel")
+    update = next(line for line in plain.splitlines() if line.lstrip().startswith("S1("))
+    assert "<= 2;" not in plain.splitlines()[plain.splitlines().index(update) - 1]
