@@ -1,15 +1,10 @@
-"""Timing helpers shared by the benchmarks."""
+"""Timing helper shared by the benchmarks."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable, Mapping
-
-
-def median_seconds(fn: Callable[[], object], runs: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn`` over ``runs`` runs after ``warmup`` untimed runs."""
-    return interleaved_medians({"fn": fn}, runs, warmup)["fn"]
 
 
 def interleaved_medians(systems: Mapping[str, Callable[[], object]], runs: int, warmup: int = 2) -> dict[str, float]:

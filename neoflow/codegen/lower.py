@@ -264,7 +264,7 @@ class Lowering:
         # other operand then serves all of them
         small = [v for v in outer if 1 < self.extent[v] <= SMALL_OUTPUT_ROWS][-1:]
         kept = [v for v in outer if v not in small]
-        shared = small and any(
+        shared = bool(small) and any(
             inner in used and small[0] not in used
             for used in (index_variables(node) for node in body.body.walk() if isinstance(node, Read))
         )
@@ -341,12 +341,12 @@ class Lowering:
             while open_loops and indent <= open_loops[-1]:
                 open_loops.pop()
             if text.startswith("for (int "):
+                following = rows[number + 1].lstrip() if number + 1 < len(rows) else ""
                 # an outermost loop over an output dimension (isl may put sibling loops in a block)
                 if parallel and not open_loops and text[9:].split(" ", 1)[0] in outer_dims:
-                    following = rows[number + 1].lstrip() if number + 1 < len(rows) else ""
-                    # a short outer loop leaves threads idle: share out the loop nested in it too
-                    # (OpenMP needs that loop's bounds not to depend on the outer one: constants here)
-                    # (and the loop to be all it holds: isl braces a body of several statements)
+                    # a short outer loop leaves threads idle: share out the loop nested in it too, when
+                    # that loop is all it holds (isl braces several statements) and its bounds are
+                    # constants (OpenMP's rule: they may not depend on the outer loop)
                     nested = (
                         not text.endswith("{")
                         and following.startswith("for (int ")
@@ -357,7 +357,7 @@ class Lowering:
                     lines.append(f"    {' ' * indent}#pragma omp parallel for{collapse}{private}")
                 elif total is not None and not open_loops and work >= PARALLEL_MIN_POINTS:
                     lines.append(f"    {' ' * indent}#pragma omp parallel for reduction(+:{total})")
-                summed = self._summed_by(rows[number + 1] if number + 1 < len(rows) else "")
+                summed = self._summed_by(following)
                 if summed is not None:
                     # the loop around one sum's update: let the compiler split the sum into vector lanes
                     lines.append(f"    {' ' * indent}#pragma omp simd reduction(+:{summed})")

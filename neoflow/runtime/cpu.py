@@ -49,10 +49,15 @@ def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
     return "\n\n".join(parts) + "\n", functions, interpreted
 
 
+def tensor_slots(graph: Graph) -> dict[str, int]:
+    """The position of each tensor of ``graph`` in ``nf_run_graph``'s pointer array."""
+    return {name: k for k, name in enumerate(graph.tensors)}
+
+
 def graph_entry(graph: Graph, functions: Mapping[str, str]) -> str:
     """C function ``nf_run_graph(b)`` calling the kernel of every op of ``graph`` in
-    order, tensor ``k`` of ``graph.tensors`` at ``b[k]``: a whole run in one call."""
-    slot = {name: k for k, name in enumerate(graph.tensors)}
+    order, tensor ``name`` at ``b[tensor_slots(graph)[name]]``: a whole run in one call."""
+    slot = tensor_slots(graph)
     calls = []
     for op in graph.ops:
         arguments = ", ".join(f"b[{slot[name]}]" for name in [op.name, *(t.name for t in op.inputs)])
@@ -91,7 +96,7 @@ class CpuExecutor:
             self.entry = self.library.nf_run_graph
             self.entry.argtypes = [ctypes.c_void_p]
             self.entry.restype = None
-        slots = {name: k for k, name in enumerate(graph.tensors)}
+        slots = tensor_slots(graph)
         produced = {op.name: op for op in graph.ops}
         self._input_slots = [(t.name, slots[t.name], dt.numpy_dtype(t.dtype)) for t in graph.inputs]
         self._kept_slots = [
@@ -111,7 +116,7 @@ class CpuExecutor:
         arena = np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8)
         start = arena.ctypes.data
         pointers[self._arena_slots] = start + (-start) % ALIGNMENT + self._arena_offsets
-        held = []
+        held = []  # the inputs as the kernels read them, alive until the call returns
         for name, slot, dtype in self._input_slots:
             array = np.ascontiguousarray(inputs[name], dtype=dtype)
             held.append(array)
@@ -135,9 +140,9 @@ class CpuExecutor:
 
 
 def sanitizer_program(graph: Graph) -> str:
-    """A standalone C program running every kernel of ``graph`` in order on
-    buffers of exactly each tensor's size (inputs filled with small
-    deterministic values, integer inputs with 0), for building with
+    """A standalone C program running ``graph`` through ``nf_run_graph`` (every
+    kernel in order) on buffers of exactly each tensor's size (inputs filled with
+    small deterministic values, integer inputs with 0), for building with
     ``-fsanitize=address,undefined``: any out-of-bounds access or undefined
     behaviour in generated code shows up when it runs."""
     source, functions, interpreted = module_source(graph)
@@ -145,9 +150,10 @@ def sanitizer_program(graph: Graph) -> str:
         raise CompileError(f"ops without a C lowering: {', '.join(interpreted)}")
     from neoflow.codegen.c_expr import c_type
 
-    lines = [source, "#include <stdio.h>", "int main(void) {", "    uint64_t seed = 1;"]
+    lines = [source, graph_entry(graph, functions), "#include <stdio.h>", "int main(void) {", "    uint64_t seed = 1;"]
     buffers = {}
-    for k, tensor in enumerate(graph.tensors.values()):
+    for tensor_name, k in tensor_slots(graph).items():
+        tensor = graph.tensors[tensor_name]
         name = f"b{k}"
         buffers[tensor.name] = name
         ctype = c_type(tensor.dtype)
@@ -158,9 +164,8 @@ def sanitizer_program(graph: Graph) -> str:
                 f"    for (int64_t i = 0; i < {tensor.size}; ++i) {{ seed = seed * 6364136223846793005ULL + 1; "
                 f"{name}[i] = {fill}; }}"
             )
-    for op in graph.ops:
-        args = ", ".join([buffers[op.name], *(buffers[t.name] for t in op.inputs)])
-        lines.append(f"    {functions[op.name]}({args});")
+    lines.append(f"    void *slots_[] = {{{', '.join(buffers.values())}}};")
+    lines.append("    nf_run_graph(slots_);")
     lines.append("    double checksum = 0;")
     for name in graph.outputs:
         size = graph.tensors[name].size
