@@ -7,9 +7,10 @@ import math
 import sympy
 
 from neoflow.codegen.chain import chain_cycles, chain_plan
-from neoflow.codegen.gemm import MR, NR, gemm_plan, kernel_cycles
+from neoflow.codegen.gemm import MR, NR, domain_points, gemm_plan, kernel_cycles
 from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import in_place_reduction
+from neoflow.codegen.staging import staged_plan
 from neoflow.fusion.cost import Scheduled
 from neoflow.ir import index
 from neoflow.ir.expr import Read, Reduce
@@ -37,7 +38,8 @@ def peak_fraction(op: Op) -> float | None:
 
 def schedule(op: Op) -> Scheduled:
     """How ``op`` runs: a chain of contractions tiled together (its own
-    arithmetic and share of peak), the blocked kernel (share of peak), or a
+    arithmetic and share of peak), a contraction in two stages (likewise), the
+    blocked kernel (share of peak), or a
     loop nest, vectorised when its innermost loop (over the output's last
     index, when it has no reduction or accumulates in place; over the sum's
     last axis for one floating-point sum) moves every access by 0 or 1."""
@@ -46,6 +48,10 @@ def schedule(op: Op) -> Scheduled:
         m, n, middle, k = chain.extents
         macs = m * middle * (k + n)
         return Scheduled(min(1.0, macs / MACS_PER_CYCLE / chain_cycles(chain)), flops=2.0 * macs)
+    staged = staged_plan(op)
+    if staged is not None:
+        macs = math.prod(staged.stage.extent.values()) + domain_points(staged.rest)
+        return Scheduled(min(1.0, macs / MACS_PER_CYCLE / staged.cycles), flops=2.0 * macs)
     fraction = peak_fraction(op)
     if fraction is not None:
         return Scheduled(fraction)

@@ -22,6 +22,7 @@ emitted C then runs a blocked matrix product over the fused extents
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -182,26 +183,32 @@ def gemm_plan(op: Op) -> GemmPlan | None:
     if pieces is None:
         return None
     planned: list[tuple[Piece, Mapping | None]] = []
-    cycles = 0.0
     macs = 0
     for piece in pieces:
         if piece.empty:
             planned.append((piece, None))
-            cycles += piece.op.output.size * 0.5
             continue
         mapping = _piece_mapping(piece.op)
         if mapping is None:
             return None
         planned.append((piece, mapping))
-        cycles += kernel_cycles(mapping, piece.op.extent)
         macs += math.prod(piece.op.extent.values())
     if macs < MIN_MACS:
         return None
+    plan = GemmPlan(tuple(planned))
     # the plain loop nest visits only the domain's points (isl makes strided domains exact loops);
     # at a couple of cycles per multiply-add it wins where blocking would pad or pack too much
-    if cycles >= GENERIC_CYCLES_PER_POINT * domain_points(op):
+    if plan_cycles(plan) >= GENERIC_CYCLES_PER_POINT * domain_points(op):
         return None
-    return GemmPlan(tuple(planned))
+    return plan
+
+
+def plan_cycles(plan: GemmPlan) -> float:
+    """Estimated cycles of ``plan``: its pieces' kernels, half a cycle per element zeroed."""
+    return sum(
+        piece.op.output.size * 0.5 if mapping is None else kernel_cycles(mapping, piece.op.extent)
+        for piece, mapping in plan.pieces
+    )
 
 
 def domain_points(op: Op) -> float:
@@ -267,11 +274,24 @@ def store_slice(piece: Piece, value: str) -> str:
     variables = [(v, piece.op.extent[v]) for v in piece.op.indices]
     target = " + ".join([str(piece.base), *(f"v_{v} * {piece.strides[v]}" for v, _ in variables)])
     size = piece.op.output.size
-    return f"""        #pragma omp parallel for if({size} >= {PARALLEL_MIN_POINTS})
-        for (int64_t f = 0; f < {size}; ++f) {{
-            {unflatten_index("f", variables)}
-            out[{target}] = {value};
-        }}"""
+    if not variables:
+        return f"        {{ const int64_t f = 0; out[{target}] = {value}; }}"
+    # nested loops (the flat index computed, not divided out per point), all but the
+    # innermost collapsed into one parallel loop
+    flat = "0"
+    for v, extent in variables:
+        flat = f"v_{v}" if flat == "0" else f"({flat}) * {extent} + v_{v}"
+    collapse = f" collapse({len(variables) - 1})" if len(variables) > 1 else ""
+    loops = "\n".join(
+        f"        {'    ' * depth}for (int64_t v_{v} = 0; v_{v} < {extent}; ++v_{v})"
+        for depth, (v, extent) in enumerate(variables)
+    )
+    inner = "        " + "    " * len(variables)
+    index_line = f"{inner}const int64_t f = {flat};\n" if re.search(r"\bf\b", value) else ""
+    return f"""        #pragma omp parallel for{collapse} if({size} >= {PARALLEL_MIN_POINTS})
+{loops} {{
+{index_line}{inner}out[{target}] = {value};
+{inner[4:]}}}"""
 
 
 def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tuple[str, str]:

@@ -32,6 +32,7 @@ from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrint
 from neoflow.codegen.chain import chain_function, chain_plan
 from neoflow.codegen.gemm import gemm_function, gemm_plan, store_slice
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
+from neoflow.codegen.staging import StagedPlan, staged_plan
 from neoflow.errors import CompileError
 from neoflow.ir import bounds, index
 from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select, index_variables
@@ -411,14 +412,37 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
     return "\n".join(helpers) + f"\nvoid {name}({', '.join(params)}) {{\n{body}\n}}\n"
 
 
+def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
+    """The C function ``name`` computing ``op`` in the two stages of ``plan``:
+    the partial sums into a buffer of their own, then the output from them."""
+    parameters = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
+    ctype = c_type(op.dtype)
+    params = [f"{ctype} *restrict out", *(f"const {c_type(t.dtype)} *restrict in{k}" for k, t in enumerate(op.inputs))]
+    partial = plan.stage.name
+    helpers = []
+    for suffix, stage in (("s", plan.stage), ("r", plan.rest)):
+        source = lower_op(stage, f"{name}_{suffix}")
+        helpers.append(source.replace(f"\nvoid {name}_{suffix}(", f"\nstatic void {name}_{suffix}(", 1))
+    stage_args = ", ".join(parameters[t.name] for t in plan.stage.inputs)
+    rest_args = ", ".join("partial" if t.name == partial else parameters[t.name] for t in plan.rest.inputs)
+    body = f"""    float *partial = (float *)malloc(sizeof(float) * {plan.stage.output.size});
+    {name}_s(partial, {stage_args});
+    {name}_r(out, {rest_args});
+    free(partial);"""
+    return "\n".join(helpers) + f"\nvoid {name}({', '.join(params)}) {{\n{body}\n}}\n"
+
+
 def lower_op(op: Op, name: str) -> str:
     """The C function ``name`` computing ``op``: a chain of two contractions tiled
-    together (``chain``), the blocked kernel for contractions worth it, dense
+    together (``chain``), a contraction in two stages (``staging``), the blocked kernel for contractions worth it, dense
     pieces for other lattice domains, else the plain loop nest."""
     try:
         chain = chain_plan(op)
         if chain is not None:
             return chain_function(op, chain, name)
+        staged = staged_plan(op)
+        if staged is not None:
+            return staged_function(op, staged, name)
         plan = gemm_plan(op)
         if plan is not None:
             return gemm_function(op, plan, name)
