@@ -7,7 +7,7 @@ import math
 import sympy
 
 from neoflow.codegen.chain import chain_cycles, chain_plan
-from neoflow.codegen.gemm import MR, NR, domain_points, gemm_plan, kernel_cycles
+from neoflow.codegen.gemm import MR, NR, domain_points, gemm_plan, plan_cycles
 from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import in_place_reduction
 from neoflow.codegen.staging import staged_plan
@@ -27,12 +27,8 @@ def peak_fraction(op: Op) -> float | None:
     plan = gemm_plan(op)
     if plan is None:
         return None
-    cycles = macs = 0.0
-    for piece, mapping in plan.pieces:
-        if mapping is None:
-            continue
-        cycles += kernel_cycles(mapping, piece.op.extent)
-        macs += math.prod(piece.op.extent.values())
+    cycles = plan_cycles(plan)
+    macs = sum(math.prod(piece.op.extent.values()) for piece, mapping in plan.pieces if mapping is not None)
     return min(1.0, macs / MACS_PER_CYCLE / cycles) if cycles else None
 
 

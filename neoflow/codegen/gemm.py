@@ -44,6 +44,8 @@ _THREADS = """#ifdef _OPENMP
 #endif"""
 _FREE_TABLES = "free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);"
 GENERIC_CYCLES_PER_POINT = 2.0
+#: cycles per output element written back after a depth block, and extra ones for storing it alone
+WRITE_CYCLES, SCATTER_CYCLES = 1.5, 2.5
 
 MICROKERNEL = r"""
 #if defined(__AVX2__) && defined(__FMA__)
@@ -156,8 +158,9 @@ class GemmPlan:
         return "\n".join(lines)
 
 
-def _piece_mapping(op: Op) -> Mapping | None:
-    """The cheapest outer-product mapping of one dense piece (after folding its domain onto guards)."""
+def _piece_mapping(op: Op, strides: dict[str, int] | None = None) -> Mapping | None:
+    """The cheapest outer-product mapping of one dense piece (after folding its domain
+    onto guards) writing the output at ``strides`` (None: its own row-major layout)."""
     op = fold_domain(op)
     parts = split_epilogue(op.body, op)
     if parts is None:
@@ -169,7 +172,7 @@ def _piece_mapping(op: Op) -> Mapping | None:
     candidates = [m for m in mappings(probe, "cpu", "outer_product") if set(m.outer) <= outputs]
     if not candidates:
         return None
-    return min(candidates, key=lambda m: (kernel_cycles(m, op.extent), m.describe()))
+    return min(candidates, key=lambda m: (kernel_cycles(m, op, strides), m.describe()))
 
 
 def gemm_plan(op: Op) -> GemmPlan | None:
@@ -188,7 +191,7 @@ def gemm_plan(op: Op) -> GemmPlan | None:
         if piece.empty:
             planned.append((piece, None))
             continue
-        mapping = _piece_mapping(piece.op)
+        mapping = _piece_mapping(piece.op, piece.strides)
         if mapping is None:
             return None
         planned.append((piece, mapping))
@@ -206,7 +209,7 @@ def gemm_plan(op: Op) -> GemmPlan | None:
 def plan_cycles(plan: GemmPlan) -> float:
     """Estimated cycles of ``plan``: its pieces' kernels, half a cycle per element zeroed."""
     return sum(
-        piece.op.output.size * 0.5 if mapping is None else kernel_cycles(mapping, piece.op.extent)
+        piece.op.output.size * 0.5 if mapping is None else kernel_cycles(mapping, piece.op, piece.strides)
         for piece, mapping in plan.pieces
     )
 
@@ -218,18 +221,29 @@ def domain_points(op: Op) -> float:
     return math.prod(op.extent[v] for v in op.indices) * reduction_points(reduce, op.extent)
 
 
-def kernel_cycles(mapping: Mapping, extent: dict[str, int]) -> float:
-    """Estimated cycles of this kernel for ``mapping``: micro-kernel calls (6 cycles
-    each), packing (a couple of cycles per element plus one per index variable
-    read from the tables) and the write-back after each ``KC`` block, summed over
-    the batch (outer) points."""
+def kernel_cycles(mapping: Mapping, op: Op, strides: dict[str, int] | None = None) -> float:
+    """Estimated cycles of the kernel computing ``op`` (a dense piece writing the
+    output at ``strides``; None: row-major) for ``mapping``: micro-kernel calls
+    (6 cycles each), packing (a couple of cycles per element plus one per index
+    variable read from the tables) and the write-back after each ``KC`` block
+    (more when the depth is one block and the tile's columns are not a
+    contiguous run of the output: stores element by element), summed over the
+    batch (outer) points."""
+    extent = op.extent
     groups = dict(mapping.axes)
     m, n, k = (math.prod(extent[v] for v in groups[a]) for a in ("i", "j", "k"))
     batches = math.prod(extent[v] for v in mapping.outer)
     compute = round_up(m, MR) * round_up(n, NR) * k / (MR * NR) * 6.0
     pack_b = k * round_up(n, NR) * (2 + len(groups["j"]) + len(groups["k"]))
     pack_a = -(-n // NC) * round_up(m, MR) * k * (2 + len(groups["i"]) + len(groups["k"]))
-    write_back = m * n * -(-k // KC) * 1.5
+    write_back = m * n * -(-k // KC) * WRITE_CYCLES
+    columns = groups["j"]
+    in_rows = tuple(op.indices[len(op.indices) - len(columns) :]) == tuple(columns)
+    if k <= KC and not (in_rows and (strides is None or strides[columns[-1]] == 1)):
+        # one depth block: each tile is stored once after a short depth loop, and storing it
+        # element by element through the tables (columns not the output's rows) costs about
+        # as much as computing it; behind a long depth loop the difference does not show
+        write_back += m * n * SCATTER_CYCLES
     return batches * (compute + pack_a + pack_b + write_back)
 
 

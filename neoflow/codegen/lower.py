@@ -424,11 +424,11 @@ def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
         source = lower_op(stage, f"{name}_{suffix}")
         helpers.append(source.replace(f"\nvoid {name}_{suffix}(", f"\nstatic void {name}_{suffix}(", 1))
     stage_args = ", ".join(parameters[t.name] for t in plan.stage.inputs)
-    rest_args = ", ".join("partial" if t.name == partial else parameters[t.name] for t in plan.rest.inputs)
-    body = f"""    float *partial = (float *)malloc(sizeof(float) * {plan.stage.output.size});
-    {name}_s(partial, {stage_args});
+    rest_args = ", ".join("sums" if t.name == partial else parameters[t.name] for t in plan.rest.inputs)
+    body = f"""    float *sums = (float *)malloc(sizeof(float) * {plan.stage.output.size});
+    {name}_s(sums, {stage_args});
     {name}_r(out, {rest_args});
-    free(partial);"""
+    free(sums);"""
     return "\n".join(helpers) + f"\nvoid {name}({', '.join(params)}) {{\n{body}\n}}\n"
 
 

@@ -117,3 +117,21 @@ def test_a_strided_adjoint_runs_the_blocked_kernel_on_each_dense_piece() -> None
     # one piece per (row parity, column parity), each a dense contraction on the outer product
     assert [line.split(",", 1)[0] for line in lines] == ["offset 0", "offset 1", "offset 33", "offset 34"]
     assert all("outer_product: i<-(z3_, z4_) j<-(c) k<-(k, r_, s_)" in line for line in lines)
+
+
+def test_a_short_depth_stores_whole_rows_of_the_output() -> None:
+    # the four-op graph's dilated convolution: 27 terms per output point; with the output
+    # channels as the tile's columns every tile would be stored element by element
+    op = neoflow.op(
+        "D[n, k, p, q] = ReduceAdd({r, s}, B[n, c, p*2+r*2, q*2+s*2] * C[k, c, r, s])",
+        shapes={"B": (1, 3, 68, 68), "C": (64, 3, 3, 3)},
+    )
+    ((_, mapping),) = gemm_plan(op).pieces
+    assert dict(mapping.axes)["j"] == ("p", "q")
+    # behind a long depth loop the packing estimate decides (a 3x3 convolution over 64 channels)
+    conv = neoflow.op(
+        "Y[n, k, p, q] = ReduceAdd({c, r, s}, X[n, c, p + r, q + s] * W[k, c, r, s])",
+        shapes={"X": (2, 64, 10, 10), "W": (32, 64, 3, 3)},
+    )
+    ((_, mapping),) = gemm_plan(conv).pieces
+    assert dict(mapping.axes)["j"] == ("k",)
