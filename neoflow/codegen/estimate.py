@@ -35,10 +35,10 @@ def peak_fraction(op: Op) -> float | None:
 def schedule(op: Op) -> Scheduled:
     """How ``op`` runs: a chain of contractions tiled together (its own
     arithmetic and share of peak), a contraction in two stages (likewise), the
-    blocked kernel (share of peak), or a
-    loop nest, vectorised when its innermost loop (over the output's last
-    index, when it has no reduction or accumulates in place; over the sum's
-    last axis for one floating-point sum) moves every access by 0 or 1."""
+    blocked kernel (share of peak), or a loop nest, vectorised when its innermost
+    loop (over the output's last index, when it has no reduction or accumulates
+    in place; over the sum's last axis for one floating-point sum) moves every
+    access by 0 or 1."""
     chain = chain_plan(op)
     if chain is not None:
         m, n, middle, k = chain.extents

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, unflatten_index
@@ -175,11 +176,13 @@ def _piece_mapping(op: Op, strides: dict[str, int] | None = None) -> Mapping | N
     return min(candidates, key=lambda m: (kernel_cycles(m, op, strides), m.describe()))
 
 
+@lru_cache(maxsize=1024)
 def gemm_plan(op: Op) -> GemmPlan | None:
     """The blocked-kernel plan for ``op``, or None when the op is not a float32
     contraction (plus an optional epilogue) worth blocking: its lattice domain is
     split into dense pieces, each mapped onto the outer-product intrinsic; the
-    plan is taken only when its estimated cycles beat the plain loop nest's."""
+    plan is taken only when its estimated cycles beat the plain loop nest's.
+    Cached: the lowering, the two-stage split and the cost model all ask."""
     if op.dtype != "float32" or any(t.dtype != "float32" for t in op.inputs) or op.scatter is not None:
         return None
     pieces = split_lattice(op)

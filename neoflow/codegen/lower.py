@@ -393,15 +393,13 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
     each dense piece is a plain loop nest (``name_p<k>``) into a contiguous buffer,
     scattered to its strided slice of the output; empty pieces zero theirs."""
     ctype = c_type(op.dtype)
-    params = [f"{ctype} *restrict out", *(f"const {c_type(t.dtype)} *restrict in{k}" for k, t in enumerate(op.inputs))]
     arguments = "".join(f", in{k}" for k in range(len(op.inputs)))
     helpers, lines = [], []
     for number, piece in enumerate(pieces):
         if piece.empty:
             lines.append(store_slice(piece, "0"))
             continue
-        function = Lowering(piece.op).function(f"{name}_p{number}")
-        helpers.append(function.replace(f"void {name}_p{number}(", f"static void {name}_p{number}(", 1))
+        helpers.append(_static(Lowering(piece.op).function(f"{name}_p{number}"), f"{name}_p{number}"))
         lines.append(f"""    {{
         {ctype} *part = ({ctype} *)malloc(sizeof({ctype}) * {piece.op.output.size});
         {name}_p{number}(part{arguments});
@@ -409,33 +407,43 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
         free(part);
     }}""")
     body = "\n".join(lines)
-    return "\n".join(helpers) + f"\nvoid {name}({', '.join(params)}) {{\n{body}\n}}\n"
+    return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
+
+
+def _parameters(op: Op) -> str:
+    """The C parameter list of a kernel computing ``op``: ``out``, then ``in<k>`` per input."""
+    inputs = (f"const {c_type(t.dtype)} *restrict in{k}" for k, t in enumerate(op.inputs))
+    return ", ".join([f"{c_type(op.dtype)} *restrict out", *inputs])
+
+
+def _static(source: str, function: str) -> str:
+    """``source`` with its definition of ``function`` made file-local (a helper of another kernel)."""
+    return source.replace(f"void {function}(", f"static void {function}(", 1)
 
 
 def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
     """The C function ``name`` computing ``op`` in the two stages of ``plan``:
     the partial sums into a buffer of their own, then the output from them."""
-    parameters = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
-    ctype = c_type(op.dtype)
-    params = [f"{ctype} *restrict out", *(f"const {c_type(t.dtype)} *restrict in{k}" for k, t in enumerate(op.inputs))]
-    partial = plan.stage.name
-    helpers = []
-    for suffix, stage in (("s", plan.stage), ("r", plan.rest)):
-        source = lower_op(stage, f"{name}_{suffix}")
-        helpers.append(source.replace(f"\nvoid {name}_{suffix}(", f"\nstatic void {name}_{suffix}(", 1))
-    stage_args = ", ".join(parameters[t.name] for t in plan.stage.inputs)
-    rest_args = ", ".join("sums" if t.name == partial else parameters[t.name] for t in plan.rest.inputs)
+    arguments = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
+    arguments[plan.stage.name] = "sums"
+    helpers = [
+        _static(lower_op(stage, f"{name}_{suffix}"), f"{name}_{suffix}")
+        for suffix, stage in (("s", plan.stage), ("r", plan.rest))
+    ]
+    stage_args = ", ".join(arguments[t.name] for t in plan.stage.inputs)
+    rest_args = ", ".join(arguments[t.name] for t in plan.rest.inputs)
     body = f"""    float *sums = (float *)malloc(sizeof(float) * {plan.stage.output.size});
     {name}_s(sums, {stage_args});
     {name}_r(out, {rest_args});
     free(sums);"""
-    return "\n".join(helpers) + f"\nvoid {name}({', '.join(params)}) {{\n{body}\n}}\n"
+    return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
 
 
 def lower_op(op: Op, name: str) -> str:
     """The C function ``name`` computing ``op``: a chain of two contractions tiled
-    together (``chain``), a contraction in two stages (``staging``), the blocked kernel for contractions worth it, dense
-    pieces for other lattice domains, else the plain loop nest."""
+    together (``chain``), a contraction in two stages (``staging``), the blocked
+    kernel for contractions worth it, dense pieces for other lattice domains, else
+    the plain loop nest."""
     try:
         chain = chain_plan(op)
         if chain is not None:

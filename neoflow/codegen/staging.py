@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import sympy
 
@@ -52,18 +53,12 @@ def _plain_axes(reduce: Reduce, left: Read, right: Read) -> list[str]:
     index of either and not in the domain condition: summing over them first
     leaves a matrix product of the operands read in place."""
     guarded = set() if reduce.where is None else index_variables(reduce.where)
-    plain = []
-    for axis in reduce.axes:
+
+    def plain(axis: str) -> bool:
         symbol = index.var(axis)
-        if axis in guarded:
-            continue
-        if all(
-            sum(1 for e in read.indices if e == symbol) == 1
-            and sum(1 for e in read.indices if symbol in e.free_symbols) == 1
-            for read in (left, right)
-        ):
-            plain.append(axis)
-    return plain
+        return all([e for e in read.indices if symbol in e.free_symbols] == [symbol] for read in (left, right))
+
+    return [axis for axis in reduce.axes if axis not in guarded and plain(axis)]
 
 
 def split_contraction(op: Op) -> tuple[Op, Op] | None:
@@ -153,16 +148,17 @@ def split_contraction(op: Op) -> tuple[Op, Op] | None:
 
 def _current_cycles(op: Op) -> float:
     """Estimated cycles of the way ``op`` runs without the split."""
-    generic = GENERIC_CYCLES_PER_POINT * domain_points(op)
-    plan = gemm_plan(op)
-    return generic if plan is None else min(generic, plan_cycles(plan))
+    plan = gemm_plan(op)  # taken only where it beats the loop nest's estimate
+    return GENERIC_CYCLES_PER_POINT * domain_points(op) if plan is None else plan_cycles(plan)
 
 
+@lru_cache(maxsize=1024)
 def staged_plan(op: Op) -> StagedPlan | None:
     """The two-stage form of ``op`` when it pays: the stage runs on the blocked
     kernel, visits at most ``MAX_EXTRA_WORK`` times the op's domain points, its
     partial sums take no more memory than the op's operands and output, and the
-    two stages' estimated cycles are below ``GAIN`` times the op's."""
+    two stages' estimated cycles are below ``GAIN`` times the op's.  Cached: the
+    lowering and the fusion cost model both ask."""
     split = split_contraction(op)
     if split is None:
         return None
