@@ -30,13 +30,21 @@ from typing import NamedTuple
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, unflatten_index
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
-from neoflow.codegen.packing import affine_operand, affine_packer, free_tables, operand_tables
+from neoflow.codegen.packing import (
+    VECTOR_WIDTH,
+    affine_operand,
+    affine_packer,
+    free_tables,
+    operand_tables,
+    vector_runs,
+)
 from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
 from neoflow.ir.index import flat_offset, var
 from neoflow.ir.op import Op
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
+NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
 _THREADS = """#ifdef _OPENMP
         const int64_t threads_ = omp_get_max_threads();
@@ -47,6 +55,7 @@ _FREE_TABLES = "free(row_tab); free(row_off); free(col_tab); free(col_off); free
 GENERIC_CYCLES_PER_POINT = 2.0
 #: cycles per output element written back after a depth block, and extra ones for storing it alone
 WRITE_CYCLES, SCATTER_CYCLES = 1.5, 2.5
+VECTOR_PACK_CYCLES = 1.0  # per element of a strip copied with vector loads
 
 MICROKERNEL = r"""
 #if defined(__AVX2__) && defined(__FMA__)
@@ -225,29 +234,63 @@ def domain_points(op: Op) -> float:
 
 
 def kernel_cycles(mapping: Mapping, op: Op, strides: dict[str, int] | None = None) -> float:
-    """Estimated cycles of the kernel computing ``op`` (a dense piece writing the
-    output at ``strides``; None: row-major) for ``mapping``: micro-kernel calls
-    (6 cycles each), packing (a couple of cycles per element plus one per index
-    variable read from the tables) and the write-back after each ``KC`` block
-    (more when the depth is one block and the tile's columns are not a
-    contiguous run of the output: stores element by element), summed over the
-    batch (outer) points."""
+    """Estimated cycles of the kernel computing ``op`` (a dense piece, its domain folded
+    onto guards, writing the output at ``strides``; None: row-major) for ``mapping``:
+    micro-kernel calls (6 cycles each), packing (``_pack_cycles`` per element; all of
+    ``a`` once on the narrow structure, ``_narrow``) and the write-back after each
+    depth block (more when the depth is one block and the tile's columns are not a
+    contiguous run of the output: stores element by element), summed over the batch
+    (outer) points."""
     extent = op.extent
     groups = dict(mapping.axes)
     m, n, k = (math.prod(extent[v] for v in groups[a]) for a in ("i", "j", "k"))
     batches = math.prod(extent[v] for v in mapping.outer)
+    factor_a, factor_b = _operand_factors(op, mapping)
+    batch = [(v, extent[v]) for v in mapping.outer]
+    narrow = _narrow(m, k, batch, factor_a) and not _split_depth(m, n, k)
     compute = round_up(m, MR) * round_up(n, NR) * k / (MR * NR) * 6.0
-    pack_b = k * round_up(n, NR) * (2 + len(groups["j"]) + len(groups["k"]))
-    pack_a = -(-n // NC) * round_up(m, MR) * k * (2 + len(groups["i"]) + len(groups["k"]))
-    write_back = m * n * -(-k // KC) * WRITE_CYCLES
+    pack_b = k * round_up(n, NR) * _pack_cycles(op, factor_b, groups["j"], groups["k"], NR)
+    pack_a = round_up(m, MR) * k * _pack_cycles(op, factor_a, groups["i"], groups["k"], MR)
+    blocks = 1 if narrow else -(-k // KC)
+    write_back = m * n * blocks * WRITE_CYCLES
     columns = groups["j"]
     in_rows = tuple(op.indices[len(op.indices) - len(columns) :]) == tuple(columns)
-    if k <= KC and not (in_rows and (strides is None or strides[columns[-1]] == 1)):
+    if blocks == 1 and not (in_rows and (strides is None or strides[columns[-1]] == 1)):
         # one depth block: each tile is stored once after a short depth loop, and storing it
         # element by element through the tables (columns not the output's rows) costs about
         # as much as computing it; behind a long depth loop the difference does not show
         write_back += m * n * SCATTER_CYCLES
-    return batches * (compute + pack_a + pack_b + write_back)
+    if narrow:
+        return batches * (compute + pack_b + write_back) + pack_a
+    return batches * (compute + -(-n // NC) * pack_a + pack_b + write_back)
+
+
+def _operand_factors(op: Op, mapping: Mapping) -> tuple[Expr, Expr]:
+    """The two factors of ``op``'s (folded) contraction: operand ``a``'s, then ``b``'s."""
+    product = split_epilogue(op.body, op)[0].body
+    assert isinstance(product, Binary)
+    if _first_read(product.a) != dict(mapping.operands)["a"]:
+        return product.b, product.a
+    return product.a, product.b
+
+
+def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, ...], width: int) -> float:
+    """Estimated cycles per element packed of one operand: ``VECTOR_PACK_CYCLES`` in the
+    full strips the packer copies with vector loads (``packing.vector_runs``), otherwise
+    a couple of cycles plus one per index variable read from the tables."""
+    shapes = {t.name: t.shape for t in op.inputs}
+    sides = [(v, op.extent[v]) for v in side]
+    depths = [(v, op.extent[v]) for v in depth]
+    scalar = 2.0 + len(side) + len(depth)
+    if (
+        width == VECTOR_WIDTH
+        and _inner_is_first(factor, {t.name: t for t in op.inputs}, sides, depths)
+        and vector_runs(affine_operand(factor, shapes), side, op.extent)
+    ):
+        size = math.prod(e for _, e in sides)
+        full = size // width * width / round_up(size, width)
+        return full * VECTOR_PACK_CYCLES + (1 - full) * scalar
+    return scalar
 
 
 def _table(name: str, variables: list[tuple[str, int]], offset: str | None) -> str:
@@ -315,10 +358,8 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     """C computing one dense piece with the blocked kernel: the packing functions
     (named ``<prefix>_pack_a``/``_b``) and the block of code calling them."""
     op = fold_domain(piece.op)
-    reduce, epilogue = split_epilogue(op.body, op)
-    product = reduce.body
-    assert isinstance(product, Binary)
-    operands = dict(mapping.operands)
+    epilogue = split_epilogue(op.body, op)[1]
+    factor_a, factor_b = _operand_factors(op, mapping)
     groups = dict(mapping.axes)
     extent = op.extent
     tensors = {t.name: t for t in op.inputs}
@@ -326,9 +367,6 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     index = IndexPrinter(lambda v: f"v_{v}", lambda t, idx: printer.read(t, idx))
     printer = ValuePrinter(tensors, names, index, lambda node: "0")
     finish = ValuePrinter(tensors, names, index, lambda node: "acc_")  # the epilogue, given the sum
-    factor_a, factor_b = product.a, product.b
-    if _first_read(product.a) != operands["a"]:
-        factor_a, factor_b = factor_b, factor_a
     value_a, value_b = printer(factor_a, "float32"), printer(factor_b, "float32")
     rows = [(v, extent[v]) for v in groups["i"]]
     cols = [(v, extent[v]) for v in groups["j"]]
@@ -360,10 +398,10 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     b_inner = _inner_is_first(factor_b, tensors, cols, depth)
     shapes = {t.name: t.shape for t in op.inputs}
     pack_a_code = _operand_packer(
-        prefix, "a", MR, factor_a, value_a, rows, depth, batch, a_inner, shapes, names, params
+        prefix, "a", MR, factor_a, value_a, rows, depth, batch, a_inner, shapes, names, params, extent
     )
     pack_b_code = _operand_packer(
-        prefix, "b", NR, factor_b, value_b, cols, depth, batch, b_inner, shapes, names, params
+        prefix, "b", NR, factor_b, value_b, cols, depth, batch, b_inner, shapes, names, params, extent
     )
     sides = (pack_a_code, pack_b_code)
     packers = "\n".join(side.code for side in sides)
@@ -397,6 +435,80 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             tables, (m, n, k), batch, batches, offset(batch), pack_a, pack_b("0", b_outer), epilogue_term, operand_free
         )
         return packers, split
+
+    def row_strips(b_strip: str) -> str:
+        """C running the micro-kernel down rows ``[ic, ic + mc)`` against the packed
+        column strip at ``b_strip``, storing (or adding) each tile, then the epilogue."""
+        return f"""                                for (int64_t ir = 0; ir < mc; ir += {MR}) {{
+                                    const int64_t row_step = row_steps[(ic + ir) / {MR}];
+                                    if (dense && row_step)
+                                        nf_micro_6x16_to(kc, apack + ir * kc, {b_strip},
+                                                         to_batch + row_off[ic + ir] + col_off[jc + jr],
+                                                         row_step, pc != 0);
+                                    else {{
+                                        nf_micro_6x16(kc, apack + ir * kc, {b_strip}, tile);
+                                        for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
+                                            const float *from = tile + ii * {NR};
+                                            float *to = to_batch + row_off[ic + ir + ii];
+                                            if (pc == 0)
+                                                for (int64_t jj = 0; jj < width; ++jj)
+                                                    to[col_off[jc + jr + jj]] = from[jj];
+                                            else
+                                                for (int64_t jj = 0; jj < width; ++jj)
+                                                    to[col_off[jc + jr + jj]] += from[jj];
+                                        }}
+                                    }}{epilogue_loop}
+                                }}"""
+
+    row_steps = f"""/* the distance between the rows of each full strip of {MR} output rows, 0 where uneven */
+        int64_t *row_steps = (int64_t *)malloc(sizeof(int64_t) * {-(-m // MR)});
+        for (int64_t s = 0; s < {-(-m // MR)}; ++s) {{
+            int64_t step = s * {MR} + {MR} <= {m} ? row_off[s * {MR} + 1] - row_off[s * {MR}] : 0;
+            for (int64_t r = 2; step && r < {MR}; ++r)
+                if (row_off[s * {MR} + r] - row_off[s * {MR} + r - 1] != step) step = 0;
+            row_steps[s] = step;
+        }}"""
+    if _narrow(m, k, batch, factor_a):
+        a_whole = f"{prefix}_pack_a(apack, 0, {m}, 0, {k}, 0, {k if a_inner else m}, {pack_a_code.tables}"
+        a_whole += "".join(f", in{i}" for i in range(len(op.inputs))) + ", 0" * len(batch) + ");"
+        strips = -(-n // NR)
+        b_strip = f"{prefix}_pack_b(bpack, jr, width, 0, {k}, 0, {k if b_inner else 'width'}, {pack_b_code.tables}"
+        b_strip += f"{arguments});"
+        return (
+            packers,
+            f"""
+        {tables}
+        {row_steps}
+        /* the whole of a (rows x depth) packed once, each column strip packed and multiplied by the task owning it */
+        float *apack = (float *)aligned_alloc(64, sizeof(float) * {round_up(k * round_up(m, MR), 16)});
+        {a_whole}
+        for (int64_t i = {m}; i < {round_up(m, MR)}; ++i)
+            for (int64_t p = 0; p < {k}; ++p) apack[(i / {MR}) * {MR} * {k} + p * {MR} + i % {MR}] = 0.0f;
+        #pragma omp parallel
+        {{
+            float *bpack = (float *)aligned_alloc(64, sizeof(float) * {k} * {NR});
+            float tile[{MR * NR}] __attribute__((aligned(64)));
+            const int64_t ic = 0, jc = 0, mc = {m}, pc = 0, kc = {k};
+            const int last_ = 1;
+            #pragma omp for schedule(dynamic)
+            for (int64_t task = 0; task < {batches * strips}; ++task) {{
+                const int64_t batch_ = task / {strips}, jr = task % {strips} * {NR};
+                {unflatten_index("batch_", batch)}
+                float *restrict to_batch = outp + {offset(batch)};
+                const int64_t width = {n} - jr < {NR} ? {n} - jr : {NR};
+                {b_strip}
+                for (int64_t j = width; j < {NR}; ++j)
+                    for (int64_t p = 0; p < {k}; ++p) bpack[p * {NR} + j] = 0.0f;
+                int dense = width == {NR};
+                for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
+{row_strips("bpack")}
+            }}
+            free(bpack);
+        }}
+        free(apack);
+        free(row_steps);
+        {_FREE_TABLES} {operand_free}""",
+        )
     # the b block is packed by every thread, each a slice of the packer's outer loop
     pack_b_shared = "for (int64_t part = 0; part < threads_; ++part)\n                        " + pack_b(
         f"{b_outer} * part / threads_", f"{b_outer} * (part + 1) / threads_"
@@ -405,14 +517,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         packers,
         f"""
         {tables}
-        /* the distance between the rows of each full strip of {MR} output rows, 0 where they are not evenly spaced */
-        int64_t *row_steps = (int64_t *)malloc(sizeof(int64_t) * {-(-m // MR)});
-        for (int64_t s = 0; s < {-(-m // MR)}; ++s) {{
-            int64_t step = s * {MR} + {MR} <= {m} ? row_off[s * {MR} + 1] - row_off[s * {MR}] : 0;
-            for (int64_t r = 2; step && r < {MR}; ++r)
-                if (row_off[s * {MR} + r] - row_off[s * {MR} + r - 1] != step) step = 0;
-            row_steps[s] = step;
-        }}
+        {row_steps}
         float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, round_up(n, NR))});
         char *contiguous = (char *)malloc({-(-min(NC, n) // NR)});
         /* row blocks: a multiple of the thread count when there are enough rows, otherwise
@@ -455,26 +560,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                             for (int64_t jr = j_first; jr < j_end; jr += {NR}) {{
                                 const int64_t width = nc - jr < {NR} ? nc - jr : {NR};
                                 const int dense = contiguous[jr / {NR}];
-                                for (int64_t ir = 0; ir < mc; ir += {MR}) {{
-                                    const int64_t row_step = row_steps[(ic + ir) / {MR}];
-                                    if (dense && row_step)
-                                        nf_micro_6x16_to(kc, apack + ir * kc, bpack + jr * kc,
-                                                         to_batch + row_off[ic + ir] + col_off[jc + jr],
-                                                         row_step, pc != 0);
-                                    else {{
-                                        nf_micro_6x16(kc, apack + ir * kc, bpack + jr * kc, tile);
-                                        for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
-                                            const float *from = tile + ii * {NR};
-                                            float *to = to_batch + row_off[ic + ir + ii];
-                                            if (pc == 0)
-                                                for (int64_t jj = 0; jj < width; ++jj)
-                                                    to[col_off[jc + jr + jj]] = from[jj];
-                                            else
-                                                for (int64_t jj = 0; jj < width; ++jj)
-                                                    to[col_off[jc + jr + jj]] += from[jj];
-                                        }}
-                                    }}{epilogue_loop}
-                                }}
+{row_strips("bpack + jr * kc")}
                             }}
                         }}
                         free(apack);
@@ -513,6 +599,7 @@ def _operand_packer(
     shapes: dict[str, tuple[int, ...]],
     names: dict[str, str],
     params: str,
+    extents: dict[str, int],
 ) -> OperandPacker:
     """The packer of operand ``side`` (``a``: rows, ``b``: columns): through offset tables
     when the operand is an affine guarded read (``packing.affine_operand``), otherwise the
@@ -526,7 +613,17 @@ def _operand_packer(
             _packer(name, width, group, value, depth, side_inner, params), "", "", f"{generic}, dep_tab"
         )
     return OperandPacker(
-        affine_packer(name, width, affine, names[affine.tensor], batch, side_inner, params),
+        affine_packer(
+            name,
+            width,
+            affine,
+            names[affine.tensor],
+            batch,
+            side_inner,
+            params,
+            extents,
+            math.prod(shapes[affine.tensor]),
+        ),
         f"{operand_tables(f'{side}_side', affine, group, False)}\n        "
         f"{operand_tables(f'{side}_dep', affine, depth, True)}",
         f"{free_tables(f'{side}_side', affine)} {free_tables(f'{side}_dep', affine)}",
@@ -592,6 +689,17 @@ def round_up(value: int, multiple: int) -> int:
 def _first_read(node: Expr) -> str:
     """The tensor of the first read in ``node``."""
     return next(n.tensor for n in node.walk() if isinstance(n, Read))
+
+
+def _narrow(m: int, k: int, batch: list[tuple[str, int]], factor_a: Expr) -> bool:
+    """Whether to pack all of ``a`` once (its rows x depth fit ``NARROW_A_BYTES``; it does
+    not change with the batch) and give each task one column strip of ``b`` to pack and
+    multiply by all of it: few rows (a convolution's output channels) make a block of
+    ``b`` packed ahead into the shared buffer worth only a few micro-kernel calls, so it
+    is better packed just before those calls, by the thread making them, while it is in
+    its cache, and in one depth block the tiles are stored once."""
+    fits = round_up(m, MR) * k * 4 <= NARROW_A_BYTES
+    return m <= MC and fits and not (index_variables(factor_a) & {v for v, _ in batch})
 
 
 def _split_depth(m: int, n: int, k: int) -> bool:

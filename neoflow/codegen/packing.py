@@ -25,6 +25,8 @@ from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Select, conjuncts
 from neoflow.ir.index import flat_offset
 
 _FLIP = {">=": "<=", ">": "<", "<=": ">=", "<": ">"}
+#: strips this wide (two AVX2 vectors) are copied with vector loads where the read runs along them
+VECTOR_WIDTH = 16
 
 
 @dataclass(frozen=True)
@@ -168,11 +170,18 @@ def affine_packer(
     batch: list[tuple[str, int]],
     side_inner: bool,
     params: str,
+    extents: dict[str, int],
+    tensor_size: int,
 ) -> str:
     """A C function with the generic packer's contract (``gemm._packer``) for an affine
     operand: strips ``width`` wide of rows (or columns) ``[start, start + size)`` and
     depth ``[pc, pc + kc)``, the outer loop over ``[lo, hi)``, reading through the side
-    tables ``side[q]`` and depth tables ``dep[q]`` of ``operand_tables``."""
+    tables ``side[q]`` and depth tables ``dep[q]`` of ``operand_tables``.  Where the
+    side moves the read by one element per row (``side_inner``) and strips are
+    ``VECTOR_WIDTH`` wide, AVX2 copies each run strip with two vector loads per depth
+    step, masking the lanes that fail a guard (``_vector_runs``); ``extents`` bound the
+    guarded quantities (the masks compare 32-bit lanes) and ``tensor_size`` says
+    where a plain load would leave the tensor."""
     printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
     batch_names = {v for v, _ in batch}
     quantities = operand.quantities()
@@ -203,7 +212,7 @@ def affine_packer(
         )
         arithmetic = f"s0_[s + ii] == s0_[s] + ii{' && ' + steps if steps else ''}"
         end_checks = _end_checks(operand.ranges, width)
-        return f"""{header}
+        scalar = f"""{header}
     {declare("const int64_t *restrict s{q}_ = side[{q}] + start;")}
     const int64_t strips = (size + {width - 1}) / {width};
     char run[strips > 0 ? strips : 1];
@@ -227,6 +236,10 @@ def affine_packer(
         }}
     }}
 }}"""
+        if width != VECTOR_WIDTH or not _lanes_fit(operand, extents):
+            return scalar
+        vector = _vector_runs(header, operand, tensor_name, tensor_size, declare, element)
+        return f"#if defined(__AVX2__)\n{vector}\n#else\n{scalar}\n#endif"
     return f"""{header}
     {declare("const int64_t *restrict d{q}_ = dep[{q}] + pc;")}
     for (int64_t i = lo; i < hi; ++i) {{
@@ -236,6 +249,109 @@ def affine_packer(
             column[p * {width}] = {element("s{q}_", "d{q}_[p]")};
     }}
 }}"""
+
+
+def vector_runs(operand: AffineOperand | None, side: tuple[str, ...], extents: dict[str, int]) -> bool:
+    """Whether the vector packer copies every full strip of ``operand`` along the ``side``
+    variables (row-major, the last fastest) with vector loads: the read is affine, its
+    offset moves by one element per step of the flattened side, and its guarded
+    quantities fit 32-bit lanes."""
+    if operand is None or not side or not _lanes_fit(operand, extents):
+        return False
+    step = 1
+    for name in reversed(side):
+        if operand.offset.coeff(sympy.Symbol(name, integer=True)) != step:
+            return False
+        step *= extents[name]
+    return True
+
+
+def _lanes_fit(operand: AffineOperand, extents: dict[str, int]) -> bool:
+    """Whether every guarded quantity of ``operand`` stays within 32 bits over the
+    variables' ``extents`` (the vector packer compares it lane by lane as ``int32``)."""
+    for quantity in operand.quantities()[1:]:
+        constant, terms = sympy.expand(quantity).as_coeff_Add()
+        reach = abs(int(constant)) + sum(
+            abs(int(term.as_coeff_Mul()[0])) * (extents.get(term.free_symbols.pop().name, 1 << 31) - 1)
+            for term in sympy.Add.make_args(terms)
+            if term.free_symbols
+        )
+        if reach >= 1 << 30:
+            return False
+    return True
+
+
+def _vector_runs(header: str, operand: AffineOperand, tensor_name: str, tensor_size: int, declare, element) -> str:
+    """The AVX2 body of the side-inner packer for ``VECTOR_WIDTH``-wide strips: strip
+    by strip (each written contiguously), a strip whose read offsets are consecutive is
+    copied with two 8-lane loads per depth step, each lane zeroed where a guarded
+    quantity (side part as an ``int32`` lane plus the depth part) leaves its range;
+    a plain load where the whole strip lies inside the tensor (a masked load, which
+    never touches the masked lanes, at its edges); other strips element by element."""
+    guards = list(enumerate(operand.ranges, start=1))
+    lanes = "\n".join(
+        f"            for (int ii = 0; ii < {VECTOR_WIDTH}; ++ii) g{q}[ii] = (int32_t)s{q}_[s + ii];\n"
+        f"            const __m256i g{q}a = _mm256_loadu_si256((const __m256i *)g{q}), "
+        f"g{q}b = _mm256_loadu_si256((const __m256i *)(g{q} + 8));"
+        for q, _ in guards
+    )
+    arrays = " ".join(f"int32_t g{q}[{VECTOR_WIDTH}];" for q, _ in guards)
+
+    def mask(half: str) -> str:
+        parts = [_lane_check(bound, f"_mm256_add_epi32(g{q}{half}, e{q})") for q, bound in guards]
+        mask = parts[0] if parts else "_mm256_set1_epi32(-1)"
+        for part in parts[1:]:
+            mask = f"_mm256_and_si256({mask}, {part})"
+        return mask
+
+    depth_lanes = " ".join(
+        f"const __m256i e{q} = _mm256_set1_epi32((int32_t)(dep[{q}][pc + p] + base{q}_));" for q, _ in guards
+    )
+    return f"""{header}
+    {declare("const int64_t *restrict s{q}_ = side[{q}] + start;")}
+    {arrays}
+    for (int64_t s = 0; s < size; s += {VECTOR_WIDTH}) {{
+        float *restrict strip = buffer + s * kc;
+        int run = size - s >= {VECTOR_WIDTH};
+        for (int64_t ii = 1; run && ii < {VECTOR_WIDTH}; ++ii) run = s0_[s + ii] == s0_[s] + ii;
+        if (run) {{
+{lanes}
+            for (int64_t p = lo; p < hi; ++p) {{
+                {depth_lanes}
+                const __m256i ma = {mask("a")};
+                const __m256i mb = {mask("b")};
+                const int64_t at = s0_[s] + dep[0][pc + p] + base0_;
+                __m256 xa, xb;
+                if (at >= 0 && at <= {tensor_size - VECTOR_WIDTH}) {{
+                    xa = _mm256_and_ps(_mm256_loadu_ps({tensor_name} + at), _mm256_castsi256_ps(ma));
+                    xb = _mm256_and_ps(_mm256_loadu_ps({tensor_name} + at + 8), _mm256_castsi256_ps(mb));
+                }} else {{
+                    xa = _mm256_maskload_ps({tensor_name} + at, ma);
+                    xb = _mm256_maskload_ps({tensor_name} + at + 8, mb);
+                }}
+                _mm256_store_ps(strip + p * {VECTOR_WIDTH}, xa);
+                _mm256_store_ps(strip + p * {VECTOR_WIDTH} + 8, xb);
+            }}
+            continue;
+        }}
+        const int64_t n = size - s < {VECTOR_WIDTH} ? size - s : {VECTOR_WIDTH};
+        for (int64_t p = lo; p < hi; ++p) {{
+            {declare("const int64_t d{q}_ = dep[{q}][pc + p] + base{q}_;")}
+            for (int64_t ii = 0; ii < n; ++ii)
+                strip[p * {VECTOR_WIDTH} + ii] = {element("s{q}_[s + ii]", "d{q}_")};
+        }}
+    }}
+}}"""
+
+
+def _lane_check(bound: Range, lanes: str) -> str:
+    """AVX2 mask of the ``int32`` lanes (a quantity shifted so that its bound is zero) in ``bound``."""
+    low = "_mm256_cmpgt_epi32(v_, _mm256_set1_epi32(-1))"
+    if bound.low is not None and bound.high is not None:
+        body = f"_mm256_and_si256({low}, _mm256_cmpgt_epi32(_mm256_set1_epi32({bound.high - bound.low + 1}), v_))"
+    else:
+        body = low if bound.low is not None else "_mm256_cmpgt_epi32(_mm256_set1_epi32(1), v_)"
+    return f"({{ const __m256i v_ = {lanes}; {body}; }})"
 
 
 def _end_checks(ranges: tuple[Range, ...], width: int) -> str:

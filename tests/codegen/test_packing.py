@@ -9,7 +9,7 @@ import sympy
 import neoflow
 from neoflow.codegen.gemm import gemm_plan
 from neoflow.codegen.lower import lower_op
-from neoflow.codegen.packing import Range, affine_operand
+from neoflow.codegen.packing import Range, affine_operand, vector_runs
 from neoflow.ir.expr import Binary
 from neoflow.ir.index import var
 from tests.targets import NEEDS_CC
@@ -107,3 +107,39 @@ def test_runs_of_a_padded_read_are_copied_whole_and_their_guards_hold_at_both_en
     expected = neoflow.evaluate(op, inputs)
     got = neoflow.compile(op, target="cpu").run(inputs)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(
+    ("text", "shapes"),
+    [
+        # 20-wide rows in 16-wide strips of (p, q): strips across rows, lanes in the padding on
+        # both sides, the first and last strips reaching outside X (masked loads)
+        (CONV.replace("< 9", "< 20"), {"X": (2, 8, 20, 20), "W": (16, 8, 3, 3), "Y": (2, 16, 20, 20)}),
+        # one-sided bounds on the column side (each lane checked against one end), a partial last strip
+        (
+            "C[i, j] = ReduceAdd({k}, A[i, k] * Select(j - k <= 3 && j + k > 2, B[k, j], 0))",
+            {"A": (40, 60), "B": (60, 50)},
+        ),
+    ],
+)
+def test_vector_packer_masks_every_lane_that_fails_a_guard(text: str, shapes: dict) -> None:
+    op = _op(text, shapes)
+    source = lower_op(op, "kernel")
+    assert "_mm256_maskload_ps" in source, "the column strips should be copied with vector loads"
+    rng = np.random.default_rng(3)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+    expected = neoflow.evaluate(op, inputs)
+    got = neoflow.compile(op, target="cpu").run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_vector_runs_need_consecutive_reads_and_small_lanes() -> None:
+    padded, _, shapes = _factors(CONV, CONV_SHAPES)
+    operand = affine_operand(padded, shapes)
+    extents = {"n": 2, "c": 16, "k": 32, "p": 9, "q": 9, "r": 3, "s": 3}
+    assert vector_runs(operand, ("p", "q"), extents)  # row-major: q moves by 1, p by a row of 9
+    assert vector_runs(operand, ("q",), extents)
+    assert not vector_runs(operand, ("q", "p"), extents)  # p moves the read by 9
+    assert not vector_runs(operand, ("p", "q"), {**extents, "q": 8})  # rows of 9 read 8 at a time
+    assert not vector_runs(operand, ("p", "q"), {**extents, "p": 1 << 31})  # a guard beyond 32 bits
