@@ -31,12 +31,12 @@ from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrint
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.codegen.packing import (
-    VECTOR_WIDTH,
+    Strips,
     affine_operand,
     affine_packer,
     free_tables,
     operand_tables,
-    vector_runs,
+    vector_fraction,
 )
 from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
@@ -98,6 +98,24 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
         b += 16;
     }
     memcpy(c, acc, sizeof(acc));
+}
+#endif
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* the 8 x 8 block in r[0..7] transposed in place (the packers' depth runs) */
+static inline void nf_transpose8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 #endif
 /* the 6 x 16 product written (or, with accumulate, added) straight into rows of c that are
@@ -275,22 +293,17 @@ def _operand_factors(op: Op, mapping: Mapping) -> tuple[Expr, Expr]:
 
 
 def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, ...], width: int) -> float:
-    """Estimated cycles per element packed of one operand: ``VECTOR_PACK_CYCLES`` in the
-    full strips the packer copies with vector loads (``packing.vector_runs``), otherwise
-    a couple of cycles plus one per index variable read from the tables."""
+    """Estimated cycles per element packed of one operand: ``VECTOR_PACK_CYCLES`` for the
+    share the packer copies with vector loads (``packing.vector_fraction``), otherwise a
+    couple of cycles plus one per index variable read from the tables."""
     shapes = {t.name: t.shape for t in op.inputs}
     sides = [(v, op.extent[v]) for v in side]
     depths = [(v, op.extent[v]) for v in depth]
-    scalar = 2.0 + len(side) + len(depth)
-    if (
-        width == VECTOR_WIDTH
-        and _inner_is_first(factor, {t.name: t for t in op.inputs}, sides, depths)
-        and vector_runs(affine_operand(factor, shapes), side, op.extent)
-    ):
-        size = math.prod(e for _, e in sides)
-        full = size // width * width / round_up(size, width)
-        return full * VECTOR_PACK_CYCLES + (1 - full) * scalar
-    return scalar
+    side_inner = _inner_is_first(factor, {t.name: t for t in op.inputs}, sides, depths)
+    operand = affine_operand(factor, shapes)
+    size = math.prod(shapes[operand.tensor]) if operand is not None else 0
+    vector = vector_fraction(operand, width, side_inner, Strips(side, depth, op.extent, size))
+    return vector * VECTOR_PACK_CYCLES + (1 - vector) * (2.0 + len(side) + len(depth))
 
 
 def _table(name: str, variables: list[tuple[str, int]], offset: str | None) -> str:
@@ -621,8 +634,7 @@ def _operand_packer(
             batch,
             side_inner,
             params,
-            extents,
-            math.prod(shapes[affine.tensor]),
+            Strips(tuple(v for v, _ in group), tuple(v for v, _ in depth), extents, math.prod(shapes[affine.tensor])),
         ),
         f"{operand_tables(f'{side}_side', affine, group, False)}\n        "
         f"{operand_tables(f'{side}_dep', affine, depth, True)}",
@@ -704,9 +716,11 @@ def _narrow(m: int, k: int, batch: list[tuple[str, int]], factor_a: Expr) -> boo
 
 def _split_depth(m: int, n: int, k: int) -> bool:
     """Whether to share out the reduction rather than the rows: a small output (a weight
-    gradient) with a long reduction has too few row blocks and column strips to keep every
-    core busy."""
-    return m * n <= (1 << 16) and -(-m // MC) * -(-n // NR) < 16 and k >= 4 * KC
+    gradient) with a long reduction has few row blocks and column strips to keep every core
+    busy, and sharing them out block by block of the depth would have the threads meet at
+    two barriers per block; each thread summing its own part of the depth into its own copy
+    of the output meets them once."""
+    return m * n <= (1 << 16) and k >= 4 * KC
 
 
 def _depth_split_code(

@@ -16,6 +16,7 @@ each element.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy
@@ -27,6 +28,19 @@ from neoflow.ir.index import flat_offset
 _FLIP = {">=": "<=", ">": "<", "<=": ">=", "<": ">"}
 #: strips this wide (two AVX2 vectors) are copied with vector loads where the read runs along them
 VECTOR_WIDTH = 16
+#: rows transposed together by the depth-run packer, by strip width
+_GROUP = {6: 6, 16: 8}
+
+
+@dataclass(frozen=True)
+class Strips:
+    """What a packer copies: the side (rows or columns) and depth variables, row-major,
+    the extents of the op's variables and the size of the tensor it reads."""
+
+    side: tuple[str, ...]
+    depth: tuple[str, ...]
+    extents: dict[str, int]
+    tensor_size: int
 
 
 @dataclass(frozen=True)
@@ -170,18 +184,16 @@ def affine_packer(
     batch: list[tuple[str, int]],
     side_inner: bool,
     params: str,
-    extents: dict[str, int],
-    tensor_size: int,
+    strips: Strips,
 ) -> str:
     """A C function with the generic packer's contract (``gemm._packer``) for an affine
     operand: strips ``width`` wide of rows (or columns) ``[start, start + size)`` and
     depth ``[pc, pc + kc)``, the outer loop over ``[lo, hi)``, reading through the side
-    tables ``side[q]`` and depth tables ``dep[q]`` of ``operand_tables``.  Where the
-    side moves the read by one element per row (``side_inner``) and strips are
-    ``VECTOR_WIDTH`` wide, AVX2 copies each run strip with two vector loads per depth
-    step, masking the lanes that fail a guard (``_vector_runs``); ``extents`` bound the
-    guarded quantities (the masks compare 32-bit lanes) and ``tensor_size`` says
-    where a plain load would leave the tensor."""
+    tables ``side[q]`` and depth tables ``dep[q]`` of ``operand_tables``.  With AVX2,
+    where ``vector_path`` says so, runs of consecutive reads are copied with vector
+    loads, each lane masked by the guards: along a ``VECTOR_WIDTH``-wide strip
+    (``_side_runs``) or along the depth, 8 steps of a few rows at a time, transposed
+    in registers (``_depth_runs``)."""
     printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
     batch_names = {v for v, _ in batch}
     quantities = operand.quantities()
@@ -236,11 +248,8 @@ def affine_packer(
         }}
     }}
 }}"""
-        if width != VECTOR_WIDTH or not _lanes_fit(operand, extents):
-            return scalar
-        vector = _vector_runs(header, operand, tensor_name, tensor_size, declare, element)
-        return f"#if defined(__AVX2__)\n{vector}\n#else\n{scalar}\n#endif"
-    return f"""{header}
+    else:
+        scalar = f"""{header}
     {declare("const int64_t *restrict d{q}_ = dep[{q}] + pc;")}
     for (int64_t i = lo; i < hi; ++i) {{
         {declare("const int64_t s{q}_ = side[{q}][start + i] + base{q}_;")}
@@ -249,6 +258,46 @@ def affine_packer(
             column[p * {width}] = {element("s{q}_", "d{q}_[p]")};
     }}
 }}"""
+    path = vector_path(operand, width, side_inner, strips)
+    if path is None:
+        return scalar
+    if path == "side":
+        vector = _side_runs(header, operand, tensor_name, strips.tensor_size, declare, element)
+    else:
+        vector = _depth_runs(header, operand, tensor_name, width, side_inner, strips.tensor_size, declare, element)
+    return f"#if defined(__AVX2__)\n{vector}\n#else\n{scalar}\n#endif"
+
+
+def vector_path(operand: AffineOperand | None, width: int, side_inner: bool, strips: Strips) -> str | None:
+    """How the packer of ``operand`` copies with vector loads: ``"side"`` (each
+    ``VECTOR_WIDTH``-wide strip whose reads are consecutive, for a side-inner packer),
+    ``"depth"`` (8 consecutive depth steps of a group of rows, where the innermost
+    depth variables read runs of at least 8) or None (element by element)."""
+    if operand is None or not _lanes_fit(operand, strips.extents):
+        return None
+    if side_inner and width == VECTOR_WIDTH and vector_runs(operand, strips.side, strips.extents):
+        return "side"
+    if width in _GROUP and _run_span(operand, strips.depth, strips.extents) >= 8:
+        return "depth"
+    if side_inner and width == VECTOR_WIDTH:
+        return "side"  # strips may still be runs here and there: the packer checks each one
+    return None
+
+
+def vector_fraction(operand: AffineOperand | None, width: int, side_inner: bool, strips: Strips) -> float:
+    """The share of the elements ``vector_path`` copies with vector loads: the full
+    strips of a ``"side"`` path along consecutive reads, the full 8-step depth chunks
+    of a ``"depth"`` path (0 otherwise)."""
+    path = vector_path(operand, width, side_inner, strips)
+    if path is None or operand is None:
+        return 0.0
+    if path == "side":
+        if not vector_runs(operand, strips.side, strips.extents):
+            return 0.0
+        size = math.prod(strips.extents[v] for v in strips.side)
+        return size // width * width / size
+    span = _run_span(operand, strips.depth, strips.extents)
+    return span // 8 * 8 / span
 
 
 def vector_runs(operand: AffineOperand | None, side: tuple[str, ...], extents: dict[str, int]) -> bool:
@@ -258,12 +307,19 @@ def vector_runs(operand: AffineOperand | None, side: tuple[str, ...], extents: d
     quantities fit 32-bit lanes."""
     if operand is None or not side or not _lanes_fit(operand, extents):
         return False
+    return _run_span(operand, side, extents) == math.prod(extents[v] for v in side)
+
+
+def _run_span(operand: AffineOperand, variables: tuple[str, ...], extents: dict[str, int]) -> int:
+    """How many consecutive elements ``operand`` reads along the flattened ``variables``
+    before its offset jumps: the extents' product over the longest row-major suffix
+    whose offset moves by one element per step (1 when the last variable does not)."""
     step = 1
-    for name in reversed(side):
+    for name in reversed(variables):
         if operand.offset.coeff(sympy.Symbol(name, integer=True)) != step:
-            return False
+            break
         step *= extents[name]
-    return True
+    return step
 
 
 def _lanes_fit(operand: AffineOperand, extents: dict[str, int]) -> bool:
@@ -281,7 +337,14 @@ def _lanes_fit(operand: AffineOperand, extents: dict[str, int]) -> bool:
     return True
 
 
-def _vector_runs(header: str, operand: AffineOperand, tensor_name: str, tensor_size: int, declare, element) -> str:
+def _side_runs(
+    header: str,
+    operand: AffineOperand,
+    tensor_name: str,
+    tensor_size: int,
+    declare: Callable[[str], str],
+    element: Callable[[str, str], str],
+) -> str:
     """The AVX2 body of the side-inner packer for ``VECTOR_WIDTH``-wide strips: strip
     by strip (each written contiguously), a strip whose read offsets are consecutive is
     copied with two 8-lane loads per depth step, each lane zeroed where a guarded
@@ -341,6 +404,95 @@ def _vector_runs(header: str, operand: AffineOperand, tensor_name: str, tensor_s
                 strip[p * {VECTOR_WIDTH} + ii] = {element("s{q}_[s + ii]", "d{q}_")};
         }}
     }}
+}}"""
+
+
+def _depth_runs(
+    header: str,
+    operand: AffineOperand,
+    tensor_name: str,
+    width: int,
+    side_inner: bool,
+    tensor_size: int,
+    declare: Callable[[str], str],
+    element: Callable[[str, str], str],
+) -> str:
+    """The AVX2 body of a packer whose reads are consecutive along the depth: a group
+    of rows (a whole 6-row strip, or half a 16-column strip) at a time, 8 depth steps
+    at a time, each row's 8 reads one vector load (lanes masked by the guards, the
+    depth part of each guarded quantity a 32-bit lane), the group transposed in
+    registers (``nf_transpose8``) and stored as 8 rows of the strip; rows outside a
+    full group and the last few depth steps element by element.  ``[lo, hi)`` ranges
+    over the depth for a side-inner packer, over the rows otherwise."""
+    group = _GROUP[width]
+    guards = list(enumerate(operand.ranges, start=1))
+    rows, steps = ("0", "size"), ("lo", "hi")
+    if not side_inner:
+        rows, steps = ("lo", "hi"), ("0", "kc")
+    lanes = "char *run8 = (char *)malloc(kc + 8); for (int64_t p = 0; p < kc; ++p) { run8[p] = p + 8 <= kc; "
+    lanes += "for (int t = 1; run8[p] && t < 8; ++t) run8[p] = dep[0][pc + p + t] == dep[0][pc + p] + t; } "
+    lanes += " ".join(
+        f"int32_t *e{q} = (int32_t *)malloc(sizeof(int32_t) * (kc + 8)); "
+        f"for (int64_t p = 0; p < kc; ++p) e{q}[p] = (int32_t)(dep[{q}][pc + p] + base{q}_);"
+        for q, _ in guards
+    )
+    parts = [
+        _lane_check(bound, f"_mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(e{q} + p)), w{q})")
+        for q, bound in guards
+    ]
+    mask = parts[0] if parts else "_mm256_set1_epi32(-1)"
+    for part in parts[1:]:
+        mask = f"_mm256_and_si256({mask}, {part})"
+    row_lanes = " ".join(f"const __m256i w{q} = _mm256_set1_epi32((int32_t)s{q}_[i + g]);" for q, _ in guards)
+    if width == group:
+        store = (
+            f"float *to = strip + (p + t) * {width}; _mm_storeu_ps(to, _mm256_castps256_ps128(v[t])); "
+            "_mm_storel_pi((__m64 *)(to + 4), _mm256_extractf128_ps(v[t], 1));"
+        )
+    else:
+        store = f"_mm256_storeu_ps(strip + (p + t) * {width}, v[t]);"
+    frees = " ".join(["free(run8);", *(f"free(e{q});" for q, _ in guards)])
+    return f"""{header}
+    {declare("const int64_t *restrict s{q}_ = side[{q}] + start;")}
+    {lanes}
+    for (int64_t i = {rows[0]}; i < {rows[1]};) {{
+        if (i % {group} == 0 && i + {group} <= {rows[1]}) {{
+            float *restrict strip = buffer + (i / {width}) * {width} * kc + i % {width};
+            int64_t p = {steps[0]};
+            while (p < {steps[1]}) {{
+                if (!run8[p] || p + 8 > {steps[1]}) {{
+                    {declare("const int64_t d{q}_ = dep[{q}][pc + p] + base{q}_;")}
+                    for (int g = 0; g < {group}; ++g)
+                        strip[p * {width} + g] = {element("s{q}_[i + g]", "d{q}_")};
+                    ++p;
+                    continue;
+                }}
+                __m256 v[8];
+                for (int g = 0; g < {group}; ++g) {{
+                    {row_lanes}
+                    const __m256i m = {mask};
+                    const int64_t at = s0_[i + g] + dep[0][pc + p] + base0_;
+                    if (at >= 0 && at <= {tensor_size - 8})
+                        v[g] = _mm256_and_ps(_mm256_loadu_ps({tensor_name} + at), _mm256_castsi256_ps(m));
+                    else
+                        v[g] = _mm256_maskload_ps({tensor_name} + at, m);
+                }}
+                for (int g = {group}; g < 8; ++g) v[g] = _mm256_setzero_ps();
+                nf_transpose8(v);
+                for (int t = 0; t < 8; ++t) {{ {store} }}
+                p += 8;
+            }}
+            i += {group};
+            continue;
+        }}
+        float *restrict column = buffer + (i / {width}) * {width} * kc + i % {width};
+        for (int64_t p = {steps[0]}; p < {steps[1]}; ++p) {{
+            {declare("const int64_t d{q}_ = dep[{q}][pc + p] + base{q}_;")}
+            column[p * {width}] = {element("s{q}_[i]", "d{q}_")};
+        }}
+        ++i;
+    }}
+    {frees}
 }}"""
 
 

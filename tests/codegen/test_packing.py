@@ -143,3 +143,29 @@ def test_vector_runs_need_consecutive_reads_and_small_lanes() -> None:
     assert not vector_runs(operand, ("q", "p"), extents)  # p moves the read by 9
     assert not vector_runs(operand, ("p", "q"), {**extents, "q": 8})  # rows of 9 read 8 at a time
     assert not vector_runs(operand, ("p", "q"), {**extents, "p": 1 << 31})  # a guard beyond 32 bits
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(
+    ("text", "shapes"),
+    [
+        # rows read along the depth (A[i, k]): 67 rows = 11 strips of 6 and one left over, 300 steps = 37 runs of 8
+        ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (67, 300), "B": (300, 37)}),
+        # a padded weight gradient: the depth (n, p, q) reads runs of 13 along q, then jumps (rows of X are 15
+        # wide, the next image is further on); lanes in the padding masked on both sides
+        (
+            "dW[k, c, r, s] = ReduceAdd({n, p, q}, dY[n, k, p, q] * Select(p + r - 1 >= 0 && p + r - 1 < 15 && "
+            "q + s - 1 >= 0 && q + s - 1 < 13, X[n, c, p + r - 1, q + s - 1], 0))",
+            {"dY": (3, 20, 15, 13), "X": (3, 5, 15, 15), "Y": (20, 5, 3, 3)},
+        ),
+    ],
+)
+def test_depth_runs_are_transposed_in_registers(text: str, shapes: dict) -> None:
+    op = _op(text, shapes)
+    source = lower_op(op, "kernel")
+    assert "nf_transpose8(v)" in source, "a packer should copy runs along the depth with vector loads"
+    rng = np.random.default_rng(5)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+    expected = neoflow.evaluate(op, inputs)
+    got = neoflow.compile(op, target="cpu").run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
