@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -130,13 +130,24 @@ class CpuExecutor:
 
     def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
         """The value of ``op`` (one of the graph's) from its inputs' ``values``."""
+        return self.op_call(op, values)()
+
+    def op_call(self, op: Op, values: Mapping[str, np.ndarray]) -> Callable[[], np.ndarray]:
+        """A call computing ``op`` from ``values`` again and again (for timing it alone): the
+        inputs are converted and the output allocated once, each call runs only the kernel
+        (an op without one is evaluated by the interpreter each time)."""
         kernel = self.kernels.get(op.name)
         if kernel is None:
-            return evaluate_op(op, {name: values[name] for name in op.input_names})
+            return lambda: evaluate_op(op, {name: values[name] for name in op.input_names})
         args = [np.ascontiguousarray(values[t.name], dtype=dt.numpy_dtype(t.dtype)) for t in op.inputs]
         out = np.empty(op.shape, dt.numpy_dtype(op.dtype))
-        kernel(out.ctypes.data, *(a.ctypes.data for a in args))
-        return out
+        pointers = (out.ctypes.data, *(a.ctypes.data for a in args))
+
+        def call() -> np.ndarray:
+            kernel(*pointers)
+            return out
+
+        return call
 
 
 def sanitizer_program(graph: Graph) -> str:

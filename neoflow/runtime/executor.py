@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class InterpreterExecutor:
     def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
         """The value of ``op`` (one of the graph's) from its inputs' ``values``."""
         return evaluate_op(op, {name: values[name] for name in op.input_names})
+
+    def op_call(self, op: Op, values: Mapping[str, np.ndarray]) -> Callable[[], np.ndarray]:
+        """A call computing ``op`` from ``values`` again and again (for timing it alone)."""
+        return lambda: self.run_op(op, values)
 
     run = run_graph
 

@@ -60,3 +60,26 @@ def test_kept_tensors_of_one_run_are_not_overwritten_by_the_next() -> None:
     kept = first["T"].copy()
     executor.run({"X": -first_inputs["X"], "W": first_inputs["W"]})
     np.testing.assert_array_equal(first["T"], kept)
+
+
+@NEEDS_CC
+def test_an_op_call_runs_only_the_kernel_on_buffers_prepared_once() -> None:
+    # the fusion report times kernels through op_call: each call must recompute the op into the
+    # same output (no conversion or allocation inside the timed call) and equal what run_op gives
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("L",))
+    rng = np.random.default_rng(2)
+    values = {
+        "X": rng.standard_normal((64, 48)).astype(np.float32),
+        "W": rng.standard_normal((48, 32)).astype(np.float32),
+    }
+    for op in graph.ops:
+        call = executor.op_call(op, values)
+        first = call()
+        first_copy = first.copy()
+        first[...] = np.nan
+        again = call()
+        assert again is first, f"{op.name}: the timed call should write the buffer prepared beforehand"
+        np.testing.assert_array_equal(again, first_copy)
+        np.testing.assert_array_equal(executor.run_op(op, values), first_copy)
+        values[op.name] = again
