@@ -27,10 +27,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+import sympy
+
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, unflatten_index
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.codegen.packing import (
+    AffineOperand,
     Strips,
     affine_operand,
     affine_packer,
@@ -292,15 +295,17 @@ def _operand_factors(op: Op, mapping: Mapping) -> tuple[Expr, Expr]:
     return product.a, product.b
 
 
+@lru_cache(maxsize=8192)
 def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, ...], width: int) -> float:
     """Estimated cycles per element packed of one operand: ``VECTOR_PACK_CYCLES`` for the
     share the packer copies with vector loads (``packing.vector_fraction``), otherwise a
-    couple of cycles plus one per index variable read from the tables."""
+    couple of cycles plus one per index variable read from the tables.  Cached, as the
+    mapper prices every candidate mapping with it."""
     shapes = {t.name: t.shape for t in op.inputs}
     sides = [(v, op.extent[v]) for v in side]
     depths = [(v, op.extent[v]) for v in depth]
     side_inner = _inner_is_first(factor, {t.name: t for t in op.inputs}, sides, depths)
-    operand = affine_operand(factor, shapes)
+    operand = _affine(factor, tuple(sorted(shapes.items())))
     size = math.prod(shapes[operand.tensor]) if operand is not None else 0
     vector = vector_fraction(operand, width, side_inner, Strips(side, depth, op.extent, size))
     return vector * VECTOR_PACK_CYCLES + (1 - vector) * (2.0 + len(side) + len(depth))
@@ -676,12 +681,25 @@ def _packer(
 }}"""
 
 
+@lru_cache(maxsize=1024)
+def _affine(factor: Expr, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> AffineOperand | None:
+    """``packing.affine_operand`` of ``factor`` (cached: every candidate mapping asks)."""
+    return affine_operand(factor, dict(shapes))
+
+
+@lru_cache(maxsize=1024)
+def _read_offset(factor: Expr, shape: tuple[int, ...]) -> sympy.Expr:
+    """The flat offset of the first read in ``factor`` in a tensor of ``shape`` (cached)."""
+    read = next(n for n in factor.walk() if isinstance(n, Read))
+    return flat_offset(read.indices, shape)
+
+
 def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], second: list[tuple[str, int]]) -> bool:
     """Whether the last variable of ``first`` moves the read of ``factor`` less in
     memory than the last variable of ``second`` (so it should be the inner loop), or
     both move it by one element."""
     read = next(n for n in factor.walk() if isinstance(n, Read))
-    linear = flat_offset(read.indices, tensors[read.tensor].shape)
+    linear = _read_offset(factor, tensors[read.tensor].shape)
 
     def step(group: list[tuple[str, int]]) -> float:
         if not group:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import sympy
 
@@ -325,6 +326,14 @@ def _run_span(operand: AffineOperand, variables: tuple[str, ...], extents: dict[
 def _lanes_fit(operand: AffineOperand, extents: dict[str, int]) -> bool:
     """Whether every guarded quantity of ``operand`` stays within 32 bits over the
     variables' ``extents`` (the vector packer compares it lane by lane as ``int32``)."""
+    names = sorted({s.name for q in operand.quantities()[1:] for s in q.free_symbols})
+    return _lanes_fit_over(operand, tuple((name, extents.get(name, 1 << 31)) for name in names))
+
+
+@lru_cache(maxsize=1024)
+def _lanes_fit_over(operand: AffineOperand, variables: tuple[tuple[str, int], ...]) -> bool:
+    """``_lanes_fit`` for the extents of the variables its quantities use (cached)."""
+    extents = dict(variables)
     for quantity in operand.quantities()[1:]:
         constant, terms = sympy.expand(quantity).as_coeff_Add()
         reach = abs(int(constant)) + sum(
