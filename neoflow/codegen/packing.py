@@ -370,11 +370,7 @@ def _side_runs(
     arrays = " ".join(f"int32_t g{q}[{VECTOR_WIDTH}];" for q, _ in guards)
 
     def mask(half: str) -> str:
-        parts = [_lane_check(bound, f"_mm256_add_epi32(g{q}{half}, e{q})") for q, bound in guards]
-        mask = parts[0] if parts else "_mm256_set1_epi32(-1)"
-        for part in parts[1:]:
-            mask = f"_mm256_and_si256({mask}, {part})"
-        return mask
+        return _all_lanes([_lane_check(bound, f"_mm256_add_epi32(g{q}{half}, e{q})") for q, bound in guards])
 
     depth_lanes = " ".join(
         f"const __m256i e{q} = _mm256_set1_epi32((int32_t)(dep[{q}][pc + p] + base{q}_));" for q, _ in guards
@@ -445,13 +441,12 @@ def _depth_runs(
         f"for (int64_t p = 0; p < kc; ++p) e{q}[p] = (int32_t)(dep[{q}][pc + p] + base{q}_);"
         for q, _ in guards
     )
-    parts = [
-        _lane_check(bound, f"_mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(e{q} + p)), w{q})")
-        for q, bound in guards
-    ]
-    mask = parts[0] if parts else "_mm256_set1_epi32(-1)"
-    for part in parts[1:]:
-        mask = f"_mm256_and_si256({mask}, {part})"
+    mask = _all_lanes(
+        [
+            _lane_check(bound, f"_mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(e{q} + p)), w{q})")
+            for q, bound in guards
+        ]
+    )
     row_lanes = " ".join(f"const __m256i w{q} = _mm256_set1_epi32((int32_t)s{q}_[i + g]);" for q, _ in guards)
     if width == group:
         store = (
@@ -503,6 +498,14 @@ def _depth_runs(
     }}
     {frees}
 }}"""
+
+
+def _all_lanes(checks: list[str]) -> str:
+    """AVX2 mask of the lanes passing every one of ``checks`` (all lanes when there are none)."""
+    mask = checks[0] if checks else "_mm256_set1_epi32(-1)"
+    for check in checks[1:]:
+        mask = f"_mm256_and_si256({mask}, {check})"
+    return mask
 
 
 def _lane_check(bound: Range, lanes: str) -> str:
