@@ -25,3 +25,13 @@ def evaluate_on(target: str, program: Op | Graph, inputs: Mapping[str, np.ndarra
     if isinstance(program, Graph):
         program = dataclasses.replace(program, source_names={})  # inputs and outputs by graph names
     return neoflow.compile(program, target=target).run(inputs)
+
+
+def assert_compiled_matches_interpreter(op: Op, seed: int) -> None:
+    """``op`` compiled for the CPU gives the interpreter's result on standard-normal
+    float32 inputs drawn with ``seed`` (float32 tolerance scaled by the result)."""
+    rng = np.random.default_rng(seed)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+    expected = neoflow.evaluate(op, inputs)
+    got = neoflow.compile(op, target="cpu").run(inputs)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

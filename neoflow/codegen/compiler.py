@@ -1,8 +1,8 @@
 """Compile generated C with the system C compiler into a cached shared library.
 
 The library is cached under ``$NEOFLOW_CACHE_DIR`` (default ``~/.cache/neoflow``)
-in ``kernels/<hash>.so``, the hash covering the source, the flags and the
-compiler's version; the source is kept beside it.  A build goes to a temporary
+in ``kernels/<hash>.so``, the hash covering the source, the compiler command, the
+flags and the compiler's version; the source is kept beside it.  A build goes to a temporary
 file that is renamed into place, so two processes compiling the same source at
 once both end with a complete library.
 """
@@ -52,7 +52,8 @@ def build_library(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """The path of a shared library built from ``source`` (from the cache when it is there)."""
     command = compiler()
     flags = (*FLAGS, *extra_flags)
-    key = hashlib.sha256("\0".join([source, *flags, _version(command)]).encode()).hexdigest()[:32]
+    # the command itself too: a wrapper or a CC with its own flags builds different code from the same compiler
+    key = hashlib.sha256("\0".join([source, command, *flags, _version(command)]).encode()).hexdigest()[:32]
     directory = cache_dir() / "kernels"
     library = directory / f"{key}.so"
     if library.is_file():

@@ -25,6 +25,14 @@ def test_library_is_cached_by_source(tmp_path, monkeypatch) -> None:
     assert compiler.load_library(SOURCE).nf_answer() == 42
 
 
+def test_a_different_compiler_command_builds_its_own_library(tmp_path, monkeypatch) -> None:
+    # a wrapper (or CC with flags of its own) may build other code from the same compiler and source
+    monkeypatch.setenv("NEOFLOW_CACHE_DIR", str(tmp_path))
+    plain = compiler.build_library(SOURCE)
+    monkeypatch.setenv("CC", f"{compiler.compiler()} -DNF_OTHER=1")
+    assert compiler.build_library(SOURCE) != plain
+
+
 def test_missing_compiler_is_a_clear_error_and_interp_still_works(monkeypatch) -> None:
     monkeypatch.setenv("CC", "no-such-cc")
     with pytest.raises(CompileError, match=r"no C compiler found \('no-such-cc'\); .* use target='interp'"):

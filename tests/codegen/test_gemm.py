@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import neoflow
 from neoflow.codegen.gemm import gemm_plan
-from tests.targets import NEEDS_CC
+from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter
 
 pytestmark = NEEDS_CC
 
@@ -69,11 +68,7 @@ def test_blocked_kernel_matches_the_interpreter(case: str) -> None:
     out_shape = shapes.pop("Y", None)
     op = neoflow.op(text, shapes=shapes, out_shape=out_shape)
     assert gemm_plan(op) is not None, "the op should take the blocked kernel"
-    rng = np.random.default_rng(0)
-    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
-    expected = neoflow.evaluate(op, inputs)
-    got = neoflow.compile(op, target="cpu").run(inputs)
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert_compiled_matches_interpreter(op, 0)
 
 
 def test_small_non_float32_and_unfoldable_conditions_use_the_generic_loops() -> None:
@@ -147,11 +142,7 @@ def test_few_rows_pack_all_of_a_once_and_each_task_a_column_strip() -> None:
         "C[b, i, j] = ReduceAdd({k}, A[b, i, k] * B[b, k, j])", shapes={"A": (4, 20, 64), "B": (4, 64, 70)}
     )
     tall = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (300, 64), "B": (64, 200)})
-    rng = np.random.default_rng(4)
     for op in (conv, batched, tall):
         if op is not conv:
             assert narrow not in lower_op(op, "kernel")
-        inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
-        expected = neoflow.evaluate(op, inputs)
-        got = neoflow.compile(op, target="cpu").run(inputs)
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+        assert_compiled_matches_interpreter(op, 4)

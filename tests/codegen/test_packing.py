@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import numpy as np
+import os
+import platform
+import shlex
+
 import pytest
 import sympy
 
 import neoflow
+from neoflow.codegen.compiler import load_library
 from neoflow.codegen.gemm import gemm_plan
 from neoflow.codegen.lower import lower_op
 from neoflow.codegen.packing import Range, affine_operand, vector_runs
 from neoflow.ir.expr import Binary
 from neoflow.ir.index import var
-from tests.targets import NEEDS_CC
+from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter
 
 CONV = (
     "Y[n, k, p, q] = ReduceAdd({c, r, s}, Select(p + r - 1 >= 0 && p + r - 1 < 9 && q + s - 1 >= 0 && "
@@ -87,26 +91,34 @@ def test_table_packers_compute_what_the_interpreter_does(text: str, shapes: dict
     op = _op(text, shapes)
     assert gemm_plan(op) is not None
     assert "int64_t *const *side" in lower_op(op, "kernel"), "the packers should read through offset tables"
-    rng = np.random.default_rng(1)
-    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
-    expected = neoflow.evaluate(op, inputs)
-    got = neoflow.compile(op, target="cpu").run(inputs)
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert_compiled_matches_interpreter(op, 1)
+
+
+@pytest.fixture
+def portable_cc(tmp_path, monkeypatch) -> None:
+    """``CC`` building without AVX2 (a wrapper adding ``-mno-avx2 -mno-fma`` after the
+    kernel flags), so the packers' and the micro-kernel's portable branches are what runs."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is an x86 extension")
+    script = tmp_path / "cc-no-avx2"
+    script.write_text(
+        f'#!/bin/sh\nexec {shlex.join(shlex.split(os.environ.get("CC", "cc")))} "$@" -mno-avx2 -mno-fma\n'
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    probe = "int nf_avx2(void) {\n#ifdef __AVX2__\n    return 1;\n#else\n    return 0;\n#endif\n}\n"
+    assert load_library(probe).nf_avx2() == 0, "the wrapper should build without AVX2"
 
 
 @NEEDS_CC
-def test_runs_of_a_padded_read_are_copied_whole_and_their_guards_hold_at_both_ends() -> None:
-    # 20-wide rows in 6-wide strips: runs inside a row, strips across rows, and runs that
-    # start inside the image but end in its padding (they must not be copied whole)
+def test_runs_of_a_padded_read_are_copied_whole_and_their_guards_hold_at_both_ends(portable_cc) -> None:
+    # without AVX2: 20-wide rows in 16-wide strips: runs inside a row, strips across rows, and runs
+    # that start inside the image but end in its padding (they must not be copied whole)
     text = CONV.replace("< 9", "< 20")
     op = _op(text, {"X": (2, 8, 20, 20), "W": (16, 8, 3, 3), "Y": (2, 16, 20, 20)})
     source = lower_op(op, "kernel")
     assert "memcpy(strip" in source, "the packer should copy runs of consecutive reads whole"
-    rng = np.random.default_rng(2)
-    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
-    expected = neoflow.evaluate(op, inputs)
-    got = neoflow.compile(op, target="cpu").run(inputs)
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert_compiled_matches_interpreter(op, 2)
 
 
 @NEEDS_CC
@@ -127,11 +139,7 @@ def test_vector_packer_masks_every_lane_that_fails_a_guard(text: str, shapes: di
     op = _op(text, shapes)
     source = lower_op(op, "kernel")
     assert "_mm256_maskload_ps" in source, "the column strips should be copied with vector loads"
-    rng = np.random.default_rng(3)
-    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
-    expected = neoflow.evaluate(op, inputs)
-    got = neoflow.compile(op, target="cpu").run(inputs)
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert_compiled_matches_interpreter(op, 3)
 
 
 def test_vector_runs_need_consecutive_reads_and_small_lanes() -> None:
@@ -145,27 +153,31 @@ def test_vector_runs_need_consecutive_reads_and_small_lanes() -> None:
     assert not vector_runs(operand, ("p", "q"), {**extents, "p": 1 << 31})  # a guard beyond 32 bits
 
 
+DEPTH_RUNS = [
+    # rows read along the depth (A[i, k]): 67 rows = 11 strips of 6 and one left over, 300 steps = 37 runs of 8
+    ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (67, 300), "B": (300, 37)}),
+    # a padded weight gradient: the depth (n, p, q) reads runs of 13 along q, then jumps (rows of X are 15
+    # wide, the next image is further on); lanes in the padding masked on both sides
+    (
+        "dW[k, c, r, s] = ReduceAdd({n, p, q}, dY[n, k, p, q] * Select(p + r - 1 >= 0 && p + r - 1 < 15 && "
+        "q + s - 1 >= 0 && q + s - 1 < 13, X[n, c, p + r - 1, q + s - 1], 0))",
+        {"dY": (3, 20, 15, 13), "X": (3, 5, 15, 15), "Y": (20, 5, 3, 3)},
+    ),
+]
+
+
 @NEEDS_CC
-@pytest.mark.parametrize(
-    ("text", "shapes"),
-    [
-        # rows read along the depth (A[i, k]): 67 rows = 11 strips of 6 and one left over, 300 steps = 37 runs of 8
-        ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (67, 300), "B": (300, 37)}),
-        # a padded weight gradient: the depth (n, p, q) reads runs of 13 along q, then jumps (rows of X are 15
-        # wide, the next image is further on); lanes in the padding masked on both sides
-        (
-            "dW[k, c, r, s] = ReduceAdd({n, p, q}, dY[n, k, p, q] * Select(p + r - 1 >= 0 && p + r - 1 < 15 && "
-            "q + s - 1 >= 0 && q + s - 1 < 13, X[n, c, p + r - 1, q + s - 1], 0))",
-            {"dY": (3, 20, 15, 13), "X": (3, 5, 15, 15), "Y": (20, 5, 3, 3)},
-        ),
-    ],
-)
+@pytest.mark.parametrize(("text", "shapes"), DEPTH_RUNS)
 def test_depth_runs_are_transposed_in_registers(text: str, shapes: dict) -> None:
     op = _op(text, shapes)
     source = lower_op(op, "kernel")
     assert "nf_transpose8(v)" in source, "a packer should copy runs along the depth with vector loads"
-    rng = np.random.default_rng(5)
-    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
-    expected = neoflow.evaluate(op, inputs)
-    got = neoflow.compile(op, target="cpu").run(inputs)
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert_compiled_matches_interpreter(op, 5)
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(("text", "shapes"), DEPTH_RUNS)
+def test_without_avx2_the_portable_packers_and_micro_kernel_compute_the_same(
+    text: str, shapes: dict, portable_cc
+) -> None:
+    assert_compiled_matches_interpreter(_op(text, shapes), 6)
