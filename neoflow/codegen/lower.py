@@ -22,7 +22,7 @@ AST generator prints the loops.  Statements are C macros the loops call.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -116,18 +116,23 @@ class Lowering:
     """Lower one op to C: ``function(name)`` returns the C definition of a
     function taking the output buffer, then the input buffers in ``op.inputs`` order."""
 
-    def __init__(self, op: Op) -> None:
+    def __init__(self, op: Op, buffers: Mapping[str, str] | None = None, tag: str = "") -> None:
+        """``buffers``: the C name of each tensor the op reads and of its output
+        (default ``in<k>`` by position and ``out``); ``tag`` prefixes the names
+        of its statements and accumulators (ops lowered into one loop nest)."""
         if op.scatter is not None and op.reductions:
             raise CompileError("a scatter op with reductions has no C lowering", op=op.name)
         self.op = op
+        self.tag = tag
         self.statements: list[Statement] = []
         self.accumulators: list[tuple[str, str]] = []  # (C type, name)
         self.extent = op.extent
         tensors = {t.name: t for t in op.inputs}
         tensors[op.name] = op.output
         # buffers are named by position, so ops that differ only in tensor names lower to the same C
-        names = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
-        names[op.name] = "out"
+        names = dict(buffers) if buffers is not None else {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
+        names.setdefault(op.name, "out")
+        self.output = names[op.name]
         self.index = IndexPrinter(lambda v: f"{PREFIX}{v}", lambda t, idx: self.values.read(t, idx))
         self.values = ValuePrinter(tensors, names, self.index, self._reduction)
         self.values.on_branch = self._branch
@@ -143,7 +148,7 @@ class Lowering:
         if scope.guards:
             body = f"if ({' && '.join(scope.guards)}) {{ {body} }}"
         schedule = [*scope.prefix, scope.position(), *(schedule_tail or [])]
-        self.statements.append(Statement(f"S{len(self.statements)}", variables, constraint, schedule, body))
+        self.statements.append(Statement(f"S{self.tag}{len(self.statements)}", variables, constraint, schedule, body))
 
     @contextmanager
     def _branch(self, cond: Expr, positive: bool) -> Iterator[None]:
@@ -165,7 +170,7 @@ class Lowering:
         key = (node, tuple(scope.variables), tuple(scope.constraints), tuple(scope.guards))
         if key in self._computed:
             return self._computed[key]
-        name = f"acc{len(self.accumulators)}"
+        name = f"acc{self.tag}{len(self.accumulators)}"
         self._computed[key] = name
         dtype = node.dtype
         self.accumulators.append((c_type(dtype), name))
@@ -220,7 +225,7 @@ class Lowering:
         op = self.op
         self._scope = scope
         value = self.values(body, op.dtype)
-        out = "out"
+        out = self.output
         if op.scatter is not None:
             target = linear_index([self.index(e) for e in op.scatter], op.shape)
             self._add(scope, scope.variables, f"{out}[{target}] += {value};")
@@ -274,7 +279,7 @@ class Lowering:
         rows = [PREFIX + v for v in small]
         self.parallel_depth = len(kept)
         indices = [f"{PREFIX}{v}" for v in op.indices]
-        target = f"out[{linear_index(indices, op.shape)}]"
+        target = f"{self.output}[{linear_index(indices, op.shape)}]"
         init_scope = _Scope(list(op.indices), [PREFIX + v for v in kept], [box], [])
         self._scope = init_scope
         self._add(init_scope, list(op.indices), f"{target} = {self._identity(body)};", [*rows, PREFIX + inner])
@@ -299,17 +304,7 @@ class Lowering:
 
     def loops(self) -> str:
         """The loop nest isl generates for the statements (C text calling them)."""
-        depth = max(len(s.schedule) for s in self.statements)
-        domains, schedules = [], []
-        for s in self.statements:
-            variables = ", ".join(PREFIX + v for v in s.variables)
-            domains.append(f"{s.name}[{variables}] : {s.constraint}")
-            times = [*s.schedule, *["0"] * (depth - len(s.schedule))]
-            schedules.append(f"{s.name}[{variables}] -> [{', '.join(times)}]")
-        domain = isl.UnionSet("{ " + "; ".join(domains) + " }")
-        schedule = isl.UnionMap("{ " + "; ".join(schedules) + " }").intersect_domain(domain)
-        build = isl.AstBuild.from_context(isl.Set("{ : }"))
-        return build.node_from_schedule_map(schedule).to_C_str()
+        return isl_loops(self.statements)
 
     def function(self, name: str) -> str:
         """The C function computing the op (the output first, then the inputs)."""
@@ -318,11 +313,7 @@ class Lowering:
         params = [f"{c_type(op.dtype)} *restrict out"]
         params += [f"const {c_type(t.dtype)} *restrict in{k}" for k, t in enumerate(op.inputs)]
         lines = [f"void {name}({', '.join(params)}) {{"]
-        macros = []
-        for s in self.statements:
-            args = ", ".join(f"a{k}" for k in range(len(s.variables)))
-            binds = "".join(f"const int64_t {PREFIX}{v} = (a{k}); " for k, v in enumerate(s.variables))
-            macros.append(f"#define {s.name}({args}) do {{ {binds}{s.body} }} while (0)")
+        macros = statement_macros(self.statements)
         for ctype, acc in self.accumulators:
             lines.append(f"    {ctype} {acc};")
         if op.scatter is not None:
@@ -353,7 +344,7 @@ class Lowering:
                         and following.startswith("for (int ")
                         and following[9:].split(" ", 1)[0] in outer_dims
                     )
-                    short = _trip_count(text) < SHORT_PARALLEL_LOOP and _trip_count(following) < math.inf
+                    short = trip_count(text) < SHORT_PARALLEL_LOOP and trip_count(following) < math.inf
                     collapse = " collapse(2)" if nested and short else ""
                     lines.append(f"    {' ' * indent}#pragma omp parallel for{collapse}{private}")
                 elif total is not None and not open_loops and work >= PARALLEL_MIN_POINTS:
@@ -375,7 +366,38 @@ class Lowering:
         return self.sums.get(name) if text.endswith(");") and text.count(";") == 1 else None
 
 
-def _trip_count(loop: str) -> float:
+def isl_loops(statements: Sequence[Statement], separate: bool = False) -> str:
+    """The loop nest isl's AST generator prints for ``statements`` (each over
+    its domain, in its schedule's order), as C text calling them; ``separate``
+    splits loops where the set of statements they run changes (no guards left
+    inside a loop)."""
+    depth = max(len(s.schedule) for s in statements)
+    domains, schedules = [], []
+    for s in statements:
+        variables = ", ".join(PREFIX + v for v in s.variables)
+        domains.append(f"{s.name}[{variables}] : {s.constraint}")
+        times = [*s.schedule, *["0"] * (depth - len(s.schedule))]
+        schedules.append(f"{s.name}[{variables}] -> [{', '.join(times)}]")
+    domain = isl.UnionSet("{ " + "; ".join(domains) + " }")
+    schedule = isl.UnionMap("{ " + "; ".join(schedules) + " }").intersect_domain(domain)
+    build = isl.AstBuild.from_context(isl.Set("{ : }"))
+    if separate:
+        times = ", ".join(f"t{k}" for k in range(depth))
+        build = build.set_options(isl.UnionMap(f"{{ [{times}] -> separate[x] }}"))
+    return build.node_from_schedule_map(schedule).to_C_str()
+
+
+def statement_macros(statements: Sequence[Statement]) -> list[str]:
+    """The ``#define`` of each statement: its variables bound from the macro's arguments, then its body."""
+    macros = []
+    for s in statements:
+        args = ", ".join(f"a{k}" for k in range(len(s.variables)))
+        binds = "".join(f"const int64_t {PREFIX}{v} = (a{k}); " for k, v in enumerate(s.variables))
+        macros.append(f"#define {s.name}({args}) do {{ {binds}{s.body} }} while (0)")
+    return macros
+
+
+def trip_count(loop: str) -> float:
     """The iteration count of an isl ``for (int c = A; c <= B; c += 1)`` line with constant
     bounds, infinity when they are not constants."""
     try:

@@ -75,6 +75,8 @@ class Scheduled:
 
 #: ``schedule(op)``: how the target's code for ``op`` runs.
 Schedule = Callable[[Op], Scheduled]
+#: ``nests(ops)``: whether the target runs a kernel's ``ops`` as one loop nest (a multi-output kernel).
+Nests = Callable[[list[Op]], bool]
 
 
 def _itemsize(dtype: str) -> int:
@@ -85,10 +87,14 @@ class CostModel:
     """Predicts kernel times for fusion policies (see the module docstring)."""
 
     def __init__(
-        self, machine: Machine | Callable[[], Machine] | None = None, schedule: Schedule | None = None
+        self,
+        machine: Machine | Callable[[], Machine] | None = None,
+        schedule: Schedule | None = None,
+        nests: Nests | None = None,
     ) -> None:
         self._machine = machine or Machine()
         self.schedule = schedule
+        self.nests = nests
         self._ops: dict[Op, Cost] = {}
         self._kernels: dict[tuple, Cost] = {}
 
@@ -110,26 +116,52 @@ class CostModel:
         for tensor in op.inputs:
             moved += min(work.reads.get(tensor.name, 0.0), tensor.size) * _itemsize(tensor.dtype)
         how = self.schedule(op) if self.schedule is not None else Scheduled()
+        cost = self._roofline(work.flops if how.flops is None else how.flops, float(moved), how)
+        self._ops[op] = cost
+        return cost
+
+    def nest_cost(self, ops: list[Op]) -> Cost:
+        """The cost of ``ops`` run as one loop nest: every output written once,
+        every tensor from outside read once for all of them (as much of it as the
+        most reading op touches), the ones' outputs that others read not read again."""
+        produced = {op.name for op in ops}
+        flops, moved, reads = 0.0, 0.0, {}
+        inputs = {}
+        for op in ops:
+            work = op_work(op)
+            flops += work.flops
+            moved += math.prod(op.shape) * _itemsize(op.dtype)
+            for tensor in op.inputs:
+                if tensor.name not in produced:
+                    inputs[tensor.name] = tensor
+                    reads[tensor.name] = max(reads.get(tensor.name, 0.0), work.reads.get(tensor.name, 0.0))
+        for name, tensor in inputs.items():
+            moved += min(reads[name], tensor.size) * _itemsize(tensor.dtype)
+        return self._roofline(flops, moved, Scheduled(vector=True))
+
+    def _roofline(self, flops: float, moved: float, how: Scheduled) -> Cost:
+        """``max(flops / rate, bytes / bandwidth) + call`` for a kernel the target runs as ``how``."""
         machine = self.machine
         if how.fraction is not None:
             rate = machine.peak_flops * how.fraction
         else:
             rate = machine.vector_flops if how.vector else machine.loop_flops
-        flops = work.flops if how.flops is None else how.flops
         bandwidth = machine.cache_bandwidth if moved <= machine.cache_bytes else machine.bandwidth
         seconds = max(flops / rate, moved / bandwidth) + machine.call_seconds
-        cost = Cost(flops, float(moved), seconds)
-        self._ops[op] = cost
-        return cost
+        return Cost(flops, moved, seconds)
 
     def kernel_cost(self, graph: Graph, kernel: Kernel) -> Cost:
         """Arithmetic, bytes and predicted seconds of ``kernel`` of ``graph``."""
         key = (kernel.ops, kernel.materialized)
         cached = self._kernels.get(key)
         if cached is None:
-            cached = ZERO
-            for op in kernel_ops(graph, kernel):
-                cached = cached + self.op_cost(op)
+            ops = kernel_ops(graph, kernel)
+            if len(ops) > 1 and self.nests is not None and self.nests(ops):
+                cached = self.nest_cost(ops)
+            else:
+                cached = ZERO
+                for op in ops:
+                    cached = cached + self.op_cost(op)
             self._kernels[key] = cached
         return cached
 

@@ -12,12 +12,13 @@ from neoflow.codegen.c_expr import PRELUDE
 from neoflow.codegen.compiler import build_library
 from neoflow.codegen.gemm import MICROKERNEL
 from neoflow.codegen.lower import lower_op
+from neoflow.codegen.nest import Nest, nest_function, shared_nest
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
 from neoflow.ir.op import Op
-from neoflow.runtime.executor import run_graph
+from neoflow.runtime.executor import run_graph, sequential_call
 from neoflow.runtime.memory import ALIGNMENT, MemoryPlan, plan_memory
 
 
@@ -49,17 +50,57 @@ def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
     return "\n\n".join(parts) + "\n", functions, interpreted
 
 
+def graph_nests(graph: Graph, groups: Collection[Collection[str]]) -> dict[str, Nest]:
+    """The groups of ``graph``'s ops (consecutive, one kernel of a fusion plan
+    each) that run as one loop nest (``codegen.nest``), by their first op's name."""
+    ops = {op.name: op for op in graph.ops}
+    position = {op.name: k for k, op in enumerate(graph.ops)}
+    nests = {}
+    for group in groups:
+        members = sorted(group, key=position.__getitem__)
+        if len(members) < 2 or position[members[-1]] - position[members[0]] != len(members) - 1:
+            continue
+        nest = shared_nest([ops[name] for name in members])
+        if nest is not None:
+            nests[members[0]] = nest
+    return nests
+
+
+def nest_source(nests: Mapping[str, Nest]) -> tuple[str, dict[str, str]]:
+    """The C functions of ``nests`` (``nf_nest<k>``) and each one's name by its first op."""
+    parts, functions = [], {}
+    for k, (first, nest) in enumerate(nests.items()):
+        functions[first] = f"nf_nest{k}"
+        parts.append(nest_function(nest, functions[first]))
+    return "\n\n".join(parts) + "\n", functions
+
+
 def tensor_slots(graph: Graph) -> dict[str, int]:
     """The position of each tensor of ``graph`` in ``nf_run_graph``'s pointer array."""
     return {name: k for k, name in enumerate(graph.tensors)}
 
 
-def graph_entry(graph: Graph, functions: Mapping[str, str]) -> str:
+def graph_entry(
+    graph: Graph,
+    functions: Mapping[str, str],
+    nests: Mapping[str, Nest] | None = None,
+    nest_functions: Mapping[str, str] | None = None,
+) -> str:
     """C function ``nf_run_graph(b)`` calling the kernel of every op of ``graph`` in
-    order, tensor ``name`` at ``b[tensor_slots(graph)[name]]``: a whole run in one call."""
+    order, tensor ``name`` at ``b[tensor_slots(graph)[name]]``: a whole run in one call.
+    The ops of a nest (by its first op, ``graph_nests``) are one call of its function."""
     slot = tensor_slots(graph)
+    nests = nests or {}
+    in_nests = {t.name for nest in nests.values() for t in nest.outputs}
     calls = []
     for op in graph.ops:
+        if op.name in nests:
+            nest = nests[op.name]
+            arguments = ", ".join(f"b[{slot[t.name]}]" for t in (*nest.outputs, *nest.inputs))
+            calls.append(f"    {(nest_functions or {})[op.name]}({arguments});")
+            continue
+        if op.name in in_nests:
+            continue
         arguments = ", ".join(f"b[{slot[name]}]" for name in [op.name, *(t.name for t in op.inputs)])
         calls.append(f"    {functions[op.name]}({arguments});")
     return "void nf_run_graph(void *const *b) {\n" + "\n".join(calls) + "\n}\n"
@@ -74,13 +115,18 @@ class CpuExecutor:
 
     target = "cpu"
 
-    def __init__(self, graph: Graph, keep: Collection[str]) -> None:
+    def __init__(self, graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = ()) -> None:
         self.graph = graph
         self.keep = tuple(dict.fromkeys(keep))
-        self.plan: MemoryPlan = plan_memory(graph, self.keep)
         self.source, names, self.interpreted = module_source(graph)
+        # a fusion plan's kernel of several ops runs as one loop nest where they make one
+        self.nests = graph_nests(graph, groups) if not self.interpreted else {}
+        nest_groups = [[t.name for t in nest.outputs] for nest in self.nests.values()]
+        self.plan: MemoryPlan = plan_memory(graph, self.keep, nest_groups)
         if not self.interpreted:
-            self.source += "\n" + graph_entry(graph, names)
+            nests_c, nest_names = nest_source(self.nests)
+            self.source += "\n" + nests_c + "\n" + graph_entry(graph, names, self.nests, nest_names)
+            self._nest_names = nest_names
         self.library_path = build_library(self.source)
         self.library = ctypes.CDLL(str(self.library_path))
         self.library.nf_set_threads(ctypes.c_int(threads()))
@@ -146,6 +192,28 @@ class CpuExecutor:
         def call() -> np.ndarray:
             kernel(*pointers)
             return out
+
+        return call
+
+    def kernel_call(self, names: Collection[str], values: Mapping[str, np.ndarray]) -> Callable[[], dict]:
+        """A call computing the ops ``names`` (one kernel of the fusion plan, in
+        order) from ``values`` again and again, returning their values by name: one
+        call of the nest's function where they run as one loop nest, else each
+        op's ``op_call`` in turn."""
+        names = list(names)
+        nest = self.nests.get(names[0]) if names else None
+        if nest is None or [t.name for t in nest.outputs] != names:
+            return sequential_call(self, names, values)
+        function = getattr(self.library, self._nest_names[names[0]])
+        function.argtypes = [ctypes.c_void_p] * (len(nest.outputs) + len(nest.inputs))
+        function.restype = None
+        args = [np.ascontiguousarray(values[t.name], dtype=dt.numpy_dtype(t.dtype)) for t in nest.inputs]
+        outs = {t.name: np.empty(t.shape, dt.numpy_dtype(t.dtype)) for t in nest.outputs}
+        pointers = (*(a.ctypes.data for a in outs.values()), *(a.ctypes.data for a in args))
+
+        def call() -> dict:
+            function(*pointers)
+            return outs
 
         return call
 

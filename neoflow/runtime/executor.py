@@ -24,13 +24,27 @@ def run_graph(executor, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarra
     return {name: values[name] for name in executor.keep}
 
 
+def sequential_call(executor, names: Collection[str], values: Mapping[str, np.ndarray]) -> Callable[[], dict]:
+    """A call running the ops ``names`` of ``executor``'s graph one after another
+    (each through its ``op_call``, on the values the ones before produced),
+    returning their values by name."""
+    ops = {op.name: op for op in executor.graph.ops}
+    known = dict(values)
+    calls = []
+    for name in names:
+        call = executor.op_call(ops[name], known)
+        known[name] = call()
+        calls.append((name, call))
+    return lambda: {name: call() for name, call in calls}
+
+
 class InterpreterExecutor:
     """Runs ``graph`` with the reference interpreter, handing back the tensors in
     ``keep`` and dropping every other tensor after its last reader (``plan``)."""
 
     target = "interp"
 
-    def __init__(self, graph: Graph, keep: Collection[str]) -> None:
+    def __init__(self, graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = ()) -> None:
         self.graph = graph
         self.keep = tuple(dict.fromkeys(keep))
         self.plan: MemoryPlan = plan_memory(graph, self.keep)
@@ -43,13 +57,17 @@ class InterpreterExecutor:
         """A call computing ``op`` from ``values`` again and again (for timing it alone)."""
         return lambda: self.run_op(op, values)
 
+    def kernel_call(self, names: Collection[str], values: Mapping[str, np.ndarray]) -> Callable[[], dict]:
+        """A call computing the ops ``names`` (one kernel of a fusion plan) in turn."""
+        return sequential_call(self, names, values)
+
     run = run_graph
 
 
-def _cpu(graph: Graph, keep: Collection[str]):
+def _cpu(graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = ()):
     from neoflow.runtime.cpu import CpuExecutor
 
-    return CpuExecutor(graph, keep)
+    return CpuExecutor(graph, keep, groups)
 
 
 EXECUTORS = {"interp": InterpreterExecutor, "cpu": _cpu}

@@ -23,10 +23,11 @@ def cost_model(target: str) -> CostModel:
     code generator's schedule for ``cpu``; nominal figures otherwise."""
     if target == "cpu":
         from neoflow.codegen.estimate import schedule
+        from neoflow.codegen.nest import shared_nest
         from neoflow.runtime.cpu import threads
         from neoflow.runtime.machine import measure_machine
 
-        return CostModel(lambda: measure_machine(threads()), schedule)
+        return CostModel(lambda: measure_machine(threads()), schedule, lambda ops: shared_nest(ops) is not None)
     return CostModel(Machine())
 
 
@@ -55,7 +56,7 @@ def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str
     planned = planning_graph(graph, keep)
     plan = plan_for(planned, fusion, model)
     fused, groups = apply_plan(planned, plan)
-    executor = EXECUTORS[target](fused, keep)
+    executor = EXECUTORS[target](fused, keep, groups)
     executor.fusion_plan = plan
     executor.kernel_groups = groups
     executor.planned_graph = planned

@@ -57,19 +57,22 @@ class PolicyReport:
         return sum(r.predicted for r in self.rows)
 
 
-def time_ops(executor, feed: Mapping[str, np.ndarray], repeats: int = 5) -> dict[str, float]:
-    """Median seconds of each op of ``executor``'s graph, run alone ``repeats``
-    times on the values the ops before it produced (``feed``: every graph input),
-    after one untimed run of the whole graph and one of the op.  Only the kernel is
-    timed (``op_call``: its inputs converted and its output allocated beforehand), so
-    that a kernel of a few microseconds is not measured as the Python around it."""
+def time_kernels(executor, feed: Mapping[str, np.ndarray], repeats: int = 5) -> list[float]:
+    """Median seconds of each kernel of ``executor``'s fusion plan (its
+    ``kernel_groups``), run alone ``repeats`` times on the values the kernels
+    before it produced (``feed``: every graph input), after one untimed run of
+    the whole graph and one of the kernel.  Only the kernel is timed
+    (``kernel_call``: its inputs converted and its outputs allocated beforehand),
+    so that a kernel of a few microseconds is not measured as the Python around it."""
     executor.run(feed)  # once untimed: threads started, pages touched
     values = dict(feed)
-    seconds = {}
-    for op in executor.graph.ops:
-        call = executor.op_call(op, values)
+    seconds = []
+    for group in executor.kernel_groups:
+        call = executor.kernel_call(group, values)
         call()
-        seconds[op.name], values[op.name] = _median_seconds(call, repeats)
+        median, produced = _median_seconds(call, repeats)
+        seconds.append(median)
+        values.update(produced)
     return seconds
 
 
@@ -96,9 +99,9 @@ def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5
     plan = executor.fusion_plan
     costs = executor.cost_model
     graph = executor.planned_graph
-    measured = time_ops(executor, feed, repeats)
+    measured = time_kernels(executor, feed, repeats)
     rows = []
-    for kernel, group in zip(plan.kernels, executor.kernel_groups, strict=True):
+    for kernel, seconds in zip(plan.kernels, measured, strict=True):
         cost = costs.kernel_cost(graph, kernel)
         rows.append(
             KernelRow(
@@ -109,7 +112,7 @@ def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5
                 cost.flops,
                 cost.bytes,
                 cost.seconds,
-                sum(measured[name] for name in group),
+                seconds,
             )
         )
     step = time_step(executor, feed, repeats)

@@ -58,16 +58,23 @@ def _size(count: int) -> str:
     return f"{count} B"
 
 
-def plan_memory(graph: Graph, keep: Collection[str]) -> MemoryPlan:
-    """Plan a run of ``graph``'s ops in order, handing back the tensors in ``keep``."""
+def plan_memory(graph: Graph, keep: Collection[str], together: Collection[Collection[str]] = ()) -> MemoryPlan:
+    """Plan a run of ``graph``'s ops in order, handing back the tensors in ``keep``.
+    Each group of consecutive ops in ``together`` runs as one kernel: their
+    outputs live from the first of them and what any of them reads until the last."""
     tensors = graph.tensors
     persistent = set(graph.parameters)
     position = {op.name: k for k, op in enumerate(graph.ops)}
+    reads_until = dict(position)
+    for group in together:
+        start, stop = min(position[n] for n in group), max(position[n] for n in group)
+        for name in group:
+            position[name], reads_until[name] = start, stop
     end = len(graph.ops)
     last_use: dict[str, int] = {}
     for k, op in enumerate(graph.ops):
         for name in op.input_names:
-            last_use[name] = k
+            last_use[name] = max(last_use.get(name, k), reads_until[op.name])
     born = {t.name: -1 for t in graph.inputs}
     born.update(position)
     lifetime = {}

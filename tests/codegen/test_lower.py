@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.lower import Lowering, _trip_count, lower_op
+from neoflow.codegen.lower import Lowering, trip_count, lower_op
 from tests.targets import NEEDS_CC
 
 
@@ -129,8 +129,8 @@ def test_a_short_outer_loop_is_collapsed_with_the_loop_it_holds() -> None:
         ("for (int c1 = 0; c1 <= min(5, c0); c1 += 1)", float("inf")),
     ],
 )
-def test_trip_count_of_constant_loops(loop: str, count: float) -> None:
-    assert _trip_count(loop) == count
+def testtrip_count_of_constant_loops(loop: str, count: float) -> None:
+    assert trip_count(loop) == count
 
 
 @NEEDS_CC

@@ -63,3 +63,23 @@ def test_the_cpu_schedule_names_each_kind_of_code() -> None:
     )
     # the inner sum once per (i, l), not once per (i, l, n)
     assert schedule(chain).flops == 2 * 512 * 512 * (64 + 64)
+
+
+def test_ops_in_one_loop_nest_read_what_they_share_once() -> None:
+    # Y and Z both stored (kept), Z reading Y at its own point: as one nest, X is read once
+    # and Y is not read back; apart, Z reads Y from memory
+    text = """
+X = tensor([256, 256])
+Y[i, j] = max(X[i, j], 0)
+Z[i, j] = Y[i, j] * 2 + X[i, j]
+"""
+    graph = neoflow.graph(text)
+    kernel = Kernel(("Y", "Z"), ("Y", "Z"))
+    size = 256 * 256 * 4
+    apart = CostModel(MACHINE).kernel_cost(graph, kernel)
+    assert apart.bytes == 2 * size + 3 * size  # Y: X in, Y out; Z: Y and X in, Z out
+    nested = CostModel(MACHINE, nests=lambda ops: True).kernel_cost(graph, kernel)
+    assert nested.bytes == 3 * size  # X in, Y and Z out
+    assert nested.flops == apart.flops and nested.seconds < apart.seconds
+    refused = CostModel(MACHINE, nests=lambda ops: False).kernel_cost(graph, kernel)
+    assert refused == apart

@@ -12,7 +12,8 @@ import neoflow
 from neoflow.errors import CompileError
 from neoflow.fusion import BUILT_IN, load_policy
 from neoflow.fusion.patterns import is_epilogue, kind, recompute_factor
-from tests.targets import TARGETS
+from neoflow.runtime.fusing import build_executor
+from tests.targets import NEEDS_CC, TARGETS
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 POLICIES = [*BUILT_IN, "tests.fusion.user_policy:FirstReader"]
@@ -134,3 +135,23 @@ def test_chimera_tiles_a_gemm_chain_where_the_target_has_the_kernel() -> None:
     # without it the pair would recompute C for every column of E: kept apart
     plan = load_policy("chimera").plan(graph, CostModel(Machine()))
     assert [k.ops for k in plan.kernels] == [("C",), ("E",)]
+
+
+@NEEDS_CC
+def test_neoflow_runs_ops_that_share_their_reads_as_one_loop_nest_on_cpu() -> None:
+    # F, the loss over it and its gradient are all kept: fused, they would each read F's
+    # inputs and F again; as one nest the inputs are read once (the cost model says so,
+    # from the cpu target's nests) and the three come out of one kernel
+    from tests.codegen.test_nest import TAIL
+
+    text = TAIL.replace("[2, 3, 8, 10]", "[2, 3, 64, 64]").replace("[2, 12, 4, 5]", "[2, 12, 32, 32]")
+    graph = neoflow.graph(text.replace("[2, 6, 8, 10]", "[2, 6, 64, 64]"))
+    executor = build_executor("cpu", graph, ("F", "loss", "G"), "neoflow")
+    assert [k.materialized for k in executor.fusion_plan.kernels] == [("F", "loss", "G")]
+    assert list(executor.nests) == ["F"]
+    rng = np.random.default_rng(5)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
+    expected = build_executor("interp", graph, ("F", "loss", "G"), "none").run(inputs)
+    got = executor.run(inputs)
+    for name in ("F", "loss", "G"):
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-6)

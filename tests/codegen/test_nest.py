@@ -1,0 +1,105 @@
+"""Several ops in one loop nest (multi-output kernels): which ops make one, and the C computing them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import neoflow
+from neoflow.codegen.nest import nest_function, shared_nest
+from neoflow.runtime.cpu import CpuExecutor
+from neoflow.runtime.executor import InterpreterExecutor
+from tests.targets import NEEDS_CC
+
+# a forward output, the loss summed over it and the loss's gradient: the seed's tail, small
+TAIL = """
+A = tensor([2, 3, 8, 10])
+D = tensor([2, 12, 4, 5])
+target = tensor([2, 6, 8, 10])
+F[n, c, h, w] = Select(c < 3, A[n, c, h, w], D[n, 4*c + 2*(h%2) + w%2 - 12, h//2, w//2])
+loss[] = ReduceAdd({i, j, k, l}, (F[i, j, k, l] - target[i, j, k, l]) * (F[i, j, k, l] - target[i, j, k, l])) / 960
+G[i, j, k, l] = 2 * (F[i, j, k, l] - target[i, j, k, l]) / 960
+"""
+
+
+def _ops(text: str) -> list:
+    return list(neoflow.graph(text).ops)
+
+
+def test_element_wise_ops_and_sums_over_one_domain_make_one_nest() -> None:
+    nest = shared_nest(_ops(TAIL))
+    assert nest is not None
+    assert [t.name for t in nest.outputs] == ["F", "loss", "G"]
+    assert [t.name for t in nest.inputs] == ["A", "D", "target"]  # each read once for all three
+    assert set(nest.sums) == {"loss"}
+    # every member runs over F's indices
+    assert all(member.indices == ("n", "c", "h", "w") for member in nest.members)
+    source = nest_function(nest, "tail")
+    assert "reduction(+:sum1)" in source and "out1[0] = " in source
+
+
+def test_ops_that_are_not_one_nest_are_refused() -> None:
+    ops = _ops(TAIL)
+    assert shared_nest(ops[:1]) is None  # one op
+    assert shared_nest([ops[2], ops[0]]) is None  # G reads F before F is computed
+    shifted = _ops(TAIL.replace("2 * (F[i, j, k, l]", "2 * (F[i, j, k, (l + 1) % 10]"))
+    assert shared_nest(shifted) is None  # G reads F at another point than its own
+    other_shape = _ops(
+        """
+X = tensor([4, 8])
+Y[i, j] = X[i, j] * 2
+S[i] = ReduceAdd({j}, X[i, j])
+"""
+    )
+    assert shared_nest(other_shape) is None  # a sum over part of the domain is not a member
+    contraction = _ops(
+        """
+X = tensor([4, 8])
+W = tensor([8, 8])
+Y[i, j] = X[i, j] * 2
+Z[i, j] = ReduceAdd({k}, X[i, k] * W[k, j])
+"""
+    )
+    assert shared_nest(contraction) is None  # a reduction inside a member's body
+
+
+@NEEDS_CC
+def test_a_nest_computes_what_its_ops_compute_one_by_one() -> None:
+    graph = neoflow.graph(TAIL)
+    rng = np.random.default_rng(3)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
+    keep = ("F", "loss", "G")
+    expected = InterpreterExecutor(graph, keep).run(inputs)
+    executor = CpuExecutor(graph, keep, groups=[("F", "loss", "G")])
+    assert list(executor.nests) == ["F"]
+    assert executor.source.count("nf_nest0(") == 2  # defined once, called once from nf_run_graph
+    got = executor.run(inputs)
+    for name in keep:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    # timed alone, the nest is one call giving all three
+    values = executor.kernel_call(["F", "loss", "G"], inputs)()
+    for name in keep:
+        np.testing.assert_allclose(values[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+@NEEDS_CC
+def test_a_nest_does_not_write_over_what_it_still_reads() -> None:
+    # D dies at F (its last reader); planned op by op, G could be given D's memory —
+    # but the nest writes G while it still reads D
+    text = """
+X = tensor([64, 64])
+target = tensor([64, 64])
+D[i, j] = X[i, j] * 3
+F[i, j] = D[i, j] + 1
+G[i, j] = F[i, j] - target[i, j]
+H[i, j] = G[i, j] * G[i, j]
+"""
+    graph = neoflow.graph(text)
+    rng = np.random.default_rng(4)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
+    expected = InterpreterExecutor(graph, ("H", "F")).run(inputs)
+    executor = CpuExecutor(graph, ("H", "F"), groups=[("D",), ("F", "G"), ("H",)])
+    assert list(executor.nests) == ["F"]
+    assert executor.plan.offsets["G"] != executor.plan.offsets["D"]
+    got = executor.run(inputs)
+    np.testing.assert_allclose(got["H"], expected["H"], rtol=1e-5)
+    np.testing.assert_allclose(got["F"], expected["F"], rtol=1e-5)
