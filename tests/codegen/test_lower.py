@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.lower import Lowering, trip_count, lower_op
+from neoflow.codegen.lower import Lowering, lower_op, trip_count
 from tests.targets import NEEDS_CC
 
 
