@@ -22,7 +22,7 @@ AST generator prints the loops.  Statements are C macros the loops call.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -325,36 +325,25 @@ class Lowering:
         outer_dims = {f"c{k}" for k in range(self.parallel_depth)}
         # a scalar sum: its threads each sum a share of the outermost loop
         total = next(iter(self.sums.values())) if not op.indices and len(self.accumulators) == 1 and self.sums else None
-        open_loops: list[int] = []  # indentation of the enclosing for loops
-        rows = loops.splitlines()
-        for number, line in enumerate(rows):
-            text = line.lstrip()
-            indent = len(line) - len(text)
-            while open_loops and indent <= open_loops[-1]:
-                open_loops.pop()
-            if text.startswith("for (int "):
-                following = rows[number + 1].lstrip() if number + 1 < len(rows) else ""
-                # an outermost loop over an output dimension (isl may put sibling loops in a block)
-                if parallel and not open_loops and text[9:].split(" ", 1)[0] in outer_dims:
-                    # a short outer loop leaves threads idle: share out the loop nested in it too, when
-                    # that loop is all it holds (isl braces several statements) and its bounds are
-                    # constants (OpenMP's rule: they may not depend on the outer loop)
-                    nested = (
-                        not text.endswith("{")
-                        and following.startswith("for (int ")
-                        and following[9:].split(" ", 1)[0] in outer_dims
-                    )
-                    short = trip_count(text) < SHORT_PARALLEL_LOOP and trip_count(following) < math.inf
-                    collapse = " collapse(2)" if nested and short else ""
-                    lines.append(f"    {' ' * indent}#pragma omp parallel for{collapse}{private}")
-                elif total is not None and not open_loops and work >= PARALLEL_MIN_POINTS:
-                    lines.append(f"    {' ' * indent}#pragma omp parallel for reduction(+:{total})")
-                summed = self._summed_by(following)
-                if summed is not None:
-                    # the loop around one sum's update: let the compiler split the sum into vector lanes
-                    lines.append(f"    {' ' * indent}#pragma omp simd reduction(+:{summed})")
-                open_loops.append(indent)
-            lines.append("    " + line)
+
+        def pragmas(text: str, following: str, outermost: bool) -> list[str]:
+            found = []
+            # an outermost loop over an output dimension (isl may put sibling loops in a block)
+            if parallel and outermost and text[9:].split(" ", 1)[0] in outer_dims:
+                # a short outer loop leaves threads idle: share out the loop nested in it too, when that
+                # loop is all it holds (isl braces several statements)
+                nested = following[9:].split(" ", 1)[0] in outer_dims
+                collapse = " collapse(2)" if nested and collapsible(text, following) else ""
+                found.append(f"parallel for{collapse}{private}")
+            elif total is not None and outermost and work >= PARALLEL_MIN_POINTS:
+                found.append(f"parallel for reduction(+:{total})")
+            summed = self._summed_by(following)
+            if summed is not None:
+                # the loop around one sum's update: let the compiler split the sum into vector lanes
+                found.append(f"simd reduction(+:{summed})")
+            return found
+
+        lines += with_pragmas(loops, lambda rows, number, outermost: pragmas(*loop_pair(rows, number), outermost))
         lines.append("}")
         undefs = [f"#undef {s.name}" for s in self.statements]
         return "\n".join([*macros, *lines, *undefs])
@@ -395,6 +384,42 @@ def statement_macros(statements: Sequence[Statement]) -> list[str]:
         binds = "".join(f"const int64_t {PREFIX}{v} = (a{k}); " for k, v in enumerate(s.variables))
         macros.append(f"#define {s.name}({args}) do {{ {binds}{s.body} }} while (0)")
     return macros
+
+
+def loop_pair(rows: Sequence[str], number: int) -> tuple[str, str]:
+    """The ``for`` line ``number`` of ``rows`` and the line after it, unindented."""
+    following = rows[number + 1].lstrip() if number + 1 < len(rows) else ""
+    return rows[number].lstrip(), following
+
+
+def collapsible(loop: str, following: str) -> bool:
+    """Whether the short outer ``loop`` should be collapsed with ``following``: the loop is
+    all it holds (no block), and its bounds are constants (OpenMP's rule: they may not
+    depend on the outer loop); a short outer loop alone would leave threads idle."""
+    return (
+        not loop.endswith("{")
+        and following.startswith("for (int ")
+        and trip_count(loop) < SHORT_PARALLEL_LOOP
+        and trip_count(following) < math.inf
+    )
+
+
+def with_pragmas(loops: str, pragmas: Callable[[Sequence[str], int, bool], Sequence[str]]) -> list[str]:
+    """isl's ``loops`` as the lines of a function body, with ``#pragma omp <p>`` above
+    the ``for`` on line ``k`` for each ``p`` of ``pragmas(rows, k, outermost)``."""
+    rows = loops.splitlines()
+    lines: list[str] = []
+    open_loops: list[int] = []  # indentation of the enclosing for loops
+    for number, line in enumerate(rows):
+        text = line.lstrip()
+        indent = len(line) - len(text)
+        while open_loops and indent <= open_loops[-1]:
+            open_loops.pop()
+        if text.startswith("for (int "):
+            lines += [f"    {' ' * indent}#pragma omp {p}" for p in pragmas(rows, number, not open_loops)]
+            open_loops.append(indent)
+        lines.append("    " + line)
+    return lines
 
 
 def trip_count(loop: str) -> float:

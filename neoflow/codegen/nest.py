@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, c_type
 from neoflow.codegen.lattice import split_epilogue
-from neoflow.codegen.lower import SHORT_PARALLEL_LOOP, Lowering, _Scope, isl_loops, statement_macros, trip_count
+from neoflow.codegen.lower import Lowering, _Scope, collapsible, isl_loops, loop_pair, statement_macros, with_pragmas
 from neoflow.ir import index
 from neoflow.ir.expr import Const, Expr, Read, Reduce, Select, map_indices
 from neoflow.ir.op import Op, Tensor
@@ -192,38 +192,24 @@ def _annotated(loops: str, totals: Sequence[str], parallel: bool) -> list[str]:
     one collapsed with the loop it holds; the sums ``totals`` reduced), and a loop
     adding to one sum alone split into vector lanes.  Other inner loops are left
     to the compiler's own vectoriser."""
-    rows = loops.splitlines()
     reduction = f" reduction(+:{', '.join(totals)})" if totals else ""
-    lines = []
-    open_loops: list[int] = []
-    collapsed = -1  # the line of a loop collapsed into the one around it
-    for number, line in enumerate(rows):
-        text = line.lstrip()
-        indent = len(line) - len(text)
-        while open_loops and indent <= open_loops[-1]:
-            open_loops.pop()
-        if text.startswith("for (int "):
-            following = rows[number + 1].lstrip() if number + 1 < len(rows) else ""
-            summed = _summed(rows, number, indent, totals)
-            pragma = ""
-            if parallel and not open_loops:
-                nested = not text.endswith("{") and following.startswith("for (int ")
-                short = trip_count(text) < SHORT_PARALLEL_LOOP and trip_count(following) < math.inf
-                if nested and short and _summed(rows, number + 1, indent + 2, totals) is None:
-                    collapsed = number + 1
-                    pragma = f"parallel for collapse(2){reduction}"
-                else:
-                    pragma = f"parallel for{reduction}"
-            elif summed is not None and number != collapsed:
-                pragma = f"simd reduction(+:{summed})"
-            if pragma:
-                lines.append(f"    {' ' * indent}#pragma omp {pragma}")
-            open_loops.append(indent)
-        lines.append("    " + line)
-    return lines
+    collapsed: set[int] = set()  # the lines of loops collapsed into the one around them
+
+    def pragmas(rows: Sequence[str], number: int, outermost: bool) -> list[str]:
+        text, following = loop_pair(rows, number)
+        indent = len(rows[number]) - len(text)
+        if parallel and outermost:
+            if collapsible(text, following) and _summed(rows, number + 1, indent + 2, totals) is None:
+                collapsed.add(number + 1)
+                return [f"parallel for collapse(2){reduction}"]
+            return [f"parallel for{reduction}"]
+        summed = _summed(rows, number, indent, totals)
+        return [f"simd reduction(+:{summed})"] if summed is not None and number not in collapsed else []
+
+    return with_pragmas(loops, pragmas)
 
 
-def _summed(rows: list[str], number: int, indent: int, totals: Sequence[str]) -> str | None:
+def _summed(rows: Sequence[str], number: int, indent: int, totals: Sequence[str]) -> str | None:
     """The sum (``sum<k>``, one of ``totals``) that the loop on line ``number`` adds
     to, when it holds no other loop and only statements of that sum's member (``Sm<k>_``)."""
     tags = set()

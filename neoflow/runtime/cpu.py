@@ -66,13 +66,13 @@ def graph_nests(graph: Graph, groups: Collection[Collection[str]]) -> dict[str, 
     return nests
 
 
-def nest_source(nests: Mapping[str, Nest]) -> tuple[str, dict[str, str]]:
-    """The C functions of ``nests`` (``nf_nest<k>``) and each one's name by its first op."""
-    parts, functions = [], {}
+def nest_source(nests: Mapping[str, Nest]) -> tuple[str, dict[str, tuple[Nest, str]]]:
+    """The C functions of ``nests`` (``nf_nest<k>``), and by first op each nest with its function's name."""
+    parts, named = [], {}
     for k, (first, nest) in enumerate(nests.items()):
-        functions[first] = f"nf_nest{k}"
-        parts.append(nest_function(nest, functions[first]))
-    return "\n\n".join(parts) + "\n", functions
+        named[first] = (nest, f"nf_nest{k}")
+        parts.append(nest_function(nest, f"nf_nest{k}"))
+    return "\n\n".join(parts) + "\n", named
 
 
 def tensor_slots(graph: Graph) -> dict[str, int]:
@@ -80,24 +80,20 @@ def tensor_slots(graph: Graph) -> dict[str, int]:
     return {name: k for k, name in enumerate(graph.tensors)}
 
 
-def graph_entry(
-    graph: Graph,
-    functions: Mapping[str, str],
-    nests: Mapping[str, Nest] | None = None,
-    nest_functions: Mapping[str, str] | None = None,
-) -> str:
+def graph_entry(graph: Graph, functions: Mapping[str, str], nests: Mapping[str, tuple[Nest, str]] | None = None) -> str:
     """C function ``nf_run_graph(b)`` calling the kernel of every op of ``graph`` in
     order, tensor ``name`` at ``b[tensor_slots(graph)[name]]``: a whole run in one call.
-    The ops of a nest (by its first op, ``graph_nests``) are one call of its function."""
+    The ops of a nest are one call of its function (``nests``: by the nest's first op,
+    the nest and its function's name)."""
     slot = tensor_slots(graph)
     nests = nests or {}
-    in_nests = {t.name for nest in nests.values() for t in nest.outputs}
+    in_nests = {t.name for nest, _ in nests.values() for t in nest.outputs}
     calls = []
     for op in graph.ops:
         if op.name in nests:
-            nest = nests[op.name]
+            nest, function = nests[op.name]
             arguments = ", ".join(f"b[{slot[t.name]}]" for t in (*nest.outputs, *nest.inputs))
-            calls.append(f"    {(nest_functions or {})[op.name]}({arguments});")
+            calls.append(f"    {function}({arguments});")
             continue
         if op.name in in_nests:
             continue
@@ -124,9 +120,8 @@ class CpuExecutor:
         nest_groups = [[t.name for t in nest.outputs] for nest in self.nests.values()]
         self.plan: MemoryPlan = plan_memory(graph, self.keep, nest_groups)
         if not self.interpreted:
-            nests_c, nest_names = nest_source(self.nests)
-            self.source += "\n" + nests_c + "\n" + graph_entry(graph, names, self.nests, nest_names)
-            self._nest_names = nest_names
+            nests_c, self._nest_functions = nest_source(self.nests)
+            self.source += "\n" + nests_c + "\n" + graph_entry(graph, names, self._nest_functions)
         self.library_path = build_library(self.source)
         self.library = ctypes.CDLL(str(self.library_path))
         self.library.nf_set_threads(ctypes.c_int(threads()))
@@ -204,7 +199,7 @@ class CpuExecutor:
         nest = self.nests.get(names[0]) if names else None
         if nest is None or [t.name for t in nest.outputs] != names:
             return sequential_call(self, names, values)
-        function = getattr(self.library, self._nest_names[names[0]])
+        function = getattr(self.library, self._nest_functions[names[0]][1])
         function.argtypes = [ctypes.c_void_p] * (len(nest.outputs) + len(nest.inputs))
         function.restype = None
         args = [np.ascontiguousarray(values[t.name], dtype=dt.numpy_dtype(t.dtype)) for t in nest.inputs]
@@ -218,10 +213,11 @@ class CpuExecutor:
         return call
 
 
-def sanitizer_program(graph: Graph) -> str:
+def sanitizer_program(graph: Graph, groups: Collection[Collection[str]] = ()) -> str:
     """A standalone C program running ``graph`` through ``nf_run_graph`` (every
-    kernel in order) on buffers of exactly each tensor's size (inputs filled with
-    small deterministic values, integer inputs with 0), for building with
+    kernel in order, the ``groups`` that make loop nests as nests) on buffers of
+    exactly each tensor's size (inputs filled with small deterministic values,
+    integer inputs with 0), for building with
     ``-fsanitize=address,undefined``: any out-of-bounds access or undefined
     behaviour in generated code shows up when it runs."""
     source, functions, interpreted = module_source(graph)
@@ -229,7 +225,15 @@ def sanitizer_program(graph: Graph) -> str:
         raise CompileError(f"ops without a C lowering: {', '.join(interpreted)}")
     from neoflow.codegen.c_expr import c_type
 
-    lines = [source, graph_entry(graph, functions), "#include <stdio.h>", "int main(void) {", "    uint64_t seed = 1;"]
+    nests_c, nests = nest_source(graph_nests(graph, groups))
+    lines = [
+        source,
+        nests_c,
+        graph_entry(graph, functions, nests),
+        "#include <stdio.h>",
+        "int main(void) {",
+        "    uint64_t seed = 1;",
+    ]
     buffers = {}
     for tensor_name, k in tensor_slots(graph).items():
         tensor = graph.tensors[tensor_name]

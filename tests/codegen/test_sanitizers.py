@@ -11,6 +11,7 @@ import pytest
 
 import neoflow
 from neoflow.runtime.cpu import sanitizer_program
+from tests.codegen.test_nest import TAIL
 from tests.targets import NEEDS_CC
 
 pytestmark = NEEDS_CC
@@ -29,12 +30,16 @@ def _graphs():
     weights = {"C": np.full(four.tensors["C"].shape, 0.1, np.float32)}
     spec = neoflow.TrainSpec(loss="mse", labels="T")
     yield "four-op-train", neoflow.compile(four, train=spec, parameters=weights).training.graph
+    yield "loss-tail-nest", neoflow.graph(TAIL)  # F, the loss over it and its gradient as one loop nest
 
 
 @pytest.mark.parametrize(("name", "graph"), list(_graphs()), ids=lambda v: v if isinstance(v, str) else "")
 def test_generated_code_is_clean_under_asan_and_ubsan(name, graph, tmp_path) -> None:
     source = tmp_path / f"{name}.c"
-    source.write_text(sanitizer_program(graph))
+    groups = [("F", "loss", "G")] if name == "loss-tail-nest" else ()
+    program = sanitizer_program(graph, groups)
+    assert ("nf_nest0(" in program) == bool(groups)
+    source.write_text(program)
     binary = tmp_path / name
     flags = ["-O1", "-g", "-fopenmp", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-std=gnu11"]
     build = subprocess.run(["cc", *flags, str(source), "-o", str(binary), "-lm"], capture_output=True, text=True)
