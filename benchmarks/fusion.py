@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--runs", type=int, default=41)
     parser.add_argument("--out", default="benchmarks/fusion_results", help="output prefix (.md)")
     parser.add_argument("--plot", default="docs/fusion-capsule.png", help="the capsule network's comparison plot")
     args = parser.parse_args(argv)

@@ -242,8 +242,13 @@ class Lowering:
         body = op.body
         if self._accumulate_in_place(box):
             return
+        self._store_split(scope, body)
+
+    def _store_split(self, scope: _Scope, body: Expr) -> None:
+        """Store ``body`` over ``scope``; a ``Select`` at its top with an affine
+        condition as two stores on the two parts of the domain."""
         if (
-            op.scatter is None
+            self.op.scatter is None
             and isinstance(body, Select)
             and _fully_affine(body.cond)
             and not any(isinstance(n, Reduce) for n in body.cond.walk())

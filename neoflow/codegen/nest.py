@@ -11,8 +11,13 @@ shape, no reduction in their bodies; their index variables renamed to the
 main op's) and *sums over it*: ``out[] = f(ReduceAdd({axes over exactly that
 box}, term))``, whose term is added to a scalar per point and ``f`` applied
 after the loops.  A member may read an earlier element-wise member's output
-at the same point (it was stored there a statement before); any other read of
-a member is not a nest.  The statements of all members share one isl schedule
+at the same point (it was stored there a statement before).  A member of
+another shape joins too when it reads earlier members only through one index
+map that is a bijection between its points (and terms of its sum) and a part
+of the main domain — the gradient of a depth-to-space reads the gradient of
+its output that way: islpy proves the bijection and inverts it, and the
+member is computed at the main point and *written through* the inverse
+(``Nest.writes``).  Any other read of a member is not a nest.  The statements of all members share one isl schedule
 (the main indices, then the member, then its own statement order), so isl
 prints one loop nest; its outer loops are shared out among threads and its
 inner loops run in vector lanes (``#pragma omp simd``: members carry no
@@ -23,14 +28,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, c_type
+import islpy as isl
+import sympy
+
+from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, c_type, linear_index
 from neoflow.codegen.lattice import split_epilogue
-from neoflow.codegen.lower import Lowering, _Scope, collapsible, isl_loops, loop_pair, statement_macros, with_pragmas
-from neoflow.ir import index
-from neoflow.ir.expr import Const, Expr, Read, Reduce, Select, map_indices
+from neoflow.codegen.lower import (
+    PREFIX,
+    Lowering,
+    _Scope,
+    collapsible,
+    isl_loops,
+    loop_pair,
+    statement_macros,
+    with_pragmas,
+)
+from neoflow.ir import bounds, index
+from neoflow.ir.expr import Const, Expr, Index, Read, Reduce, Select, map_children, map_indices
 from neoflow.ir.op import Op, Tensor
+
+
+@dataclass(frozen=True)
+class Written:
+    """Where a member written through an index map goes: ``target`` indexes its
+    output (index expressions in the main indices), at the main points where
+    the isl ``constraint`` holds for some value of the ``hidden`` variables."""
+
+    target: tuple[sympy.Expr, ...]
+    hidden: tuple[str, ...]
+    constraint: str
+
+    @property
+    def where(self) -> str:
+        """The isl constraint on the main points (``hidden`` existentially quantified)."""
+        if not self.hidden:
+            return self.constraint
+        return f"exists ({', '.join(PREFIX + v for v in self.hidden)} : {self.constraint})"
 
 
 @dataclass(frozen=True)
@@ -40,7 +75,10 @@ class Nest:
     ``sums`` holds its per-point term as an element-wise op and its epilogue
     (the member's body, printed with the sum's value for the reduction);
     ``inputs`` are the tensors read from outside, in first-read order, and
-    ``outputs`` the members' output tensors."""
+    ``outputs`` the members' output tensors.  A member written through an
+    index map has an entry in ``writes``: where in its output each main point
+    goes (index expressions in the main indices) and the isl constraint of the
+    main points it is computed at."""
 
     indices: tuple[str, ...]
     extents: tuple[int, ...]
@@ -48,6 +86,7 @@ class Nest:
     sums: Mapping[str, Expr]
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
+    writes: Mapping[str, Written] = field(default_factory=dict)
 
 
 def _reduce_free(node: Expr) -> bool:
@@ -99,13 +138,20 @@ def shared_nest(ops: Sequence[Op]) -> Nest | None:
     indices, extents = main.indices, main.shape
     members: list[Op] = []
     sums: dict[str, Expr] = {}
+    writes: dict[str, Written] = {}
     stored: set[str] = set()  # element-wise members already computed
     produced = {op.name for op in ops}
     point = tuple(index.var(v) for v in indices)
     for op in ops:
         found = _as_member(op, indices, extents)
         if found is None:
-            return None
+            mapped = _written_through(op, stored, indices, extents)
+            if mapped is None:
+                return None
+            member, written = mapped
+            members.append(member)
+            writes[op.name] = written
+            continue
         member, epilogue = found
         for node in member.body.walk():
             member_read = isinstance(node, Read) and node.tensor in produced
@@ -124,7 +170,207 @@ def shared_nest(ops: Sequence[Op]) -> Nest | None:
     if not inputs:
         return None
     outputs = tuple(op.output for op in ops)
-    return Nest(indices, extents, tuple(members), sums, tuple(inputs.values()), outputs)
+    return Nest(indices, extents, tuple(members), sums, tuple(inputs.values()), outputs, writes)
+
+
+def _written_through(
+    op: Op, stored: set[str], indices: tuple[str, ...], extents: tuple[int, ...]
+) -> tuple[Op, Written] | None:
+    """``op`` computed at the main points it maps to, when it reads the members
+    in ``stored`` through one index map that pairs each of its points (and term
+    of its sum: ``ReduceAdd`` whose condition leaves one term per point) with
+    one main point: ``(member on the main domain, where it is written)``; else None."""
+    if op.scatter is not None or not op.dtype.startswith("float") or not op.shape:
+        return None
+    term, axes, where = op.body, (), None
+    if isinstance(term, Reduce):
+        if term.kind != "ReduceAdd" or term.dtype != op.dtype:
+            return None
+        term, axes, where = term.body, term.axes, term.where
+    if not _reduce_free(term) or (where is not None and not _reduce_free(where)):
+        return None
+    member_reads = {node.indices for node in term.walk() if isinstance(node, Read) and node.tensor in stored}
+    if len(member_reads) != 1 or any(isinstance(n, Read) and n.tensor == op.name for n in term.walk()):
+        return None
+    (via,) = member_reads
+    # the op's variables renamed clear of the main indices (both sides share isl's name prefix)
+    taken = set(indices)
+    names = {v: index.fresh_name(f"{v}_w", taken) for v in (*op.indices, *axes)}
+    renamed = {index.var(v): index.var(new) for v, new in names.items()}
+    via = tuple(e.xreplace(renamed) for e in via)
+    condition = None
+    if where is not None:
+        condition = bounds.condition_to_isl(map_indices(where, lambda e: e.xreplace(renamed)))
+        if condition is None:
+            return None
+    relation = _relation(op, names, via, indices, condition)
+    if relation is None:
+        return None
+    inverse = _inverse(relation, op, names, indices, extents)
+    if inverse is None:
+        return None
+    point = tuple(index.var(v) for v in indices)
+    substitution = {index.var(v): inverse[new] for v, new in names.items()}
+
+    def at_main_point(node: Expr) -> Expr:
+        if isinstance(node, Read) and node.tensor in stored:
+            return Read(node.tensor, point, node.tensor_dtype)
+        if isinstance(node, (Read, Index)):
+            return map_indices(node, lambda e: e.xreplace(substitution))
+        return map_children(node, at_main_point)
+
+    body = at_main_point(term)
+    member = replace(
+        op,
+        body=body,
+        indices=indices,
+        ranges=tuple(zip(indices, extents, strict=True)),
+        range_sources=(),
+        inputs=tuple(t for t in op.inputs if any(isinstance(n, Read) and n.tensor == t.name for n in body.walk())),
+    )
+    target = tuple(inverse[names[v]] for v in op.indices)
+    return member, Written(target, tuple(names.values()), relation[1])
+
+
+def _relation(
+    op: Op, names: Mapping[str, str], via: tuple[sympy.Expr, ...], indices: tuple[str, ...], condition: str | None
+) -> tuple[isl.Map, str] | None:
+    """The map from op's points and sum terms to the main points they read
+    (and its constraint text), when it is a bijection from all of op's points
+    onto part of the main domain; else None."""
+    targets = [index.to_isl(e, PREFIX) for e in via]
+    if len(targets) != len(indices) or None in targets:
+        return None
+    box = bounds.box_constraint({new: op.extent[v] for v, new in names.items()})
+    parts = [
+        box,
+        *([condition] if condition else []),
+        *(f"{PREFIX}{v} = {t}" for v, t in zip(indices, targets, strict=True)),
+    ]
+    constraint = " and ".join(f"({p})" for p in parts)
+    sources = ", ".join(PREFIX + new for new in names.values())
+    relation = isl.Map(f"{{ [{sources}] -> [{', '.join(PREFIX + v for v in indices)}] : {constraint} }}")
+    points = relation.project_out(isl.dim_type.in_, len(op.indices), len(names) - len(op.indices))
+    every_point = bounds.make_set(
+        [names[v] for v in op.indices], bounds.box_constraint({names[v]: op.extent[v] for v in op.indices})
+    )
+    if not (relation.is_injective() and points.is_single_valued() and points.domain().is_equal(every_point)):
+        return None
+    return relation, constraint
+
+
+def _inverse(
+    relation: tuple[isl.Map, str], op: Op, names: Mapping[str, str], indices: tuple[str, ...], extents: tuple[int, ...]
+) -> dict[str, sympy.Expr] | None:
+    """Each of op's (renamed) variables as an index expression in the main
+    indices, from isl's inverse of the relation; None where isl needs pieces."""
+    forward, _ = relation
+    inverse = isl.PwMultiAff.from_map(forward.reverse())
+    build = isl.AstBuild.from_context(forward.range())
+    symbols = {PREFIX + v: index.var(v) for v in indices}
+    found = {}
+    for k, new in enumerate(names.values()):
+        if inverse.get_pw_aff(k).n_piece() != 1:
+            return None
+        expr = _from_ast(build.expr_from_pw_aff(inverse.get_pw_aff(k)), symbols)
+        if expr is None:
+            return None
+        found[new] = expr
+    return found
+
+
+def _from_ast(expr: isl.AstExpr, symbols: Mapping[str, sympy.Symbol]) -> sympy.Expr | None:
+    """An isl AST expression (integer arithmetic, floor division, remainder) as a
+    sympy index expression; None for anything else (a min, a choice)."""
+    kind = expr.get_type()
+    if kind == isl.ast_expr_type.int:
+        return sympy.Integer(int(expr.get_val().to_python()))
+    if kind == isl.ast_expr_type.id:
+        return symbols.get(expr.get_id().get_name())
+    if kind != isl.ast_expr_type.op:
+        return None
+    args = [_from_ast(expr.get_op_arg(k), symbols) for k in range(expr.get_op_n_arg())]
+    if any(a is None for a in args):
+        return None
+    ops = isl.ast_expr_op_type
+    which = expr.get_op_type()
+    if which == ops.add:
+        return args[0] + args[1]
+    if which == ops.sub:
+        return args[0] - args[1]
+    if which == ops.mul:
+        return args[0] * args[1]
+    if which == ops.minus:
+        return -args[0]
+    if which in (ops.div, ops.fdiv_q, ops.pdiv_q):
+        return index.floordiv(args[0], args[1])
+    if which == ops.pdiv_r:
+        return index.mod(args[0], args[1])
+    return None
+
+
+class _MappedLowering(Lowering):
+    """A member written through an index map (``written``): computed at the
+    points of its indices where ``written.where`` holds, stored at ``written.target``."""
+
+    def __init__(self, op: Op, buffers: Mapping[str, str], tag: str, written: Written) -> None:
+        super().__init__(op, buffers, tag)
+        self.written = written
+
+    def build(self) -> None:
+        op = self.op
+        box = bounds.box_constraint({v: self.extent[v] for v in op.indices})
+        where = self.written.where
+        self._store_split(_Scope(list(op.indices), [PREFIX + v for v in op.indices], [box, where], []), op.body)
+
+    def _store(self, scope: _Scope, body: Expr) -> None:
+        self._scope = scope
+        value = self.values(body, self.op.dtype)
+        target = linear_index([self.index(e) for e in self.written.target], self.op.shape)
+        self._add(scope, scope.variables, f"{self.output}[{target}] = {value};")
+
+
+def _split_inner(member: Op, written: Written | None) -> tuple[Op, Written] | None:
+    """``member`` with its innermost index ``w`` split as ``w = m*q + r`` (``r``
+    innermost), when its reads (or where it is written) use ``w`` only through
+    ``w // m`` and ``w % m`` besides plainly: the depth-to-space family.  Its
+    inner loop then runs over ``q``, each of the ``m`` steps of ``r`` a unit-stride
+    access, which the C compiler unrolls and vectorises; left alone, every point
+    computes its ``w % m`` and gathers.  None when there is nothing to split."""
+    inner = member.indices[-1]
+    w = index.var(inner)
+    point = tuple(index.var(v) for v in member.indices)
+    target = written.target if written is not None else point
+    exprs = [*target]
+    for node in member.body.walk():
+        if isinstance(node, Read):
+            exprs += node.indices
+        elif isinstance(node, Index):
+            exprs.append(node.expr)
+    moduli = set()
+    for expr in exprs:
+        for atom in expr.atoms(sympy.floor, sympy.Mod):
+            if w in atom.free_symbols:
+                moduli.add(int(atom.args[1]) if isinstance(atom, sympy.Mod) else index.denominator(atom.args[0]))
+    extent = member.extent[inner]
+    if len(moduli) != 1 or (m := moduli.pop()) < 2 or extent % m:
+        return None
+    taken = set(member.extent)
+    q, r = index.fresh_name(f"{inner}_div{m}", taken), index.fresh_name(f"{inner}_mod{m}", taken)
+    split = {w: m * index.var(q) + index.var(r)}
+    indices = (*member.indices[:-1], q, r)
+    extents = (*(member.extent[v] for v in member.indices[:-1]), extent // m, m)
+    op = replace(
+        member,
+        body=map_indices(member.body, lambda e: e.xreplace(split)),
+        indices=indices,
+        ranges=tuple(zip(indices, extents, strict=True)),
+    )
+    hidden = (*(written.hidden if written is not None else ()), inner)
+    constraint = f"{PREFIX}{inner} = {m}*{PREFIX}{q} + {PREFIX}{r}"
+    if written is not None:
+        constraint = f"{written.constraint} and {constraint}"
+    return op, Written(tuple(e.xreplace(split) for e in target), hidden, constraint)
 
 
 class _SumLowering(Lowering):
@@ -157,6 +403,10 @@ def nest_function(nest: Nest, name: str) -> str:
             total = f"sum{k}"
             lowering: Lowering = _SumLowering(member, buffers, f"m{k}_", total)
             totals.append((c_type(member.dtype), total))
+        elif (split := _split_inner(member, nest.writes.get(member.name))) is not None:
+            lowering = _MappedLowering(split[0], buffers, f"m{k}_", split[1])
+        elif member.name in nest.writes:
+            lowering = _MappedLowering(member, buffers, f"m{k}_", nest.writes[member.name])
         else:
             lowering = Lowering(member, buffers, f"m{k}_")
         lowering.build()

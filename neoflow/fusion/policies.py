@@ -138,7 +138,9 @@ class NeoFlow(FusionPolicy):
                 used |= removed
             if not taken:
                 break
-            groups = _apply(groups, taken)
+            # each group as the kernel it makes: an op recomputed where nothing reads it any more
+            # leaves the group, so later merges see the kernels the plan really has
+            groups = [frozenset(kernel.ops) for kernel in search.grouping.kernels(_apply(groups, taken))]
         return plan_from_groups(graph, groups, policy=self.name)
 
 

@@ -184,7 +184,7 @@ class CpuExecutor:
         out = np.empty(op.shape, dt.numpy_dtype(op.dtype))
         pointers = (out.ctypes.data, *(a.ctypes.data for a in args))
 
-        def call() -> np.ndarray:
+        def call(converted: list = args) -> np.ndarray:  # holds the converted inputs the pointers point into
             kernel(*pointers)
             return out
 
@@ -206,7 +206,7 @@ class CpuExecutor:
         outs = {t.name: np.empty(t.shape, dt.numpy_dtype(t.dtype)) for t in nest.outputs}
         pointers = (*(a.ctypes.data for a in outs.values()), *(a.ctypes.data for a in args))
 
-        def call() -> dict:
+        def call(converted: list = args) -> dict:  # holds the converted inputs the pointers point into
             function(*pointers)
             return outs
 

@@ -21,6 +21,13 @@ G[i, j, k, l] = 2 * (F[i, j, k, l] - target[i, j, k, l]) / 960
 """
 
 
+# and the gradient of the depth-to-space input D, as autodiff writes it: G read through the inverse map
+GRAD_D = (
+    "DG[n, z, p, q] = ReduceAdd({hm: 2, wm: 2 | (z - 2*hm - wm)%4 == 0}, "
+    "G[n, (z - 2*hm - wm)//4 + 3, 2*p + hm, 2*q + wm])\n"
+)
+
+
 def _ops(text: str) -> list:
     return list(neoflow.graph(text).ops)
 
@@ -103,3 +110,39 @@ H[i, j] = G[i, j] * G[i, j]
     got = executor.run(inputs)
     np.testing.assert_allclose(got["H"], expected["H"], rtol=1e-5)
     np.testing.assert_allclose(got["F"], expected["F"], rtol=1e-5)
+
+
+def test_a_member_read_through_a_bijective_map_is_written_through_its_inverse() -> None:
+    nest = shared_nest(_ops(TAIL + GRAD_D))
+    assert nest is not None
+    assert [t.name for t in nest.outputs] == ["F", "loss", "G", "DG"]
+    assert [t.name for t in nest.inputs] == ["A", "D", "target"]  # G is not read back
+    # DG is computed at F's points with c >= 3 and stored at the depth-to-space position
+    written = nest.writes["DG"]
+    assert str(written.target) == "(n, 4*c + 2*(Mod(h, 2)) + Mod(w, 2) - 12, floor(h/2), floor(w/2))"
+    source = nest_function(nest, "tail")
+    # F's read of D and DG's write split the innermost index by 2: unit-stride, no per-point w % 2
+    assert "v_w_div2" in source and "nf_mod(v_w," not in source
+
+
+def test_maps_that_are_not_one_to_one_are_refused() -> None:
+    pooled = "P[n, c, p, q] = ReduceAdd({a: 2, b: 2}, G[n, c, 2*p + a, 2*q + b])\n"  # four terms a point
+    assert shared_nest(_ops(TAIL + pooled)) is None
+    twice = "T[n, c, h, w] = G[n, c, 2*h, w] + G[n, c, 2*h + 1, w]\n"  # G read at two points
+    assert shared_nest(_ops(TAIL + twice)) is None
+    overlapping = "Q = tensor([2, 6, 8, 10])\nQ[n, c, h, w] = ReduceAdd({a: 2 | h + a < 8}, G[n, c, h + a, w])\n"
+    assert shared_nest(_ops(TAIL + overlapping)) is None  # a point of G read by two points of Q
+
+
+@NEEDS_CC
+def test_a_nest_writing_through_a_map_computes_what_its_ops_compute() -> None:
+    graph = neoflow.graph(TAIL + GRAD_D)
+    rng = np.random.default_rng(4)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
+    keep = ("F", "loss", "G", "DG")
+    expected = InterpreterExecutor(graph, keep).run(inputs)
+    executor = CpuExecutor(graph, keep, groups=[keep])
+    assert list(executor.nests) == ["F"]
+    got = executor.run(inputs)
+    for name in keep:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)

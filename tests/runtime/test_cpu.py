@@ -83,3 +83,20 @@ def test_an_op_call_runs_only_the_kernel_on_buffers_prepared_once() -> None:
         np.testing.assert_array_equal(again, first_copy)
         np.testing.assert_array_equal(executor.run_op(op, values), first_copy)
         values[op.name] = again
+
+
+@NEEDS_CC
+def test_a_timed_call_keeps_the_inputs_it_converted() -> None:
+    # inputs given in another dtype are converted once when the call is made: the call must hold
+    # the converted copies (the kernel reads them through raw pointers), or it reads freed memory
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("L",))
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((64, 48)), rng.standard_normal((48, 32))  # float64: converted
+    op = graph.ops[0]
+    call = executor.op_call(op, {"X": x, "W": w})
+    expected = call().copy()
+    del x, w
+    litter = [np.full((64, 48), 7.0, np.float32) for _ in range(50)]  # reuses freed memory
+    np.testing.assert_array_equal(call(), expected)
+    assert litter[0][0, 0] == 7.0
