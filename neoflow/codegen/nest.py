@@ -206,7 +206,7 @@ def _written_through(
     relation = _relation(op, names, via, indices, condition)
     if relation is None:
         return None
-    inverse = _inverse(relation, op, names, indices, extents)
+    inverse = _inverse(relation[0], names, indices)
     if inverse is None:
         return None
     point = tuple(index.var(v) for v in indices)
@@ -259,12 +259,9 @@ def _relation(
     return relation, constraint
 
 
-def _inverse(
-    relation: tuple[isl.Map, str], op: Op, names: Mapping[str, str], indices: tuple[str, ...], extents: tuple[int, ...]
-) -> dict[str, sympy.Expr] | None:
-    """Each of op's (renamed) variables as an index expression in the main
-    indices, from isl's inverse of the relation; None where isl needs pieces."""
-    forward, _ = relation
+def _inverse(forward: isl.Map, names: Mapping[str, str], indices: tuple[str, ...]) -> dict[str, sympy.Expr] | None:
+    """Each of op's (renamed) variables ``names`` as an index expression in the
+    main ``indices``, from isl's inverse of ``forward``; None where isl needs pieces."""
     inverse = isl.PwMultiAff.from_map(forward.reverse())
     build = isl.AstBuild.from_context(forward.range())
     symbols = {PREFIX + v: index.var(v) for v in indices}
