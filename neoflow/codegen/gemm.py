@@ -38,6 +38,7 @@ from neoflow.codegen.packing import (
     affine_operand,
     affine_packer,
     free_tables,
+    gather_fraction,
     operand_tables,
     vector_fraction,
 )
@@ -59,6 +60,7 @@ GENERIC_CYCLES_PER_POINT = 2.0
 #: cycles per output element written back after a depth block, and extra ones for storing it alone
 WRITE_CYCLES, SCATTER_CYCLES = 1.5, 2.5
 VECTOR_PACK_CYCLES = 1.0  # per element of a strip copied with vector loads
+GATHER_PACK_CYCLES = 1.5  # per element of a strided strip gathered (two 8-lane gathers per depth step)
 
 MICROKERNEL = r"""
 #if defined(__AVX2__) && defined(__FMA__)
@@ -298,8 +300,10 @@ def _operand_factors(op: Op, mapping: Mapping) -> tuple[Expr, Expr]:
 @lru_cache(maxsize=8192)
 def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, ...], width: int) -> float:
     """Estimated cycles per element packed of one operand: ``VECTOR_PACK_CYCLES`` for the
-    share the packer copies with vector loads (``packing.vector_fraction``), otherwise a
-    couple of cycles plus one per index variable read from the tables.  Cached, as the
+    share the packer copies with vector loads (``packing.vector_fraction``),
+    ``GATHER_PACK_CYCLES`` for the share it gathers (``packing.gather_fraction``), otherwise
+    a couple of cycles plus one per index variable read from the tables and one per guard
+    checked.  Cached, as the
     mapper prices every candidate mapping with it."""
     shapes = {t.name: t.shape for t in op.inputs}
     sides = [(v, op.extent[v]) for v in side]
@@ -307,8 +311,13 @@ def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, 
     side_inner = _inner_is_first(factor, {t.name: t for t in op.inputs}, sides, depths)
     operand = _affine(factor, tuple(sorted(shapes.items())))
     size = math.prod(shapes[operand.tensor]) if operand is not None else 0
-    vector = vector_fraction(operand, width, side_inner, Strips(side, depth, op.extent, size))
-    return vector * VECTOR_PACK_CYCLES + (1 - vector) * (2.0 + len(side) + len(depth))
+    strips = Strips(side, depth, op.extent, size)
+    vector = vector_fraction(operand, width, side_inner, strips)
+    gathered = gather_fraction(operand, width, side_inner, strips)
+    # element by element: a couple of cycles, one per table read, one per guard checked
+    guards = len(operand.ranges) if operand is not None else 0
+    scalar = 2.0 + len(side) + len(depth) + guards
+    return vector * VECTOR_PACK_CYCLES + gathered * GATHER_PACK_CYCLES + (1 - vector - gathered) * scalar
 
 
 def _table(name: str, variables: list[tuple[str, int]], offset: str | None) -> str:

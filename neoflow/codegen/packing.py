@@ -29,6 +29,7 @@ from neoflow.ir.index import flat_offset
 _FLIP = {">=": "<=", ">": "<", "<=": ">=", "<": ">"}
 #: strips this wide (two AVX2 vectors) are copied with vector loads where the read runs along them
 VECTOR_WIDTH = 16
+GATHER_STEP_LIMIT = 1 << 26  # a strided strip is gathered when 15 steps fit an int32 lane
 #: rows transposed together by the depth-run packer, by strip width
 _GROUP = {6: 6, 16: 8}
 
@@ -301,6 +302,41 @@ def vector_fraction(operand: AffineOperand | None, width: int, side_inner: bool,
     return span // 8 * 8 / span
 
 
+def gather_fraction(operand: AffineOperand | None, width: int, side_inner: bool, strips: Strips) -> float:
+    """The share of the elements a ``"side"`` packer gathers: those of the full strips
+    that lie within one run of reads a constant step (other than one) apart."""
+    if vector_path(operand, width, side_inner, strips) != "side" or operand is None:
+        return 0.0
+    if vector_runs(operand, strips.side, strips.extents):
+        return 0.0
+    span, step = _stride_span(operand, strips.side, strips.extents)
+    if step in (0, 1) or abs(step) >= GATHER_STEP_LIMIT or span < width:
+        return 0.0
+    size = math.prod(strips.extents[v] for v in strips.side)
+    if span % width == 0:
+        return size // span * span / size
+    inside = sum(
+        1 for j in range(min(size // width, 1 << 16)) if (j * width) // span == (j * width + width - 1) // span
+    )
+    return min(inside * width / size, 1.0)
+
+
+def _stride_span(operand: AffineOperand, variables: tuple[str, ...], extents: dict[str, int]) -> tuple[int, int]:
+    """``_run_span`` for reads a constant step apart: how many elements ``operand`` reads
+    along the flattened ``variables`` one ``step`` apart before its offset jumps, and the step
+    (the last variable's coefficient; 0 where it is not a constant)."""
+    last = operand.offset.coeff(sympy.Symbol(variables[-1], integer=True)) if variables else 0
+    if not (getattr(last, "is_Integer", False) or isinstance(last, int)) or last == 0:
+        return 1, 0
+    step, span = int(last), 1
+    for name in reversed(variables):
+        if operand.offset.coeff(sympy.Symbol(name, integer=True)) != step:
+            break
+        span *= extents[name]
+        step *= extents[name]
+    return span, int(last)
+
+
 def vector_runs(operand: AffineOperand | None, side: tuple[str, ...], extents: dict[str, int]) -> bool:
     """Whether the vector packer copies every full strip of ``operand`` along the ``side``
     variables (row-major, the last fastest) with vector loads: the read is affine, its
@@ -381,8 +417,26 @@ def _side_runs(
     for (int64_t s = 0; s < size; s += {VECTOR_WIDTH}) {{
         float *restrict strip = buffer + s * kc;
         int run = size - s >= {VECTOR_WIDTH};
-        for (int64_t ii = 1; run && ii < {VECTOR_WIDTH}; ++ii) run = s0_[s + ii] == s0_[s] + ii;
-        if (run) {{
+        const int64_t step_ = run ? s0_[s + 1] - s0_[s] : 0;
+        for (int64_t ii = 2; run && ii < {VECTOR_WIDTH}; ++ii) run = s0_[s + ii] == s0_[s] + ii * step_;
+        if (run && step_ != 1 && step_ != 0 && step_ < {GATHER_STEP_LIMIT} && step_ > -{GATHER_STEP_LIMIT}) {{
+{lanes}
+            const __m256i ia = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                  _mm256_set1_epi32((int32_t)step_));
+            const __m256i ib = _mm256_add_epi32(ia, _mm256_set1_epi32((int32_t)(8 * step_)));
+            for (int64_t p = lo; p < hi; ++p) {{
+                {depth_lanes}
+                const __m256i ma = {mask("a")};
+                const __m256i mb = {mask("b")};
+                const float *from = {tensor_name} + (s0_[s] + dep[0][pc + p] + base0_);
+                _mm256_store_ps(strip + p * {VECTOR_WIDTH},
+                                _mm256_mask_i32gather_ps(_mm256_setzero_ps(), from, ia, _mm256_castsi256_ps(ma), 4));
+                _mm256_store_ps(strip + p * {VECTOR_WIDTH} + 8,
+                                _mm256_mask_i32gather_ps(_mm256_setzero_ps(), from, ib, _mm256_castsi256_ps(mb), 4));
+            }}
+            continue;
+        }}
+        if (run && step_ == 1) {{
 {lanes}
             for (int64_t p = lo; p < hi; ++p) {{
                 {depth_lanes}

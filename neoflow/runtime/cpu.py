@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
@@ -148,13 +149,28 @@ class CpuExecutor:
         arena = [name for name in self.plan.offsets if name in slots and name not in self.keep]
         self._arena_slots = np.array([slots[name] for name in arena], dtype=np.intp)
         self._arena_offsets = np.array([self.plan.offsets[name] for name in arena], dtype=np.uintp)
+        self._arena: np.ndarray | None = None
+        self._arena_lock = threading.Lock()
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The kept tensors by name, from every graph input by name (checked by the caller)."""
+        """The kept tensors by name, from every graph input by name (checked by the caller).
+        The intermediates' arena is allocated once and reused by every run (a fresh one
+        faults its pages in again each step, as much time as a light kernel takes); a run
+        while another thread's holds it gets an arena of its own."""
         if self.entry is None:
             return run_graph(self, inputs)
+        if not self._arena_lock.acquire(blocking=False):
+            return self._run_in(np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8), inputs)
+        try:
+            if self._arena is None:
+                self._arena = np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8)
+            return self._run_in(self._arena, inputs)
+        finally:
+            self._arena_lock.release()
+
+    def _run_in(self, arena: np.ndarray, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``run`` with the intermediates in ``arena``."""
         pointers = np.zeros(len(self.graph.tensors), dtype=np.uintp)
-        arena = np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8)
         start = arena.ctypes.data
         pointers[self._arena_slots] = start + (-start) % ALIGNMENT + self._arena_offsets
         held = []  # the inputs as the kernels read them, alive until the call returns

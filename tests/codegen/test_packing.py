@@ -142,6 +142,35 @@ def test_vector_packer_masks_every_lane_that_fails_a_guard(text: str, shapes: di
     assert_compiled_matches_interpreter(op, 3)
 
 
+# the channel innermost in the depth, as autodiff and the frontend order a conv's sum: the strips
+# then run along the output columns
+STRIDED = (
+    "Y[n, k, p, q] = ReduceAdd({r, s, c}, Select(2*p + r - 1 >= 0 && 2*p + r - 1 < 32 && 2*q + s - 1 >= 0 && "
+    "2*q + s - 1 < 32, X[n, c, 2*p + r - 1, 2*q + s - 1], 0) * W[k, c, r, s])"
+)
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(
+    ("text", "shapes"),
+    [
+        # a stride-2 padded conv: each 16-wide strip of (p, q) is one output row, read every other
+        # element (a gather), its first lane in the padding where s = 0
+        (STRIDED, {"X": (2, 4, 32, 32), "W": (16, 4, 3, 3), "Y": (2, 16, 16, 16)}),
+        # without padding: every lane read; rows of 20 split across strips (those element by element)
+        (
+            "Y[n, k, p, q] = ReduceAdd({r, s, c}, X[n, c, 2*p + r, 2*q + s] * W[k, c, r, s])",
+            {"X": (2, 4, 41, 41), "W": (16, 4, 3, 3), "Y": (2, 16, 20, 20)},
+        ),
+    ],
+)
+def test_strided_strips_are_gathered_with_their_guards_as_the_mask(text: str, shapes: dict) -> None:
+    op = _op(text, shapes)
+    source = lower_op(op, "kernel")
+    assert "_mm256_mask_i32gather_ps" in source, "strided strips should be gathered"
+    assert_compiled_matches_interpreter(op, 7)
+
+
 def test_vector_runs_need_consecutive_reads_and_small_lanes() -> None:
     padded, _, shapes = _factors(CONV, CONV_SHAPES)
     operand = affine_operand(padded, shapes)

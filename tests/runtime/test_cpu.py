@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 import neoflow
@@ -60,6 +62,27 @@ def test_kept_tensors_of_one_run_are_not_overwritten_by_the_next() -> None:
     kept = first["T"].copy()
     executor.run({"X": -first_inputs["X"], "W": first_inputs["W"]})
     np.testing.assert_array_equal(first["T"], kept)
+
+
+@NEEDS_CC
+def test_runs_reuse_one_arena_and_threads_running_at_once_get_their_own() -> None:
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("T", "L"))
+    rng = np.random.default_rng(2)
+    batches = [
+        {"X": rng.standard_normal((64, 48)).astype(np.float32), "W": rng.standard_normal((48, 32)).astype(np.float32)}
+        for _ in range(8)
+    ]
+    executor.run(batches[0])
+    arena = executor._arena
+    assert arena is not None and arena.nbytes >= executor.plan.arena_bytes
+    executor.run(batches[1])
+    assert executor._arena is arena, "the second run should reuse the first run's arena"
+    expected = [_reference(graph, batch) for batch in batches]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(executor.run, batches * 4))
+    for k, result in enumerate(results):
+        np.testing.assert_allclose(result["T"], expected[k % 8]["T"], rtol=1e-4, atol=1e-3)
 
 
 @NEEDS_CC
