@@ -313,12 +313,10 @@ def gather_fraction(operand: AffineOperand | None, width: int, side_inner: bool,
     if step in (0, 1) or abs(step) >= GATHER_STEP_LIMIT or span < width:
         return 0.0
     size = math.prod(strips.extents[v] for v in strips.side)
-    if span % width == 0:
-        return size // span * span / size
-    inside = sum(
-        1 for j in range(min(size // width, 1 << 16)) if (j * width) // span == (j * width + width - 1) // span
-    )
-    return min(inside * width / size, 1.0)
+    # strips start every ``width`` elements, runs every ``span``: the pattern repeats every lcm of the two
+    counted = min(size // width, math.lcm(span, width) // width)
+    inside = sum(1 for j in range(counted) if (j * width) // span == (j * width + width - 1) // span)
+    return inside / counted * (size // width * width) / size if counted else 0.0
 
 
 def _stride_span(operand: AffineOperand, variables: tuple[str, ...], extents: dict[str, int]) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import neoflow
 from neoflow.codegen.compiler import load_library
 from neoflow.codegen.gemm import gemm_plan
 from neoflow.codegen.lower import lower_op
-from neoflow.codegen.packing import Range, affine_operand, vector_runs
+from neoflow.codegen.packing import Range, Strips, affine_operand, gather_fraction, vector_runs
 from neoflow.ir.expr import Binary
 from neoflow.ir.index import var
 from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter
@@ -169,6 +169,22 @@ def test_strided_strips_are_gathered_with_their_guards_as_the_mask(text: str, sh
     source = lower_op(op, "kernel")
     assert "_mm256_mask_i32gather_ps" in source, "strided strips should be gathered"
     assert_compiled_matches_interpreter(op, 7)
+
+
+def test_the_gathered_share_counts_the_strips_inside_one_strided_row() -> None:
+    op = _op(STRIDED, {"X": (2, 4, 32, 32), "W": (16, 4, 3, 3), "Y": (2, 16, 16, 16)})
+    operand = affine_operand(op.body.body.a, {t.name: t.shape for t in op.inputs})
+    depth = ("r", "s", "c")
+
+    def share(side: tuple, **extents: int) -> float:
+        return gather_fraction(operand, 16, True, Strips(side, depth, {**op.extent, **extents}, 8192))
+
+    assert share(("p", "q")) == 1.0  # rows of 16 read every other element: each strip is one row
+    assert share(("q",), q=20) == 0.8  # one full strip of 20, the last 4 element by element
+    assert share(("p", "q"), p=16, q=20) == 0.4  # strips across rows of 20: 2 of every 5 stay inside one
+    unit = _op(CONV, CONV_SHAPES)
+    padded = affine_operand(unit.body.body.a, {t.name: t.shape for t in unit.inputs})
+    assert gather_fraction(padded, 16, True, Strips(("p", "q"), depth, unit.extent, 8192)) == 0.0  # loads
 
 
 def test_vector_runs_need_consecutive_reads_and_small_lanes() -> None:
