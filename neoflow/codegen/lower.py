@@ -40,6 +40,9 @@ from neoflow.ir.op import Op
 
 #: an outermost parallel loop shorter than this is collapsed with the loop it holds
 SHORT_PARALLEL_LOOP = 16
+#: a sum over fewer terms than this is left to scalar code: split into vector lanes, a sum of
+#: two terms went through the stack at every point (the capsule conv's input gradient)
+SHORT_SUM_LOOP = 8
 #: an output dimension this short, accumulated in place, is updated innermost (its rows together)
 SMALL_OUTPUT_ROWS = 4
 
@@ -343,7 +346,7 @@ class Lowering:
             elif total is not None and outermost and work >= PARALLEL_MIN_POINTS:
                 found.append(f"parallel for reduction(+:{total})")
             summed = self._summed_by(following)
-            if summed is not None:
+            if summed is not None and most_trips(text) >= SHORT_SUM_LOOP:
                 # the loop around one sum's update: let the compiler split the sum into vector lanes
                 found.append(f"simd reduction(+:{summed})")
             return found
@@ -438,6 +441,48 @@ def trip_count(loop: str) -> float:
     except ValueError:
         return math.inf
     return high - low + 1
+
+
+def most_trips(loop: str) -> float:
+    """An upper bound on the iterations of an isl ``for (int c = A; c <= B; c += 1)`` line:
+    ``A`` a constant or ``max(...)`` of terms (at least its largest constant), ``B`` a constant
+    or ``min(...)`` (at most its smallest); infinity where an end gives no constant."""
+    try:
+        header = loop[loop.index("(") + 1 : loop.rindex(")")]
+        start, stop, _ = (part.strip() for part in _top_level(header, ";"))
+        low = _constant_bound(start.split("=", 1)[1], "max", max)
+        strict = "<=" not in stop
+        high = _constant_bound(stop.split("<=" if not strict else "<", 1)[1], "min", min) - (1 if strict else 0)
+    except ValueError:
+        return math.inf
+    return max(high - low + 1, 0)
+
+
+def _top_level(text: str, separator: str) -> list[str]:
+    """``text`` split at each ``separator`` outside parentheses."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += (char == "(") - (char == ")")
+        if char == separator and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [*parts, current]
+
+
+def _constant_bound(text: str, function: str, pick: Callable[[list[int]], int]) -> int:
+    """The constant ``text`` is, or ``pick`` of the constant arguments of a ``function(...)``
+    call (``ValueError`` when there are none)."""
+    text = text.strip()
+    if text.startswith(f"{function}(") and text.endswith(")"):
+        constants = [
+            int(arg) for arg in _top_level(text[len(function) + 1 : -1], ",") if arg.strip().lstrip("-").isdigit()
+        ]
+        if not constants:
+            raise ValueError(text)
+        return pick(constants)
+    return int(text)
 
 
 def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:

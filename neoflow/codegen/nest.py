@@ -37,11 +37,13 @@ from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, c_type, linear_index
 from neoflow.codegen.lattice import split_epilogue
 from neoflow.codegen.lower import (
     PREFIX,
+    SHORT_SUM_LOOP,
     Lowering,
     _Scope,
     collapsible,
     isl_loops,
     loop_pair,
+    most_trips,
     statement_macros,
     with_pragmas,
 )
@@ -451,7 +453,8 @@ def _annotated(loops: str, totals: Sequence[str], parallel: bool) -> list[str]:
                 return [f"parallel for collapse(2){reduction}"]
             return [f"parallel for{reduction}"]
         summed = _summed(rows, number, indent, totals)
-        return [f"simd reduction(+:{summed})"] if summed is not None and number not in collapsed else []
+        vector = summed is not None and number not in collapsed and most_trips(text) >= SHORT_SUM_LOOP
+        return [f"simd reduction(+:{summed})"] if vector else []
 
     return with_pragmas(loops, pragmas)
 

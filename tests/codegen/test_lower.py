@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.lower import Lowering, lower_op, trip_count
+from neoflow.codegen.lower import Lowering, lower_op, most_trips, trip_count
 from tests.targets import NEEDS_CC
 
 
@@ -131,6 +131,36 @@ def test_a_short_outer_loop_is_collapsed_with_the_loop_it_holds() -> None:
 )
 def testtrip_count_of_constant_loops(loop: str, count: float) -> None:
     assert trip_count(loop) == count
+
+
+@pytest.mark.parametrize(
+    ("loop", "bound"),
+    [
+        ("for (int c1 = 0; c1 <= 2; c1 += 1)", 3),
+        ("for (int c8 = max(0, c3 - 1); c8 <= min(1, c3); c8 += 1)", 2),  # at most two terms
+        ("for (int c7 = max(max(0, c1), -3); c7 <= min(4, 2 * c1); c7 += 1)", 8),  # the top-level constants
+        ("for (int c1 = 0; c1 < 5; c1 += 1)", 5),
+        ("for (int c1 = max(0, c0 - 3); c1 <= c0; c1 += 1)", float("inf")),
+        ("for (int c1 = c0; c1 <= min(5, c0 + 9); c1 += 1)", float("inf")),
+    ],
+)
+def test_most_trips_bounds_loops_by_their_constant_ends(loop: str, bound: float) -> None:
+    assert most_trips(loop) == bound
+
+
+def test_a_sum_of_a_few_terms_is_not_split_into_vector_lanes() -> None:
+    # a strided conv's input adjoint: each point sums the 1 or 2 taps of its residue class; vector lanes
+    # for 2 terms sent the partial sums through the stack at every point
+    # (the second stage of the capsule conv's: the 1 to 4 partial products of each pixel summed)
+    text = (
+        "T[b, z, w] = ReduceAdd({r, s | (z - r) % 2 == 0 && (z - r) // 2 >= 0 && (z - r) // 2 < 2 && "
+        "(w - s) % 2 == 0 && (w - s) // 2 >= 0 && (w - s) // 2 < 2}, S[b, (z - r) // 2, (w - s) // 2, r, s])"
+    )
+    code = _c(text, {"S": (32, 2, 2, 3, 3)}, out_shape=(32, 5, 5))
+    assert "c4 <= min(1, c1)" in code, "each residue class sums at most two taps a dimension"
+    assert "acc0 = acc0 + " in code and "simd" not in code
+    long = _c("Y[i] = ReduceAdd({k}, X[i, k]) / ReduceAdd({k}, X[i, k] * X[i, k])", {"X": (512, 64)})
+    assert "#pragma omp simd reduction(+:acc0)" in long
 
 
 @NEEDS_CC
