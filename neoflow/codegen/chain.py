@@ -18,7 +18,9 @@ buffer* instead, in Chimera's loop order ``m, l, k, n``::
 Both products run on the 6 x 16 register-blocked micro-kernel, computed
 transposed (``C^T = B^T A^T``, ``E^T = D^T C^T``) so that the first one writes
 its 6 x 16 results straight into the layout the second one streams: the tile
-buffer is never reshuffled.  ``B`` and ``D`` are packed once for all blocks.
+buffer is never reshuffled.  The second one adds into E's block in its registers
+(``nf_micro_6x16_acc``: the accumulators start from the block's sums so far).
+``B`` and ``D`` are packed once for all blocks.
 
 ``TM`` and ``TL`` minimise the chain's data movement volume for this order
 (Chimera's analysis, ``data_movement``) under the constraint that every block
@@ -163,12 +165,13 @@ def chain_plan(op: Op, threads: int | None = None) -> ChainPlan | None:
 def chain_cycles(plan: ChainPlan) -> float:
     """Estimated cycles of the chain kernel: micro-kernel calls (6 cycles per
     depth step plus about 30 to start and store), packing (2 cycles an element)
-    and summing the second product's partial results, on padded sizes."""
+    and, per call of the second product and block of L, loading the partial sums
+    it adds to, on padded sizes."""
     m, n, middle, k = plan.extents
     rows, cols, width = round_up(m, NR), round_up(n, MR), round_up(middle, MR)
     first = (width / MR) * (rows / NR) * (6.0 * k + 30)
     tiles = math.ceil(width / plan.tile_l)
-    second = (cols / MR) * (rows / NR) * (6.0 * width + tiles * (30 + 96))
+    second = (cols / MR) * (rows / NR) * (6.0 * width + tiles * (30 + 12))
     packing = 2.0 * (width * k + cols * width + rows * k)
     return first + second + packing
 
@@ -214,7 +217,6 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
         float *at = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * k_size, 16)});
         float *ct = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * tl, 16)});
         float *et = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * padded_n, 16)});
-        float part[96] __attribute__((aligned(64)));
         #pragma omp for schedule(dynamic)
         for (int64_t m0 = 0; m0 < MP; m0 += TM) {{
             const int64_t tm = MP - m0 < TM ? MP - m0 : TM;
@@ -231,11 +233,8 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
                     for (int64_t is = 0; is < tm; is += 16)
                         nf_micro_6x16(K, bt + (l0 + ls) * K, at + is * K, ct + is * tl + ls * 16);
                 for (int64_t ns = 0; ns < NP; ns += 6)
-                    for (int64_t is = 0; is < tm; is += 16) {{
-                        nf_micro_6x16(tl, dt + ns * LP + l0 * 6, ct + is * tl, part);
-                        float *e = et + is * NP + ns * 16;
-                        for (int q = 0; q < 96; ++q) e[q] += part[q];
-                    }}
+                    for (int64_t is = 0; is < tm; is += 16)
+                        nf_micro_6x16_acc(tl, dt + ns * LP + l0 * 6, ct + is * tl, et + is * NP + ns * 16);
             }}
             for (int64_t ip = 0; ip < tm && m0 + ip < M; ++ip)
                 for (int64_t np = 0; np < N; ++np) {{

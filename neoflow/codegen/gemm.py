@@ -86,6 +86,29 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
     _mm256_storeu_ps(c + 48, c30); _mm256_storeu_ps(c + 56, c31); _mm256_storeu_ps(c + 64, c40);
     _mm256_storeu_ps(c + 72, c41); _mm256_storeu_ps(c + 80, c50); _mm256_storeu_ps(c + 88, c51);
 }
+/* c (6 rows of 16, contiguous) += a b: the accumulators start from c */
+static inline void nf_micro_6x16_acc(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
+    __m256 c00 = _mm256_loadu_ps(c + 0), c01 = _mm256_loadu_ps(c + 8), c10 = _mm256_loadu_ps(c + 16);
+    __m256 c11 = _mm256_loadu_ps(c + 24), c20 = _mm256_loadu_ps(c + 32), c21 = _mm256_loadu_ps(c + 40);
+    __m256 c30 = _mm256_loadu_ps(c + 48), c31 = _mm256_loadu_ps(c + 56), c40 = _mm256_loadu_ps(c + 64);
+    __m256 c41 = _mm256_loadu_ps(c + 72), c50 = _mm256_loadu_ps(c + 80), c51 = _mm256_loadu_ps(c + 88);
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+        __m256 x;
+        x = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
+        x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
+        x = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
+        x = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
+        x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
+        x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
+        a += 6;
+        b += 16;
+    }
+    _mm256_storeu_ps(c + 0, c00); _mm256_storeu_ps(c + 8, c01); _mm256_storeu_ps(c + 16, c10);
+    _mm256_storeu_ps(c + 24, c11); _mm256_storeu_ps(c + 32, c20); _mm256_storeu_ps(c + 40, c21);
+    _mm256_storeu_ps(c + 48, c30); _mm256_storeu_ps(c + 56, c31); _mm256_storeu_ps(c + 64, c40);
+    _mm256_storeu_ps(c + 72, c41); _mm256_storeu_ps(c + 80, c50); _mm256_storeu_ps(c + 88, c51);
+}
 #else
 typedef float nf_v8 __attribute__((vector_size(32)));
 static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
@@ -103,6 +126,11 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
         b += 16;
     }
     memcpy(c, acc, sizeof(acc));
+}
+static inline void nf_micro_6x16_acc(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
+    float tile[96];
+    nf_micro_6x16(kc, a, b, tile);
+    for (int q = 0; q < 96; ++q) c[q] += tile[q];
 }
 #endif
 #if defined(__AVX2__)

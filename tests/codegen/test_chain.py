@@ -76,3 +76,17 @@ def test_the_chain_kernel_computes_what_the_interpreter_does(text: str, sizes: t
     compiled = neoflow.compile(op, target="cpu").run(inputs)
     expected = neoflow.compile(op, target="interp").run(inputs)
     np.testing.assert_allclose(compiled, expected, rtol=1e-4, atol=1e-3)
+
+
+@NEEDS_CC
+def test_without_avx2_the_chain_kernel_computes_the_same(portable_cc) -> None:
+    # the portable micro-kernels (GCC vector extensions), the accumulating one over the blocks of L (TL = 6
+    # for these sizes on 2 threads)
+    shapes = _shapes(70, 20, 100, 40)
+    op = neoflow.op(CHAIN, shapes=shapes)
+    assert chain_plan(op) is not None
+    rng = np.random.default_rng(2)
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    compiled = neoflow.compile(op, target="cpu").run(inputs)
+    expected = neoflow.compile(op, target="interp").run(inputs)
+    np.testing.assert_allclose(compiled, expected, rtol=1e-4, atol=1e-3)
