@@ -65,33 +65,15 @@ GATHER_PACK_CYCLES = 1.5  # per element of a strided strip gathered (two 8-lane 
 MICROKERNEL = r"""
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
-    __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
-    __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-    for (int64_t k = 0; k < kc; ++k) {
-        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-        __m256 x;
-        x = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
-        x = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(x, b0, c40); c41 = _mm256_fmadd_ps(x, b1, c41);
-        x = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(x, b0, c50); c51 = _mm256_fmadd_ps(x, b1, c51);
-        a += 6;
-        b += 16;
-    }
-    _mm256_storeu_ps(c + 0, c00); _mm256_storeu_ps(c + 8, c01); _mm256_storeu_ps(c + 16, c10);
-    _mm256_storeu_ps(c + 24, c11); _mm256_storeu_ps(c + 32, c20); _mm256_storeu_ps(c + 40, c21);
-    _mm256_storeu_ps(c + 48, c30); _mm256_storeu_ps(c + 56, c31); _mm256_storeu_ps(c + 64, c40);
-    _mm256_storeu_ps(c + 72, c41); _mm256_storeu_ps(c + 80, c50); _mm256_storeu_ps(c + 88, c51);
-}
-/* c (6 rows of 16, contiguous) += a b: the accumulators start from c */
-static inline void nf_micro_6x16_acc(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
-    __m256 c00 = _mm256_loadu_ps(c + 0), c01 = _mm256_loadu_ps(c + 8), c10 = _mm256_loadu_ps(c + 16);
-    __m256 c11 = _mm256_loadu_ps(c + 24), c20 = _mm256_loadu_ps(c + 32), c21 = _mm256_loadu_ps(c + 40);
-    __m256 c30 = _mm256_loadu_ps(c + 48), c31 = _mm256_loadu_ps(c + 56), c40 = _mm256_loadu_ps(c + 64);
-    __m256 c41 = _mm256_loadu_ps(c + 72), c50 = _mm256_loadu_ps(c + 80), c51 = _mm256_loadu_ps(c + 88);
+/* c (6 rows of 16, contiguous) = a b, or with from_c c += a b (the accumulators start from c);
+   inlined with a constant from_c, the other start is compiled away */
+static inline void nf_micro_6x16_from(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
+                                      int from_c) {
+#define NF_START(q) (from_c ? _mm256_loadu_ps(c + (q)) : _mm256_setzero_ps())
+    __m256 c00 = NF_START(0), c01 = NF_START(8), c10 = NF_START(16), c11 = NF_START(24);
+    __m256 c20 = NF_START(32), c21 = NF_START(40), c30 = NF_START(48), c31 = NF_START(56);
+    __m256 c40 = NF_START(64), c41 = NF_START(72), c50 = NF_START(80), c51 = NF_START(88);
+#undef NF_START
     for (int64_t k = 0; k < kc; ++k) {
         const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
         __m256 x;
@@ -111,8 +93,11 @@ static inline void nf_micro_6x16_acc(int64_t kc, const float *restrict a, const 
 }
 #else
 typedef float nf_v8 __attribute__((vector_size(32)));
-static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
+static inline void nf_micro_6x16_from(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
+                                      int from_c) {
     nf_v8 acc[6][2] = {{{0}}};
+    if (from_c)
+        memcpy(acc, c, sizeof(acc));
     for (int64_t k = 0; k < kc; ++k) {
         nf_v8 b0, b1;
         memcpy(&b0, b, 32);
@@ -127,12 +112,14 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
     }
     memcpy(c, acc, sizeof(acc));
 }
-static inline void nf_micro_6x16_acc(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
-    float tile[96];
-    nf_micro_6x16(kc, a, b, tile);
-    for (int q = 0; q < 96; ++q) c[q] += tile[q];
-}
 #endif
+static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
+    nf_micro_6x16_from(kc, a, b, c, 0);
+}
+/* c (6 rows of 16, contiguous) += a b */
+static inline void nf_micro_6x16_acc(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
+    nf_micro_6x16_from(kc, a, b, c, 1);
+}
 #if defined(__AVX2__)
 #include <immintrin.h>
 /* the 8 x 8 block in r[0..7] transposed in place (the packers' depth runs) */

@@ -434,13 +434,10 @@ def trip_count(loop: str) -> float:
     """The iteration count of an isl ``for (int c = A; c <= B; c += 1)`` line with constant
     bounds, infinity when they are not constants."""
     try:
-        header = loop[loop.index("(") + 1 : loop.index(")")]
-        start, stop, _ = (part.strip() for part in header.split(";"))
-        low = int(start.split("=", 1)[1])
-        high = int(stop.split("<=", 1)[1]) if "<=" in stop else int(stop.split("<", 1)[1]) - 1
+        start, stop, strict = _loop_ends(loop)
+        return int(stop) - strict - int(start) + 1
     except ValueError:
         return math.inf
-    return high - low + 1
 
 
 def most_trips(loop: str) -> float:
@@ -448,14 +445,20 @@ def most_trips(loop: str) -> float:
     ``A`` a constant or ``max(...)`` of terms (at least its largest constant), ``B`` a constant
     or ``min(...)`` (at most its smallest); infinity where an end gives no constant."""
     try:
-        header = loop[loop.index("(") + 1 : loop.rindex(")")]
-        start, stop, _ = (part.strip() for part in _top_level(header, ";"))
-        low = _constant_bound(start.split("=", 1)[1], "max", max)
-        strict = "<=" not in stop
-        high = _constant_bound(stop.split("<=" if not strict else "<", 1)[1], "min", min) - (1 if strict else 0)
+        start, stop, strict = _loop_ends(loop)
+        high = _constant_bound(stop, "min", min) - strict
+        return max(high - _constant_bound(start, "max", max) + 1, 0)
     except ValueError:
         return math.inf
-    return max(high - low + 1, 0)
+
+
+def _loop_ends(loop: str) -> tuple[str, str, int]:
+    """The start and end expressions of an isl ``for`` line, and 1 where the end is
+    strict (``<``); ``ValueError`` for a line of another form."""
+    header = loop[loop.index("(") + 1 : loop.rindex(")")]
+    start, stop, _ = (part.strip() for part in _top_level(header, ";"))
+    strict = "<=" not in stop
+    return start.split("=", 1)[1].strip(), stop.split("<" if strict else "<=", 1)[1].strip(), int(strict)
 
 
 def _top_level(text: str, separator: str) -> list[str]:

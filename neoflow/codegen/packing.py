@@ -323,8 +323,10 @@ def _stride_span(operand: AffineOperand, variables: tuple[str, ...], extents: di
     """``_run_span`` for reads a constant step apart: how many elements ``operand`` reads
     along the flattened ``variables`` one ``step`` apart before its offset jumps, and the step
     (the last variable's coefficient; 0 where it is not a constant)."""
-    last = operand.offset.coeff(sympy.Symbol(variables[-1], integer=True)) if variables else 0
-    if not (getattr(last, "is_Integer", False) or isinstance(last, int)) or last == 0:
+    if not variables:
+        return 1, 0
+    last = operand.offset.coeff(sympy.Symbol(variables[-1], integer=True))
+    if not last.is_Integer or last == 0:
         return 1, 0
     step, span = int(last), 1
     for name in reversed(variables):
@@ -349,12 +351,8 @@ def _run_span(operand: AffineOperand, variables: tuple[str, ...], extents: dict[
     """How many consecutive elements ``operand`` reads along the flattened ``variables``
     before its offset jumps: the extents' product over the longest row-major suffix
     whose offset moves by one element per step (1 when the last variable does not)."""
-    step = 1
-    for name in reversed(variables):
-        if operand.offset.coeff(sympy.Symbol(name, integer=True)) != step:
-            break
-        step *= extents[name]
-    return step
+    span, step = _stride_span(operand, variables, extents)
+    return span if step == 1 else 1
 
 
 def _lanes_fit(operand: AffineOperand, extents: dict[str, int]) -> bool:
@@ -393,7 +391,8 @@ def _side_runs(
     copied with two 8-lane loads per depth step, each lane zeroed where a guarded
     quantity (side part as an ``int32`` lane plus the depth part) leaves its range;
     a plain load where the whole strip lies inside the tensor (a masked load, which
-    never touches the masked lanes, at its edges); other strips element by element."""
+    never touches the masked lanes, at its edges); a strip whose offsets are a
+    constant step apart with two masked gathers; other strips element by element."""
     guards = list(enumerate(operand.ranges, start=1))
     lanes = "\n".join(
         f"            for (int ii = 0; ii < {VECTOR_WIDTH}; ++ii) g{q}[ii] = (int32_t)s{q}_[s + ii];\n"
@@ -417,7 +416,7 @@ def _side_runs(
         int run = size - s >= {VECTOR_WIDTH};
         const int64_t step_ = run ? s0_[s + 1] - s0_[s] : 0;
         for (int64_t ii = 2; run && ii < {VECTOR_WIDTH}; ++ii) run = s0_[s + ii] == s0_[s] + ii * step_;
-        if (run && step_ != 1 && step_ != 0 && step_ < {GATHER_STEP_LIMIT} && step_ > -{GATHER_STEP_LIMIT}) {{
+        if (run && step_ != 0 && step_ < {GATHER_STEP_LIMIT} && step_ > -{GATHER_STEP_LIMIT}) {{
 {lanes}
             const __m256i ia = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                   _mm256_set1_epi32((int32_t)step_));
@@ -426,23 +425,13 @@ def _side_runs(
                 {depth_lanes}
                 const __m256i ma = {mask("a")};
                 const __m256i mb = {mask("b")};
-                const float *from = {tensor_name} + (s0_[s] + dep[0][pc + p] + base0_);
-                _mm256_store_ps(strip + p * {VECTOR_WIDTH},
-                                _mm256_mask_i32gather_ps(_mm256_setzero_ps(), from, ia, _mm256_castsi256_ps(ma), 4));
-                _mm256_store_ps(strip + p * {VECTOR_WIDTH} + 8,
-                                _mm256_mask_i32gather_ps(_mm256_setzero_ps(), from, ib, _mm256_castsi256_ps(mb), 4));
-            }}
-            continue;
-        }}
-        if (run && step_ == 1) {{
-{lanes}
-            for (int64_t p = lo; p < hi; ++p) {{
-                {depth_lanes}
-                const __m256i ma = {mask("a")};
-                const __m256i mb = {mask("b")};
                 const int64_t at = s0_[s] + dep[0][pc + p] + base0_;
                 __m256 xa, xb;
-                if (at >= 0 && at <= {tensor_size - VECTOR_WIDTH}) {{
+                if (step_ != 1) {{  /* reads a constant step apart: gathered, masked lanes never read */
+                    const __m256 zero = _mm256_setzero_ps();
+                    xa = _mm256_mask_i32gather_ps(zero, {tensor_name} + at, ia, _mm256_castsi256_ps(ma), 4);
+                    xb = _mm256_mask_i32gather_ps(zero, {tensor_name} + at, ib, _mm256_castsi256_ps(mb), 4);
+                }} else if (at >= 0 && at <= {tensor_size - VECTOR_WIDTH}) {{
                     xa = _mm256_and_ps(_mm256_loadu_ps({tensor_name} + at), _mm256_castsi256_ps(ma));
                     xb = _mm256_and_ps(_mm256_loadu_ps({tensor_name} + at + 8), _mm256_castsi256_ps(mb));
                 }} else {{

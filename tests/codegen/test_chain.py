@@ -62,31 +62,28 @@ def test_tiles_minimise_data_movement_within_the_cache() -> None:
     assert footprint(n, k, small_m, small_l) * 4 <= 64 * 1024 and small_m * small_l < tile_m * tile_l
 
 
+def _assert_chain_matches_interpreter(text: str, sizes: tuple, transposed: bool = False, seed: int = 1) -> None:
+    shapes = _shapes(*sizes, transposed)
+    op = neoflow.op(text, shapes=shapes)
+    assert chain_plan(op) is not None
+    rng = np.random.default_rng(seed)
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    compiled = neoflow.compile(op, target="cpu").run(inputs)
+    expected = neoflow.compile(op, target="interp").run(inputs)
+    np.testing.assert_allclose(compiled, expected, rtol=1e-4, atol=1e-3)
+
+
 @NEEDS_CC
 @pytest.mark.parametrize(
     ("text", "sizes", "transposed"),
     [(CHAIN, (70, 20, 100, 40), False), (TRANSPOSED, (53, 13, 97, 61), True), (CHAIN, (256, 64, 192, 48), False)],
 )
 def test_the_chain_kernel_computes_what_the_interpreter_does(text: str, sizes: tuple, transposed: bool) -> None:
-    shapes = _shapes(*sizes, transposed)
-    op = neoflow.op(text, shapes=shapes)
-    assert chain_plan(op) is not None
-    rng = np.random.default_rng(1)
-    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-    compiled = neoflow.compile(op, target="cpu").run(inputs)
-    expected = neoflow.compile(op, target="interp").run(inputs)
-    np.testing.assert_allclose(compiled, expected, rtol=1e-4, atol=1e-3)
+    _assert_chain_matches_interpreter(text, sizes, transposed)
 
 
 @NEEDS_CC
 def test_without_avx2_the_chain_kernel_computes_the_same(portable_cc) -> None:
     # the portable micro-kernels (GCC vector extensions), the accumulating one over the blocks of L (TL = 6
     # for these sizes on 2 threads)
-    shapes = _shapes(70, 20, 100, 40)
-    op = neoflow.op(CHAIN, shapes=shapes)
-    assert chain_plan(op) is not None
-    rng = np.random.default_rng(2)
-    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-    compiled = neoflow.compile(op, target="cpu").run(inputs)
-    expected = neoflow.compile(op, target="interp").run(inputs)
-    np.testing.assert_allclose(compiled, expected, rtol=1e-4, atol=1e-3)
+    _assert_chain_matches_interpreter(CHAIN, (70, 20, 100, 40), seed=2)
