@@ -137,6 +137,7 @@ class CompiledModel:
             self._parameter_names = list(inference.parameters)
         self._values = {p: np.array(inference.parameters[p]) for p in self._parameter_names}
         self._train = self._gradients = None
+        self._input_tables: dict[tuple[int, tuple[str, ...]], dict[str, Tensor]] = {}
         if training is not None:
             self._values.update({name: np.array(v) for name, v in training.state.items()})
             keep = [training.loss, training.prediction, *training.updates.values()]
@@ -150,8 +151,7 @@ class CompiledModel:
 
     def _feed(self, graph: Graph, given: Mapping[str, np.ndarray], extra: Mapping[str, np.ndarray]) -> dict:
         """Every input of ``graph``: the caller's (checked), parameters, state, ``extra``."""
-        table = {self.public_name(t.name): t for t in graph.free_inputs if t.name not in extra}
-        table = {k: t for k, t in table.items() if t.name not in self._values}
+        table = self._input_table(graph, tuple(extra))
         unknown = sorted(set(given) - set(table))
         if unknown:
             raise InputError(f"'{unknown[0]}' is not an input of the model (inputs: {', '.join(table)})")
@@ -165,6 +165,17 @@ class CompiledModel:
             values[tensor.name] = array.astype(dt.numpy_dtype(tensor.dtype), copy=False)
         return values
 
+    def _input_table(self, graph: Graph, extra: tuple[str, ...]) -> dict[str, Tensor]:
+        """The inputs of ``graph`` a caller gives, by public name: neither parameters,
+        state nor ``extra`` (worked out once per graph: every step asks)."""
+        key = (id(graph), extra)
+        table = self._input_tables.get(key)
+        if table is None:
+            table = {self.public_name(t.name): t for t in graph.free_inputs if t.name not in extra}
+            table = {k: t for k, t in table.items() if t.name not in self._values}
+            self._input_tables[key] = table
+        return table
+
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Inference with the current parameters: outputs by name."""
         outputs = self._run.run(self._feed(self.inference, inputs, {}))
@@ -175,8 +186,11 @@ class CompiledModel:
         batch = dict(batch)
         if training.labels is not None:
             batch[self.spec.labels] = self._check_labels(training, batch)
-        noise = np.random.default_rng((self.spec.seed, self.step))
-        extra = {name: noise.random(training.graph.tensors[name].shape, np.float32) for name in training.noise}
+        extra = {}
+        if training.noise:  # a generator costs as much as a small model's step: only for dropout
+            noise = np.random.default_rng((self.spec.seed, self.step))
+            tensors = training.graph.tensors
+            extra = {name: noise.random(tensors[name].shape, np.float32) for name in training.noise}
         extra[training.learning_rate] = np.float32(self.lr)
         return self._feed(training.graph, batch, extra)
 
@@ -191,7 +205,7 @@ class CompiledModel:
         if labels.dtype == "int64":
             if not np.issubdtype(array.dtype, np.integer):
                 raise InputError(f"labels '{name}' must be integer class indices, got {array.dtype}")
-            classes = training.graph.tensors[training.prediction].shape[1]
+            classes = training.graph.op(training.prediction).shape[1]
             if array.size and (array.min() < 0 or array.max() >= classes):
                 bad = array[(array < 0) | (array >= classes)][0]
                 raise InputError(f"label {bad} in '{name}' is outside [0, {classes})")

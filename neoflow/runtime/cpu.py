@@ -103,6 +103,16 @@ def graph_entry(graph: Graph, functions: Mapping[str, str], nests: Mapping[str, 
     return "void nf_run_graph(void *const *b) {\n" + "\n".join(calls) + "\n}\n"
 
 
+def data_address(array: np.ndarray) -> int:
+    """The address of a C-contiguous ``array``'s data: through the buffer protocol where
+    it is writable (a third of the time of numpy's ``ctypes.data``, which a small
+    model's step pays for each of its inputs), else through numpy."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError):  # read-only, or empty
+        return array.ctypes.data
+
+
 class CpuExecutor:
     """Runs ``graph`` as compiled C kernels (ops without a C lowering run in the
     interpreter and are listed in ``interpreted``), freeing tensors by ``plan``.
@@ -150,7 +160,14 @@ class CpuExecutor:
         self._arena_slots = np.array([slots[name] for name in arena], dtype=np.intp)
         self._arena_offsets = np.array([self.plan.offsets[name] for name in arena], dtype=np.uintp)
         self._arena: np.ndarray | None = None
+        self._arena_pointers: np.ndarray | None = None  # the slots with the reused arena's addresses filled in
         self._arena_lock = threading.Lock()
+        self._slot_count = len(slots)
+        # the kept tensors of a run share one block, each at an aligned offset of its own
+        self._kept_offsets, self._kept_bytes = [], 0
+        for _, _, shape, dtype in self._kept_slots:
+            self._kept_offsets.append(self._kept_bytes)
+            self._kept_bytes += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGNMENT) * ALIGNMENT
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The kept tensors by name, from every graph input by name (checked by the caller).
@@ -160,28 +177,38 @@ class CpuExecutor:
         if self.entry is None:
             return run_graph(self, inputs)
         if not self._arena_lock.acquire(blocking=False):
-            return self._run_in(np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8), inputs)
+            arena = np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8)
+            return self._run_in(self._slot_pointers(arena), inputs)
         try:
             if self._arena is None:
                 self._arena = np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8)
-            return self._run_in(self._arena, inputs)
+                self._arena_pointers = self._slot_pointers(self._arena)
+            return self._run_in(self._arena_pointers.copy(), inputs)
         finally:
             self._arena_lock.release()
 
-    def _run_in(self, arena: np.ndarray, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``run`` with the intermediates in ``arena``."""
-        pointers = np.zeros(len(self.graph.tensors), dtype=np.uintp)
+    def _slot_pointers(self, arena: np.ndarray) -> np.ndarray:
+        """Every tensor slot's pointer, the intermediates' at their offsets in ``arena``
+        (aligned), the others zero."""
+        pointers = np.zeros(self._slot_count, dtype=np.uintp)
         start = arena.ctypes.data
         pointers[self._arena_slots] = start + (-start) % ALIGNMENT + self._arena_offsets
+        return pointers
+
+    def _run_in(self, pointers: np.ndarray, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``run`` with the intermediates' slots of ``pointers`` filled in."""
         held = []  # the inputs as the kernels read them, alive until the call returns
         for name, slot, dtype in self._input_slots:
             array = np.ascontiguousarray(inputs[name], dtype=dtype)
             held.append(array)
-            pointers[slot] = array.ctypes.data
+            pointers[slot] = data_address(array)
+        block = np.empty(self._kept_bytes + ALIGNMENT, dtype=np.uint8)
+        start = block.ctypes.data
+        shift = (-start) % ALIGNMENT
         outputs = {}
-        for name, slot, shape, dtype in self._kept_slots:
-            outputs[name] = np.empty(shape, dtype)
-            pointers[slot] = outputs[name].ctypes.data
+        for (name, slot, shape, dtype), offset in zip(self._kept_slots, self._kept_offsets, strict=True):
+            outputs[name] = np.ndarray(shape, dtype, buffer=block, offset=shift + offset)
+            pointers[slot] = start + shift + offset
         self.entry(pointers.ctypes.data)
         return {name: outputs[name] if name in outputs else inputs[name] for name in self.keep}
 

@@ -8,7 +8,7 @@ import numpy as np
 
 import neoflow
 from neoflow.ir.interpreter import evaluate_op
-from neoflow.runtime.cpu import CpuExecutor
+from neoflow.runtime.cpu import CpuExecutor, data_address
 from neoflow.runtime.executor import run_graph
 from tests.targets import NEEDS_CC
 
@@ -83,6 +83,37 @@ def test_runs_reuse_one_arena_and_threads_running_at_once_get_their_own() -> Non
         results = list(pool.map(executor.run, batches * 4))
     for k, result in enumerate(results):
         np.testing.assert_allclose(result["T"], expected[k % 8]["T"], rtol=1e-4, atol=1e-3)
+
+
+@NEEDS_CC
+def test_kept_tensors_share_one_block_at_aligned_addresses_and_read_only_inputs_are_read() -> None:
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("H", "T", "L"))
+    rng = np.random.default_rng(3)
+    inputs = {
+        "X": rng.standard_normal((64, 48)).astype(np.float32),
+        "W": rng.standard_normal((48, 32)).astype(np.float32),
+    }
+    for array in inputs.values():
+        array.flags.writeable = False  # the buffer protocol refuses these: numpy gives the address
+    result = executor.run(inputs)
+    expected = _reference(graph, inputs)
+    for name in ("H", "T", "L"):
+        assert result[name].ctypes.data % 64 == 0, f"{name} is not 64-byte aligned"
+        assert result[name].shape == expected[name].shape and result[name].dtype == np.float32
+        np.testing.assert_allclose(result[name], expected[name], rtol=1e-4, atol=1e-3)
+    assert result["H"].base is result["T"].base, "the kept tensors of a run are views of one block"
+    assert not np.shares_memory(result["H"], result["T"])
+
+
+def test_a_data_address_is_numpys_for_writable_read_only_and_empty_arrays() -> None:
+    writable = np.arange(12, dtype=np.float32).reshape(3, 4)
+    read_only = writable.copy()
+    read_only.flags.writeable = False
+    empty = np.zeros((0, 4), np.float32)
+    view = np.zeros(64, np.uint8)[16:48].view(np.float32)
+    for array in (writable, read_only, empty, view, np.array(2.0, np.float32)):
+        assert data_address(array) == array.ctypes.data
 
 
 @NEEDS_CC
