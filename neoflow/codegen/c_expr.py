@@ -19,7 +19,9 @@ from sympy.core.function import AppliedUndef
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Binary, Cast, Const, Expr, Index, Read, Reduce, Select, Unary
+from neoflow.ir.index import flat_offset
 from neoflow.ir.op import Tensor
+from neoflow.ir.simplify import simplify_offset
 
 PARALLEL_MIN_POINTS = 1 << 15  # below this many points, starting threads costs more than the loop
 
@@ -185,7 +187,9 @@ def linear_index(indices: Sequence[str], shape: Sequence[int]) -> str:
 class ValuePrinter:
     """Value expressions as C.  ``tensors`` gives each read tensor's shape and
     C name; ``index`` prints index expressions; ``reduction`` names the C
-    variable holding a (separately computed) reduction's value."""
+    variable holding a (separately computed) reduction's value.  Given the
+    ``extents`` of the index variables, a read through a reshape's divisions
+    whose digits add back up to an affine offset is printed as that offset."""
 
     def __init__(
         self,
@@ -193,16 +197,26 @@ class ValuePrinter:
         names: Mapping[str, str],
         index: IndexPrinter,
         reduction: Callable[[Reduce], str],
+        extents: Mapping[str, int] | None = None,
     ) -> None:
         self.tensors = tensors
         self.names = names
         self.index = index
         self.reduction = reduction
+        self.extents = extents
         self.on_branch: Callable[[Expr, bool], AbstractContextManager] = lambda cond, positive: nullcontext()
 
     def read(self, tensor: str, indices: Sequence[str]) -> str:
         """``tensor[indices]`` with C index expressions."""
         return f"{self.names[tensor]}[{linear_index(indices, self.tensors[tensor].shape)}]"
+
+    def _affine_offset(self, read: Read) -> sympy.Expr | None:
+        """The flat offset of ``read`` where its indices divide and the box of the
+        extents makes the offset affine again, else None."""
+        if self.extents is None or not any(i.has(sympy.floor, sympy.Mod) for i in read.indices):
+            return None
+        offset = simplify_offset(flat_offset(read.indices, self.tensors[read.tensor].shape), self.extents)
+        return None if offset.has(sympy.floor, sympy.Mod) else offset
 
     def __call__(self, node: Expr, target: str | None = None) -> str:
         """``node`` as C, converted to ``target`` (default: the node's dtype)."""
@@ -215,6 +229,9 @@ class ValuePrinter:
         if isinstance(node, Index):
             return self.index(node.expr)
         if isinstance(node, Read):
+            offset = self._affine_offset(node)
+            if offset is not None:
+                return f"{self.names[node.tensor]}[{self.index(offset)}]"
             return self.read(node.tensor, [self.index(i) for i in node.indices])
         if isinstance(node, Reduce):
             return self.reduction(node)

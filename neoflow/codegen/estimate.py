@@ -15,21 +15,25 @@ from neoflow.fusion.cost import Scheduled
 from neoflow.ir import index
 from neoflow.ir.expr import Read, Reduce
 from neoflow.ir.op import Op
+from neoflow.ir.simplify import simplify_offset
 
 #: Multiply-adds per cycle of one core at the micro-kernel's peak (MR x NR per 6 cycles).
 MACS_PER_CYCLE = MR * NR / 6
 
 
-def peak_fraction(op: Op) -> float | None:
-    """The fraction of the FMA peak the blocked kernel reaches on ``op`` by its
-    cycle model (padding, packing and write-back included), or None when ``op``
-    does not run on it."""
+def blocked_schedule(op: Op) -> Scheduled | None:
+    """How the blocked kernel runs ``op``: its multiply-adds at the fraction of the FMA
+    peak its cycle model gives (padding, packing and write-back included: an operand's
+    inlined prologue is applied once per element packed, not per multiply-add), or None
+    when ``op`` does not run on it."""
     plan = gemm_plan(op)
     if plan is None:
         return None
     cycles = plan_cycles(plan)
     macs = sum(math.prod(piece.op.extent.values()) for piece, mapping in plan.pieces if mapping is not None)
-    return min(1.0, macs / MACS_PER_CYCLE / cycles) if cycles else None
+    if not cycles:
+        return None
+    return Scheduled(min(1.0, macs / MACS_PER_CYCLE / cycles), flops=2.0 * macs)
 
 
 def schedule(op: Op) -> Scheduled:
@@ -48,9 +52,9 @@ def schedule(op: Op) -> Scheduled:
     if staged is not None:
         macs = math.prod(staged.stage.extent.values()) + domain_points(staged.rest)
         return Scheduled(min(1.0, macs / MACS_PER_CYCLE / staged.cycles), flops=2.0 * macs)
-    fraction = peak_fraction(op)
-    if fraction is not None:
-        return Scheduled(fraction)
+    blocked = blocked_schedule(op)
+    if blocked is not None:
+        return blocked
     pieces = split_lattice(op) if op.scatter is None else None
     if pieces is not None and len(pieces) > 1:  # a strided domain runs as dense pieces, each its own loop nest
         return Scheduled(vector=all(schedule(piece.op).vector for piece in pieces if not piece.empty))
@@ -73,7 +77,7 @@ def _contiguous(op: Op, variable: str) -> bool:
     if op.scatter is None:
         accesses.append((tuple(index.var(v) for v in op.indices), op.shape))
     for indices, shape in accesses:
-        linear = index.flat_offset(indices, shape)
+        linear = simplify_offset(index.flat_offset(indices, shape), op.extent)
         if not linear.is_polynomial(symbol) or sympy.degree(linear, symbol) > 1 or linear.coeff(symbol) not in (0, 1):
             return False
     return True

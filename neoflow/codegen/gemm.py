@@ -46,6 +46,7 @@ from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
 from neoflow.ir.index import flat_offset, var
 from neoflow.ir.op import Op
+from neoflow.ir.simplify import simplify_offset
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
 NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
@@ -317,20 +318,21 @@ def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, 
     """Estimated cycles per element packed of one operand: ``VECTOR_PACK_CYCLES`` for the
     share the packer copies with vector loads (``packing.vector_fraction``),
     ``GATHER_PACK_CYCLES`` for the share it gathers (``packing.gather_fraction``), otherwise
-    a couple of cycles plus one per index variable read from the tables and one per guard
-    checked.  Cached, as the
+    a couple of cycles plus one per index variable read from the tables, one per guard
+    checked and two per clamp applied.  Cached, as the
     mapper prices every candidate mapping with it."""
     shapes = {t.name: t.shape for t in op.inputs}
     sides = [(v, op.extent[v]) for v in side]
     depths = [(v, op.extent[v]) for v in depth]
-    side_inner = _inner_is_first(factor, {t.name: t for t in op.inputs}, sides, depths)
-    operand = _affine(factor, tuple(sorted(shapes.items())))
+    side_inner = _inner_is_first(factor, {t.name: t for t in op.inputs}, sides, depths, op.ranges)
+    operand = _affine(factor, tuple(sorted(shapes.items())), op.ranges)
     size = math.prod(shapes[operand.tensor]) if operand is not None else 0
     strips = Strips(side, depth, op.extent, size)
     vector = vector_fraction(operand, width, side_inner, strips)
     gathered = gather_fraction(operand, width, side_inner, strips)
-    # element by element: a couple of cycles, one per table read, one per guard checked
-    guards = len(operand.ranges) if operand is not None else 0
+    # element by element: a couple of cycles, one per table read, one per guard checked, and
+    # two per clamp applied (a compare and a select, NaN kept)
+    guards = len(operand.ranges) + 2 * len(operand.clamps) if operand is not None else 0
     scalar = 2.0 + len(side) + len(depth) + guards
     return vector * VECTOR_PACK_CYCLES + gathered * GATHER_PACK_CYCLES + (1 - vector - gathered) * scalar
 
@@ -407,8 +409,8 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     tensors = {t.name: t for t in op.inputs}
     names = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
     index = IndexPrinter(lambda v: f"v_{v}", lambda t, idx: printer.read(t, idx))
-    printer = ValuePrinter(tensors, names, index, lambda node: "0")
-    finish = ValuePrinter(tensors, names, index, lambda node: "acc_")  # the epilogue, given the sum
+    printer = ValuePrinter(tensors, names, index, lambda node: "0", extent)
+    finish = ValuePrinter(tensors, names, index, lambda node: "acc_", extent)  # the epilogue, given the sum
     value_a, value_b = printer(factor_a, "float32"), printer(factor_b, "float32")
     rows = [(v, extent[v]) for v in groups["i"]]
     cols = [(v, extent[v]) for v in groups["j"]]
@@ -436,8 +438,8 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     # the packers take the inputs and the batch variables' values
     params += "".join(f", int64_t v_{v}" for v, _ in batch)
     arguments = "".join(f", in{i}" for i in range(len(op.inputs))) + "".join(f", v_{v}" for v, _ in batch)
-    a_inner = _inner_is_first(factor_a, tensors, rows, depth)
-    b_inner = _inner_is_first(factor_b, tensors, cols, depth)
+    a_inner = _inner_is_first(factor_a, tensors, rows, depth, op.ranges)
+    b_inner = _inner_is_first(factor_b, tensors, cols, depth, op.ranges)
     shapes = {t.name: t.shape for t in op.inputs}
     pack_a_code = _operand_packer(
         prefix, "a", MR, factor_a, value_a, rows, depth, batch, a_inner, shapes, names, params, extent
@@ -648,7 +650,7 @@ def _operand_packer(
     generic packer evaluating ``value`` from the shared index tables; the function is named
     ``<prefix>_pack_<side>``."""
     name = f"{prefix}_pack_{side}"
-    affine = affine_operand(factor, shapes)
+    affine = affine_operand(factor, shapes, extents)
     if affine is None:
         generic = "row_tab" if side == "a" else "col_tab"
         return OperandPacker(
@@ -706,24 +708,33 @@ def _packer(
 
 
 @lru_cache(maxsize=1024)
-def _affine(factor: Expr, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> AffineOperand | None:
+def _affine(
+    factor: Expr, shapes: tuple[tuple[str, tuple[int, ...]], ...], extents: tuple[tuple[str, int], ...]
+) -> AffineOperand | None:
     """``packing.affine_operand`` of ``factor`` (cached: every candidate mapping asks)."""
-    return affine_operand(factor, dict(shapes))
+    return affine_operand(factor, dict(shapes), dict(extents))
 
 
 @lru_cache(maxsize=1024)
-def _read_offset(factor: Expr, shape: tuple[int, ...]) -> sympy.Expr:
-    """The flat offset of the first read in ``factor`` in a tensor of ``shape`` (cached)."""
+def _read_offset(factor: Expr, shape: tuple[int, ...], extents: tuple[tuple[str, int], ...]) -> sympy.Expr:
+    """The flat offset of the first read in ``factor`` in a tensor of ``shape``, simplified
+    over the box of ``extents`` (cached)."""
     read = next(n for n in factor.walk() if isinstance(n, Read))
-    return flat_offset(read.indices, shape)
+    return simplify_offset(flat_offset(read.indices, shape), dict(extents))
 
 
-def _inner_is_first(factor: Expr, tensors: dict, first: list[tuple[str, int]], second: list[tuple[str, int]]) -> bool:
+def _inner_is_first(
+    factor: Expr,
+    tensors: dict,
+    first: list[tuple[str, int]],
+    second: list[tuple[str, int]],
+    extents: tuple[tuple[str, int], ...],
+) -> bool:
     """Whether the last variable of ``first`` moves the read of ``factor`` less in
     memory than the last variable of ``second`` (so it should be the inner loop), or
-    both move it by one element."""
+    both move it by one element; ``extents`` are the op's variables'."""
     read = next(n for n in factor.walk() if isinstance(n, Read))
-    linear = _read_offset(factor, tensors[read.tensor].shape)
+    linear = _read_offset(factor, tensors[read.tensor].shape, extents)
 
     def step(group: list[tuple[str, int]]) -> float:
         if not group:

@@ -137,7 +137,7 @@ class Lowering:
         names.setdefault(op.name, "out")
         self.output = names[op.name]
         self.index = IndexPrinter(lambda v: f"{PREFIX}{v}", lambda t, idx: self.values.read(t, idx))
-        self.values = ValuePrinter(tensors, names, self.index, self._reduction)
+        self.values = ValuePrinter(tensors, names, self.index, self._reduction, op.extent)
         self.values.on_branch = self._branch
         self._scope: _Scope | None = None
         self._computed: dict[tuple, str] = {}

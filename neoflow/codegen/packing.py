@@ -16,7 +16,7 @@ each element.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -25,6 +25,7 @@ import sympy
 from neoflow.codegen.c_expr import IndexPrinter, unflatten_index
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Select, conjuncts
 from neoflow.ir.index import flat_offset
+from neoflow.ir.simplify import simplify_offset
 
 _FLIP = {">=": "<=", ">": "<", "<=": ">=", "<": ">"}
 #: strips this wide (two AVX2 vectors) are copied with vector loads where the read runs along them
@@ -56,11 +57,15 @@ class Range:
 
 @dataclass(frozen=True)
 class AffineOperand:
-    """An operand ``Select(guards, tensor[index], 0)`` whose flat offset and guards are affine."""
+    """An operand ``Select(guards, clamps(tensor[index]), 0)`` whose flat offset and guards
+    are affine; ``clamps`` (``("max", 0.0)`` for a ReLU inlined into its reader) are
+    applied to the value read, innermost first, and each keeps zero at zero, so a lane
+    the guards zero stays zero."""
 
     tensor: str
     offset: sympy.Expr
     ranges: tuple[Range, ...]
+    clamps: tuple[tuple[str, float], ...] = ()
 
     def quantities(self) -> list[sympy.Expr]:
         """The tabulated quantities: the read's offset, then each range's expression
@@ -69,19 +74,26 @@ class AffineOperand:
         return [self.offset, *shifted]
 
 
-def affine_operand(factor: Expr, shapes: dict[str, tuple[int, ...]]) -> AffineOperand | None:
+def affine_operand(
+    factor: Expr, shapes: dict[str, tuple[int, ...]], extents: Mapping[str, int]
+) -> AffineOperand | None:
     """``factor`` as an affine guarded read, or None when it is anything else (a prologue
     computing values, a data-dependent index, a guard that is not a bound on an affine
-    index expression)."""
+    index expression).  The read's offset is simplified over the box of the op's
+    variables' ``extents``: a reshape's digits add back up to its flat index."""
     guards: list[Expr] = []
     while isinstance(factor, Select):
         if not (isinstance(factor.b, Const) and factor.b.value == 0):
             return None
         guards.extend(conjuncts(factor.cond))
         factor = factor.a
+    clamps: list[tuple[str, float]] = []
+    while (clamp := _clamp(factor)) is not None:
+        clamps.insert(0, clamp[0])
+        factor = clamp[1]
     if not isinstance(factor, Read) or factor.tensor_dtype != "float32":
         return None
-    offset = sympy.expand(flat_offset(factor.indices, shapes[factor.tensor]))
+    offset = simplify_offset(flat_offset(factor.indices, shapes[factor.tensor]), extents)
     if not _is_linear(offset):
         return None
     bounds: dict[sympy.Expr, list[int | None]] = {}
@@ -96,7 +108,36 @@ def affine_operand(factor: Expr, shapes: dict[str, tuple[int, ...]]) -> AffineOp
         if high is not None:
             entry[1] = high if entry[1] is None else min(entry[1], high)
     ranges = tuple(Range(linear, low, high) for linear, (low, high) in bounds.items())
-    return AffineOperand(factor.tensor, offset, ranges)
+    return AffineOperand(factor.tensor, offset, ranges, tuple(clamps))
+
+
+def _clamp(node: Expr) -> tuple[tuple[str, float], Expr] | None:
+    """``max(x, c)`` (c <= 0) or ``min(x, c)`` (c >= 0), either way round, as
+    ``((kind, c), x)``: a clamp that keeps zero at zero; None for anything else."""
+    if not (isinstance(node, Binary) and node.op in ("max", "min")):
+        return None
+    for value, other in ((node.b, node.a), (node.a, node.b)):
+        if isinstance(value, Const) and isinstance(value.value, (int, float)) and not isinstance(value.value, bool):
+            limit = float(value.value)
+            if (limit <= 0) if node.op == "max" else (limit >= 0):
+                return (node.op, limit), other
+    return None
+
+
+def clamped(value: str, clamps: tuple[tuple[str, float], ...]) -> str:
+    """The C float ``value`` with ``clamps`` applied (the lowering's ``NF_FMAX``/``NF_FMIN``:
+    a NaN passes through, as numpy's)."""
+    for kind, limit in clamps:
+        value = f"NF_F{kind.upper()}({value}, {limit!r}f)"
+    return value
+
+
+def vector_clamped(value: str, clamps: tuple[tuple[str, float], ...]) -> str:
+    """The AVX2 vector ``value`` with ``clamps`` applied; the value is the second operand,
+    which ``maxps``/``minps`` return where either is NaN, so a NaN passes through."""
+    for kind, limit in clamps:
+        value = f"_mm256_{kind}_ps(_mm256_set1_ps({limit!r}f), {value})"
+    return value
 
 
 def _is_linear(expr: sympy.Expr) -> bool:
@@ -208,7 +249,7 @@ def affine_packer(
         checks = [
             _in_range(r, f"({side.format(q=q)} + {depth.format(q=q)})") for q, r in enumerate(operand.ranges, start=1)
         ]
-        read = f"{tensor_name}[{side.format(q=0)} + {depth.format(q=0)}]"
+        read = clamped(f"{tensor_name}[{side.format(q=0)} + {depth.format(q=0)}]", operand.clamps)
         return f"({' && '.join(checks)}) ? {read} : 0.0f" if checks else read
 
     def declare(template: str) -> str:
@@ -225,6 +266,10 @@ def affine_packer(
             f"s{q}_[s + ii] - s{q}_[s] == ii * (s{q}_[s + 1] - s{q}_[s])" for q in range(1, len(quantities))
         )
         arithmetic = f"s0_[s + ii] == s0_[s] + ii{' && ' + steps if steps else ''}"
+        copy = f"memcpy(strip, {tensor_name} + s0_[s] + d0_, sizeof(float) * {width});"
+        if operand.clamps:
+            source = clamped(f"{tensor_name}[s0_[s] + d0_ + ii]", operand.clamps)
+            copy = f"for (int64_t ii = 0; ii < {width}; ++ii) strip[ii] = {source};"
         end_checks = _end_checks(operand.ranges, width)
         scalar = f"""{header}
     {declare("const int64_t *restrict s{q}_ = side[{q}] + start;")}
@@ -241,7 +286,7 @@ def affine_packer(
         for (int64_t s = 0; s < size; s += {width}) {{
             float *restrict strip = row + s * kc;
             if (run[s / {width}]{end_checks}) {{
-                memcpy(strip, {tensor_name} + s0_[s] + d0_, sizeof(float) * {width});
+                {copy}
                 continue;
             }}
             const int64_t n = size - s < {width} ? size - s : {width};
@@ -438,8 +483,8 @@ def _side_runs(
                     xa = _mm256_maskload_ps({tensor_name} + at, ma);
                     xb = _mm256_maskload_ps({tensor_name} + at + 8, mb);
                 }}
-                _mm256_store_ps(strip + p * {VECTOR_WIDTH}, xa);
-                _mm256_store_ps(strip + p * {VECTOR_WIDTH} + 8, xb);
+                _mm256_store_ps(strip + p * {VECTOR_WIDTH}, {vector_clamped("xa", operand.clamps)});
+                _mm256_store_ps(strip + p * {VECTOR_WIDTH} + 8, {vector_clamped("xb", operand.clamps)});
             }}
             continue;
         }}
@@ -497,6 +542,10 @@ def _depth_runs(
     else:
         store = f"_mm256_storeu_ps(strip + (p + t) * {width}, v[t]);"
     frees = " ".join(["free(run8);", *(f"free(e{q});" for q, _ in guards)])
+    clamp_rows = ""
+    if operand.clamps:
+        clamped_row = vector_clamped("v[g]", operand.clamps)
+        clamp_rows = f"for (int g = 0; g < {group}; ++g) v[g] = {clamped_row};\n                "
     return f"""{header}
     {declare("const int64_t *restrict s{q}_ = side[{q}] + start;")}
     {lanes}
@@ -522,7 +571,7 @@ def _depth_runs(
                     else
                         v[g] = _mm256_maskload_ps({tensor_name} + at, m);
                 }}
-                for (int g = {group}; g < 8; ++g) v[g] = _mm256_setzero_ps();
+                {clamp_rows}for (int g = {group}; g < 8; ++g) v[g] = _mm256_setzero_ps();
                 nf_transpose8(v);
                 for (int t = 0; t < 8; ++t) {{ {store} }}
                 p += 8;

@@ -41,8 +41,10 @@ from neoflow.ir.expr import (
     Reduce,
     Select,
     Unary,
+    map_indices,
 )
 from neoflow.ir.op import Op, Tensor
+from neoflow.ir.simplify import simplify_index
 from neoflow.ir.syntax import (
     Assign,
     AxisSet,
@@ -516,6 +518,7 @@ def make_op(
     else:
         ranges, sources = infer_ranges(name, indices, body, tensors, out_shape, read_pos, var_pos, given)
         shape = tuple(ranges[v] for v in indices)
+    body = map_indices(body, lambda expr: simplify_index(expr, ranges))
     dtype = out_dtype or dt.concrete(default_dtype if body.dtype == dt.WEAK_FLOAT else body.dtype)
     inputs: dict[str, Tensor] = {}
     reads = body if scatter is None else Binary("+", body, Read(name, tuple(scatter[0]), "int64"))

@@ -30,24 +30,24 @@ def _factors(text: str, shapes: dict) -> tuple:
     op = _op(text, shapes)
     product = op.body.body
     assert isinstance(product, Binary)
-    return product.a, product.b, {t.name: t.shape for t in op.inputs}
+    return product.a, product.b, {t.name: t.shape for t in op.inputs}, op.extent
 
 
 def test_a_padded_read_becomes_an_offset_and_two_ranges() -> None:
-    padded, weight, shapes = _factors(CONV, CONV_SHAPES)
-    operand = affine_operand(padded, shapes)
+    padded, weight, shapes, extents = _factors(CONV, CONV_SHAPES)
+    operand = affine_operand(padded, shapes, extents)
     p, q, r, s, n, c = (var(v) for v in "pqrsnc")
     assert operand is not None and operand.tensor == "X"
     assert sympy.expand(operand.offset - (n * 16 * 81 + c * 81 + (p + r - 1) * 9 + q + s - 1)) == 0
     assert set(operand.ranges) == {Range(p + r, 1, 9), Range(q + s, 1, 9)}
-    plain = affine_operand(weight, shapes)
+    plain = affine_operand(weight, shapes, extents)
     assert plain is not None and plain.ranges == ()
 
 
 def test_one_sided_and_strict_bounds_are_normalised() -> None:
     text = "C[i, j] = ReduceAdd({k}, Select(k - i <= 3 && i + k > 2, A[i, k], 0) * B[k, j])"
-    guarded, _, shapes = _factors(text, {"A": (8, 8), "B": (8, 8)})
-    operand = affine_operand(guarded, shapes)
+    guarded, _, shapes, extents = _factors(text, {"A": (8, 8), "B": (8, 8)})
+    operand = affine_operand(guarded, shapes, extents)
     i, k = var("i"), var("k")
     # k - i <= 3 is i - k >= -3 (first coefficient made positive); i + k > 2 is i + k >= 3
     assert operand is not None and set(operand.ranges) == {Range(i - k, -3, None), Range(i + k, 3, None)}
@@ -56,15 +56,16 @@ def test_one_sided_and_strict_bounds_are_normalised() -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        "C[i, j] = ReduceAdd({k}, max(A[i, k], 0) * B[k, j])",  # a prologue computing values
+        "C[i, j] = ReduceAdd({k}, exp(A[i, k]) * B[k, j])",  # a prologue computing values
+        "C[i, j] = ReduceAdd({k}, max(A[i, k], 1) * B[k, j])",  # a clamp that moves zero
         "C[i, j] = ReduceAdd({k}, Select(i > 2, A[i, k], 1) * B[k, j])",  # the other branch is not zero
         "C[i, j] = ReduceAdd({k}, Select(i % 2 == 0, A[i, k], 0) * B[k, j])",  # a guard that is not a bound
         "C[i, j] = ReduceAdd({k}, A[i, k // 2] * B[k, j])",  # a quasi-affine index
     ],
 )
 def test_other_operands_keep_the_generic_packer(text: str) -> None:
-    operand, _, shapes = _factors(text, {"A": (8, 8), "B": (8, 8)})
-    assert affine_operand(operand, shapes) is None
+    operand, _, shapes, extents = _factors(text, {"A": (8, 8), "B": (8, 8)})
+    assert affine_operand(operand, shapes, extents) is None
 
 
 @NEEDS_CC
@@ -152,7 +153,7 @@ def test_strided_strips_are_gathered_with_their_guards_as_the_mask(text: str, sh
 
 def test_the_gathered_share_counts_the_strips_inside_one_strided_row() -> None:
     op = _op(STRIDED, {"X": (2, 4, 32, 32), "W": (16, 4, 3, 3), "Y": (2, 16, 16, 16)})
-    operand = affine_operand(op.body.body.a, {t.name: t.shape for t in op.inputs})
+    operand = affine_operand(op.body.body.a, {t.name: t.shape for t in op.inputs}, op.extent)
     depth = ("r", "s", "c")
 
     def share(side: tuple, **extents: int) -> float:
@@ -162,13 +163,13 @@ def test_the_gathered_share_counts_the_strips_inside_one_strided_row() -> None:
     assert share(("q",), q=20) == 0.8  # one full strip of 20, the last 4 element by element
     assert share(("p", "q"), p=16, q=20) == 0.4  # strips across rows of 20: 2 of every 5 stay inside one
     unit = _op(CONV, CONV_SHAPES)
-    padded = affine_operand(unit.body.body.a, {t.name: t.shape for t in unit.inputs})
+    padded = affine_operand(unit.body.body.a, {t.name: t.shape for t in unit.inputs}, unit.extent)
     assert gather_fraction(padded, 16, True, Strips(("p", "q"), depth, unit.extent, 8192)) == 0.0  # loads
 
 
 def test_vector_runs_need_consecutive_reads_and_small_lanes() -> None:
-    padded, _, shapes = _factors(CONV, CONV_SHAPES)
-    operand = affine_operand(padded, shapes)
+    padded, _, shapes, extents = _factors(CONV, CONV_SHAPES)
+    operand = affine_operand(padded, shapes, extents)
     extents = {"n": 2, "c": 16, "k": 32, "p": 9, "q": 9, "r": 3, "s": 3}
     assert vector_runs(operand, ("p", "q"), extents)  # row-major: q moves by 1, p by a row of 9
     assert vector_runs(operand, ("q",), extents)
@@ -205,3 +206,54 @@ def test_without_avx2_the_portable_packers_and_micro_kernel_compute_the_same(
     text: str, shapes: dict, portable_cc
 ) -> None:
     assert_compiled_matches_interpreter(_op(text, shapes), 6)
+
+
+@NEEDS_CC
+def test_a_reshape_read_through_its_digits_is_packed_as_the_flat_read_it_is() -> None:
+    # a flatten inlined into a matmul (the capsule network's f into its logits): the digits of j
+    # over X's dimensions add back up to j, so the packer reads X as the plain matrix it is
+    text = "Y[n, k] = ReduceAdd({j}, X[n, j//8 % 8, j//4 % 2, j//2 % 2, j % 2] * W[k, j])"
+    shapes = {"X": (96, 8, 2, 2, 2), "W": (40, 64), "Y": (96, 40)}
+    op = _op(text, shapes)
+    digits, _, inputs, extents = _factors(text, shapes)
+    operand = affine_operand(digits, inputs, extents)
+    assert operand is not None and operand.offset == 64 * var("n") + var("j") and operand.ranges == ()
+    assert "_pack_" in lower_op(op, "kernel")
+    assert_compiled_matches_interpreter(op, 11)
+
+
+RELU_CONV = (
+    "Y[n, k, p, q] = ReduceAdd({c, r, s}, Select(p + r - 1 >= 0 && p + r - 1 < 9 && q + s - 1 >= 0 && "
+    "q + s - 1 < 9, max(X[n, c, p + r - 1, q + s - 1], 0), 0) * W[k, c, r, s])"
+)
+
+
+def test_a_clamp_that_keeps_zero_is_part_of_the_affine_read() -> None:
+    relu, _, shapes, extents = _factors(RELU_CONV, CONV_SHAPES)
+    operand = affine_operand(relu, shapes, extents)
+    assert operand is not None and operand.clamps == (("max", 0.0),) and len(operand.ranges) == 2
+    text = "C[i, j] = ReduceAdd({k}, min(6, max(A[i, k], 0)) * B[k, j])"
+    relu6, _, shapes, extents = _factors(text, {"A": (8, 8), "B": (8, 8)})
+    operand = affine_operand(relu6, shapes, extents)
+    assert operand is not None and operand.clamps == (("max", 0.0), ("min", 6.0))
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(
+    ("text", "shapes", "vector"),
+    [
+        # a ReLU inlined into a padded conv: column strips of (p, q) copied with vector loads, then clamped
+        (RELU_CONV, CONV_SHAPES, "_mm256_max_ps"),
+        # a clipped ReLU inlined into a matmul reading rows along the depth: 8-step runs loaded, clamped, transposed
+        (
+            "C[i, j] = ReduceAdd({k}, min(max(A[i, k], 0), 0.5) * B[k, j])",
+            {"A": (70, 96), "B": (96, 50), "Y": (70, 50)},
+            "_mm256_min_ps",
+        ),
+    ],
+)
+def test_a_clamped_operand_is_packed_with_its_clamp(text: str, shapes: dict, vector: str) -> None:
+    op = _op(text, shapes)
+    source = lower_op(op, "kernel")
+    assert "_pack_" in source and vector in source, "the clamp should be applied to the vector loads"
+    assert_compiled_matches_interpreter(op, 13)

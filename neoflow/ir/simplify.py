@@ -1,0 +1,124 @@
+"""Range-aware simplification of index expressions.
+
+A reshape reads its input through floor divisions and remainders of a flat
+index (``x[(64*i0 + 8*i2 + i3)//64 % 32, ...]``); where the index variables'
+ranges keep a division's argument inside one block, the division is a constant
+and the remainder its argument shifted (``i0`` above, for ``i2, i3 < 8``).
+Simplified, such reads are affine: the code generator copies them with vector
+loads and isl sees plain bounds.  Every rewrite holds at every point of the box
+``0 <= v < extent`` of the variables, so it holds wherever the op evaluates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import sympy
+
+from neoflow.ir import index
+
+Interval = tuple[sympy.Rational, sympy.Rational]
+
+
+def interval(expr: sympy.Expr, extents: Mapping[str, int]) -> Interval | None:
+    """The least and greatest value of ``expr`` over the box of ``extents``
+    (each variable in ``[0, extent)``), by interval arithmetic; None where a
+    variable has no extent or a term is not bounded (a data-dependent read)."""
+    if expr.is_Number:
+        return expr, expr
+    if expr.is_Symbol:
+        extent = extents.get(expr.name)
+        return None if extent is None or extent < 1 else (sympy.Integer(0), sympy.Integer(extent - 1))
+    if expr.is_Add or expr.is_Mul:
+        parts = [interval(arg, extents) for arg in expr.args]
+        if any(part is None for part in parts):
+            return None
+        low, high = parts[0]
+        for a, b in parts[1:]:
+            if expr.is_Add:
+                low, high = low + a, high + b
+            else:
+                corners = (low * a, low * b, high * a, high * b)
+                low, high = min(corners), max(corners)
+        return low, high
+    if isinstance(expr, sympy.floor):
+        inner = interval(expr.args[0], extents)
+        return None if inner is None else (sympy.floor(inner[0]), sympy.floor(inner[1]))
+    if isinstance(expr, sympy.Mod):
+        divisor = expr.args[1]
+        if not (divisor.is_Integer and divisor > 0):
+            return None
+        inner = interval(expr.args[0], extents)
+        if inner is not None and sympy.floor(inner[0] / divisor) == sympy.floor(inner[1] / divisor):
+            shift = divisor * sympy.floor(inner[0] / divisor)
+            return inner[0] - shift, inner[1] - shift
+        return sympy.Integer(0), divisor - 1
+    return None
+
+
+def simplify_index(expr: sympy.Expr, extents: Mapping[str, int]) -> sympy.Expr:
+    """``expr`` with every floor division and remainder that the box of ``extents``
+    decides rewritten: a division whose argument stays inside one block is that
+    block's number, a remainder of such an argument is the argument shifted, and a
+    division of a division is one division (``(x//4)//2 = x//8``)."""
+    if not expr.has(sympy.floor, sympy.Mod):
+        return expr
+
+    def rewrite(node: sympy.Expr) -> sympy.Expr:
+        if not node.args or not node.has(sympy.floor, sympy.Mod):
+            return node
+        node = node.func(*(rewrite(arg) for arg in node.args))
+        if isinstance(node, sympy.floor):
+            return _floor(node.args[0], extents)
+        if isinstance(node, sympy.Mod):
+            return _mod(node.args[0], node.args[1], extents)
+        return node
+
+    return rewrite(expr)
+
+
+def simplify_offset(expr: sympy.Expr, extents: Mapping[str, int]) -> sympy.Expr:
+    """A flat offset simplified as far as the box allows: remainders the box does not
+    decide are written ``x - m*(x//m)`` so that a reshape's digits add back up to the
+    index they came from (``8*(j//8) + 4*(j//4 % 2) + 2*(j//2 % 2) + j % 2 = j``).
+    Where some division stays, the offset is ``simplify_index``'s."""
+    simple = simplify_index(expr, extents)
+    if not simple.has(sympy.Mod):
+        return sympy.expand(simple)
+
+    def expand_mod(node: sympy.Expr) -> sympy.Expr:
+        if not node.args:
+            return node
+        node = node.func(*(expand_mod(arg) for arg in node.args))
+        if isinstance(node, sympy.Mod) and node.args[1].is_Integer and node.args[1] > 0:
+            x, m = node.args
+            return x - m * _floor(x / m, extents)
+        return node
+
+    digits = sympy.expand(simplify_index(expand_mod(simple), extents))
+    return digits if not digits.has(sympy.floor, sympy.Mod) else sympy.expand(simple)
+
+
+def _floor(argument: sympy.Expr, extents: Mapping[str, int]) -> sympy.Expr:
+    """``floor(argument)`` simplified (``argument`` integer-valued terms over a constant)."""
+    bounds = interval(argument, extents)
+    if bounds is not None and sympy.floor(bounds[0]) == sympy.floor(bounds[1]):
+        return sympy.floor(bounds[0])
+    denominator = index.denominator(argument)
+    numerator = sympy.expand(argument * denominator)
+    if isinstance(numerator, sympy.floor) and denominator > 1:
+        # (y // b) // d = y // (b * d) for positive integers b and d
+        return _floor(numerator.args[0] / denominator, extents)
+    return sympy.floor(argument)
+
+
+def _mod(value: sympy.Expr, divisor: sympy.Expr, extents: Mapping[str, int]) -> sympy.Expr:
+    """``value % divisor`` simplified where the box keeps ``value`` in one block."""
+    if not (divisor.is_Integer and divisor > 0):
+        return sympy.Mod(value, divisor)
+    bounds = interval(value, extents)
+    if bounds is not None:
+        block = sympy.floor(bounds[0] / divisor)
+        if block == sympy.floor(bounds[1] / divisor):
+            return sympy.expand(value - divisor * block)
+    return sympy.Mod(value, divisor)
