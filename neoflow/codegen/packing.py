@@ -119,7 +119,7 @@ def _clamp(node: Expr) -> tuple[tuple[str, float], Expr] | None:
     for value, other in ((node.b, node.a), (node.a, node.b)):
         if isinstance(value, Const) and isinstance(value.value, (int, float)) and not isinstance(value.value, bool):
             limit = float(value.value)
-            if (limit <= 0) if node.op == "max" else (limit >= 0):
+            if math.isfinite(limit) and ((limit <= 0) if node.op == "max" else (limit >= 0)):
                 return (node.op, limit), other
     return None
 

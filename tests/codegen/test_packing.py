@@ -58,6 +58,7 @@ def test_one_sided_and_strict_bounds_are_normalised() -> None:
     [
         "C[i, j] = ReduceAdd({k}, exp(A[i, k]) * B[k, j])",  # a prologue computing values
         "C[i, j] = ReduceAdd({k}, max(A[i, k], 1) * B[k, j])",  # a clamp that moves zero
+        "C[i, j] = ReduceAdd({k}, max(A[i, k], -inf) * B[k, j])",  # not a finite C literal
         "C[i, j] = ReduceAdd({k}, Select(i > 2, A[i, k], 1) * B[k, j])",  # the other branch is not zero
         "C[i, j] = ReduceAdd({k}, Select(i % 2 == 0, A[i, k], 0) * B[k, j])",  # a guard that is not a bound
         "C[i, j] = ReduceAdd({k}, A[i, k // 2] * B[k, j])",  # a quasi-affine index
