@@ -19,9 +19,8 @@ from sympy.core.function import AppliedUndef
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Binary, Cast, Const, Expr, Index, Read, Reduce, Select, Unary
-from neoflow.ir.index import flat_offset
 from neoflow.ir.op import Tensor
-from neoflow.ir.simplify import simplify_offset
+from neoflow.ir.simplify import read_offset
 
 PARALLEL_MIN_POINTS = 1 << 15  # below this many points, starting threads costs more than the loop
 
@@ -215,7 +214,7 @@ class ValuePrinter:
         extents makes the offset affine again, else None."""
         if self.extents is None or not any(i.has(sympy.floor, sympy.Mod) for i in read.indices):
             return None
-        offset = simplify_offset(flat_offset(read.indices, self.tensors[read.tensor].shape), self.extents)
+        offset = read_offset(read.indices, self.tensors[read.tensor].shape, self.extents)
         return None if offset.has(sympy.floor, sympy.Mod) else offset
 
     def __call__(self, node: Expr, target: str | None = None) -> str:

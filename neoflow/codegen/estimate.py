@@ -15,7 +15,7 @@ from neoflow.fusion.cost import Scheduled
 from neoflow.ir import index
 from neoflow.ir.expr import Read, Reduce
 from neoflow.ir.op import Op
-from neoflow.ir.simplify import simplify_offset
+from neoflow.ir.simplify import read_offset
 
 #: Multiply-adds per cycle of one core at the micro-kernel's peak (MR x NR per 6 cycles).
 MACS_PER_CYCLE = MR * NR / 6
@@ -77,7 +77,7 @@ def _contiguous(op: Op, variable: str) -> bool:
     if op.scatter is None:
         accesses.append((tuple(index.var(v) for v in op.indices), op.shape))
     for indices, shape in accesses:
-        linear = simplify_offset(index.flat_offset(indices, shape), op.extent)
+        linear = read_offset(indices, shape, op.extent)
         if not linear.is_polynomial(symbol) or sympy.degree(linear, symbol) > 1 or linear.coeff(symbol) not in (0, 1):
             return False
     return True

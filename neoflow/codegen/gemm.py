@@ -44,9 +44,9 @@ from neoflow.codegen.packing import (
 )
 from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
-from neoflow.ir.index import flat_offset, var
+from neoflow.ir.index import var
 from neoflow.ir.op import Op
-from neoflow.ir.simplify import simplify_offset
+from neoflow.ir.simplify import read_offset
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
 NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
@@ -332,8 +332,8 @@ def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, 
     gathered = gather_fraction(operand, width, side_inner, strips)
     # element by element: a couple of cycles, one per table read, one per guard checked, and
     # two per clamp applied (a compare and a select, NaN kept)
-    guards = len(operand.ranges) + 2 * len(operand.clamps) if operand is not None else 0
-    scalar = 2.0 + len(side) + len(depth) + guards
+    guards, clamps = (len(operand.ranges), len(operand.clamps)) if operand is not None else (0, 0)
+    scalar = 2.0 + len(side) + len(depth) + guards + 2 * clamps
     return vector * VECTOR_PACK_CYCLES + gathered * GATHER_PACK_CYCLES + (1 - vector - gathered) * scalar
 
 
@@ -720,7 +720,7 @@ def _read_offset(factor: Expr, shape: tuple[int, ...], extents: tuple[tuple[str,
     """The flat offset of the first read in ``factor`` in a tensor of ``shape``, simplified
     over the box of ``extents`` (cached)."""
     read = next(n for n in factor.walk() if isinstance(n, Read))
-    return simplify_offset(flat_offset(read.indices, shape), dict(extents))
+    return read_offset(read.indices, shape, dict(extents))
 
 
 def _inner_is_first(

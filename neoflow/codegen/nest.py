@@ -50,6 +50,7 @@ from neoflow.codegen.lower import (
 from neoflow.ir import bounds, index
 from neoflow.ir.expr import Const, Expr, Index, Read, Reduce, Select, map_children, map_indices
 from neoflow.ir.op import Op, Tensor
+from neoflow.ir.simplify import simplify_index
 
 
 @dataclass(frozen=True)
@@ -358,18 +359,17 @@ def _split_inner(member: Op, written: Written | None) -> tuple[Op, Written] | No
     q, r = index.fresh_name(f"{inner}_div{m}", taken), index.fresh_name(f"{inner}_mod{m}", taken)
     split = {w: m * index.var(q) + index.var(r)}
     indices = (*member.indices[:-1], q, r)
-    extents = (*(member.extent[v] for v in member.indices[:-1]), extent // m, m)
-    op = replace(
-        member,
-        body=map_indices(member.body, lambda e: e.xreplace(split)),
-        indices=indices,
-        ranges=tuple(zip(indices, extents, strict=True)),
-    )
+    ranges = tuple(zip(indices, (*(member.extent[v] for v in member.indices[:-1]), extent // m, m), strict=True))
+
+    def at_split(expr: sympy.Expr) -> sympy.Expr:  # w // m is q and w % m is r over the new box
+        return simplify_index(expr.xreplace(split), dict(ranges))
+
+    op = replace(member, body=map_indices(member.body, at_split), indices=indices, ranges=ranges)
     hidden = (*(written.hidden if written is not None else ()), inner)
     constraint = f"{PREFIX}{inner} = {m}*{PREFIX}{q} + {PREFIX}{r}"
     if written is not None:
         constraint = f"{written.constraint} and {constraint}"
-    return op, Written(tuple(e.xreplace(split) for e in target), hidden, constraint)
+    return op, Written(tuple(at_split(e) for e in target), hidden, constraint)
 
 
 class _SumLowering(Lowering):

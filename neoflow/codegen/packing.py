@@ -24,8 +24,8 @@ import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, unflatten_index
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Select, conjuncts
-from neoflow.ir.index import flat_offset
-from neoflow.ir.simplify import simplify_offset
+from neoflow.ir.index import var
+from neoflow.ir.simplify import read_offset
 
 _FLIP = {">=": "<=", ">": "<", "<=": ">=", "<": ">"}
 #: strips this wide (two AVX2 vectors) are copied with vector loads where the read runs along them
@@ -93,7 +93,7 @@ def affine_operand(
         factor = clamp[1]
     if not isinstance(factor, Read) or factor.tensor_dtype != "float32":
         return None
-    offset = simplify_offset(flat_offset(factor.indices, shapes[factor.tensor]), extents)
+    offset = read_offset(factor.indices, shapes[factor.tensor], extents)
     if not _is_linear(offset):
         return None
     bounds: dict[sympy.Expr, list[int | None]] = {}
@@ -370,12 +370,12 @@ def _stride_span(operand: AffineOperand, variables: tuple[str, ...], extents: di
     (the last variable's coefficient; 0 where it is not a constant)."""
     if not variables:
         return 1, 0
-    last = operand.offset.coeff(sympy.Symbol(variables[-1], integer=True))
+    last = operand.offset.coeff(var(variables[-1]))
     if not last.is_Integer or last == 0:
         return 1, 0
     step, span = int(last), 1
     for name in reversed(variables):
-        if operand.offset.coeff(sympy.Symbol(name, integer=True)) != step:
+        if operand.offset.coeff(var(name)) != step:
             break
         span *= extents[name]
         step *= extents[name]

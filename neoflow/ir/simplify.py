@@ -11,7 +11,7 @@ loads and isl sees plain bounds.  Every rewrite holds at every point of the box
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import sympy
 
@@ -97,6 +97,12 @@ def simplify_offset(expr: sympy.Expr, extents: Mapping[str, int]) -> sympy.Expr:
 
     digits = sympy.expand(simplify_index(expand_mod(simple), extents))
     return digits if not digits.has(sympy.floor, sympy.Mod) else sympy.expand(simple)
+
+
+def read_offset(indices: Sequence[sympy.Expr], shape: Sequence[int], extents: Mapping[str, int]) -> sympy.Expr:
+    """The flat offset of a read at ``indices`` of a tensor of ``shape``, simplified over
+    the box of ``extents`` (``simplify_offset``)."""
+    return simplify_offset(index.flat_offset(indices, shape), extents)
 
 
 def _floor(argument: sympy.Expr, extents: Mapping[str, int]) -> sympy.Expr:

@@ -20,7 +20,7 @@ from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
 from neoflow.ir.op import Op
 from neoflow.runtime.executor import run_graph, sequential_call
-from neoflow.runtime.memory import ALIGNMENT, MemoryPlan, plan_memory
+from neoflow.runtime.memory import MemoryPlan, aligned_buffer, aligned_size, plan_memory
 
 
 def threads() -> int:
@@ -167,7 +167,7 @@ class CpuExecutor:
         self._kept_offsets, self._kept_bytes = [], 0
         for _, _, shape, dtype in self._kept_slots:
             self._kept_offsets.append(self._kept_bytes)
-            self._kept_bytes += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // ALIGNMENT) * ALIGNMENT
+            self._kept_bytes += aligned_size(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The kept tensors by name, from every graph input by name (checked by the caller).
@@ -177,22 +177,21 @@ class CpuExecutor:
         if self.entry is None:
             return run_graph(self, inputs)
         if not self._arena_lock.acquire(blocking=False):
-            arena = np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8)
-            return self._run_in(self._slot_pointers(arena), inputs)
+            _own_arena, start = aligned_buffer(self.plan.arena_bytes)  # alive until the run returns
+            return self._run_in(self._slot_pointers(start), inputs)
         try:
             if self._arena is None:
-                self._arena = np.empty(self.plan.arena_bytes + ALIGNMENT, dtype=np.uint8)
-                self._arena_pointers = self._slot_pointers(self._arena)
+                self._arena, start = aligned_buffer(self.plan.arena_bytes)
+                self._arena_pointers = self._slot_pointers(start)
             return self._run_in(self._arena_pointers.copy(), inputs)
         finally:
             self._arena_lock.release()
 
-    def _slot_pointers(self, arena: np.ndarray) -> np.ndarray:
-        """Every tensor slot's pointer, the intermediates' at their offsets in ``arena``
-        (aligned), the others zero."""
+    def _slot_pointers(self, arena: int) -> np.ndarray:
+        """Every tensor slot's pointer, the intermediates' at their offsets in the arena
+        at address ``arena``, the others zero."""
         pointers = np.zeros(self._slot_count, dtype=np.uintp)
-        start = arena.ctypes.data
-        pointers[self._arena_slots] = start + (-start) % ALIGNMENT + self._arena_offsets
+        pointers[self._arena_slots] = arena + self._arena_offsets
         return pointers
 
     def _run_in(self, pointers: np.ndarray, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -202,13 +201,11 @@ class CpuExecutor:
             array = np.ascontiguousarray(inputs[name], dtype=dtype)
             held.append(array)
             pointers[slot] = data_address(array)
-        block = np.empty(self._kept_bytes + ALIGNMENT, dtype=np.uint8)
-        start = block.ctypes.data
-        shift = (-start) % ALIGNMENT
+        block, start = aligned_buffer(self._kept_bytes)
         outputs = {}
         for (name, slot, shape, dtype), offset in zip(self._kept_slots, self._kept_offsets, strict=True):
-            outputs[name] = np.ndarray(shape, dtype, buffer=block, offset=shift + offset)
-            pointers[slot] = start + shift + offset
+            outputs[name] = np.ndarray(shape, dtype, buffer=block, offset=offset)
+            pointers[slot] = start + offset
         self.entry(pointers.ctypes.data)
         return {name: outputs[name] if name in outputs else inputs[name] for name in self.keep}
 

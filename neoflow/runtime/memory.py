@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import numpy as np
+
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Tensor
@@ -23,6 +25,19 @@ ALIGNMENT = 64  # bytes; arena offsets suit aligned vector loads
 def nbytes(tensor: Tensor) -> int:
     """Bytes a dense buffer for ``tensor`` takes."""
     return tensor.size * dt.numpy_dtype(tensor.dtype).itemsize
+
+
+def aligned_size(size: int) -> int:
+    """``size`` bytes rounded up to a multiple of ``ALIGNMENT``."""
+    return -(-size // ALIGNMENT) * ALIGNMENT
+
+
+def aligned_buffer(size: int) -> tuple[np.ndarray, int]:
+    """A new byte buffer of ``size`` starting at an ``ALIGNMENT``-aligned address, and that address."""
+    raw = np.empty(size + ALIGNMENT, dtype=np.uint8)
+    start = raw.ctypes.data
+    shift = (-start) % ALIGNMENT
+    return raw[shift : shift + size], start + shift
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,7 @@ def _pack(lifetimes: dict[str, tuple[int, int]], sizes: dict[str, int]) -> tuple
     offsets: dict[str, int] = {}
     for name in sorted(lifetimes, key=lambda n: (-sizes[n], lifetimes[n])):
         start, death = lifetimes[name]
-        size = -(-sizes[name] // ALIGNMENT) * ALIGNMENT
+        size = aligned_size(sizes[name])
         busy = sorted((o, o + s) for o, s, b, d in placed if b <= death and start <= d)
         offset = 0
         for low, high in busy:
