@@ -185,6 +185,7 @@ def _train_spec(args: argparse.Namespace) -> neoflow.TrainSpec | None:
         eps=args.eps,
         frozen=tuple(args.freeze),
         seed=args.seed,
+        keep_prediction=args.loss == "cross_entropy",  # neoflow train counts the training accuracy from it
     )
 
 
@@ -402,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.set_defaults(func=cmd_compile)
 
     fuse_help = (
-        "Show a fusion policy's plan of a model: per kernel its ops, stored and recomputed tensors, "
+        "Show a fusion policy's plan of a model: per kernel its ops, stored, recomputed and tile-buffered tensors, "
         "arithmetic, bytes, predicted and measured time; --compare runs several policies."
     )
     fuse = commands.add_parser("fuse", help=fuse_help, description=fuse_help)

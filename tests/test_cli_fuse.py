@@ -23,7 +23,7 @@ def test_report_has_one_row_per_kernel_with_measured_times(tmp_path: Path, capsy
     out = capsys.readouterr().out
     rows = _rows(out)
     header, kernels, total = rows[0], rows[1:-1], rows[-1]
-    assert header[:5] == ["#", "kernel", "ops", "materialised", "recomputed"]
+    assert header[:6] == ["#", "kernel", "ops", "materialised", "recomputed", "tile buffer"]
     assert header[-2:] == ["predicted ms", "measured ms"]
     assert len(kernels) >= 5 and total[1] == "total"
     # every kernel was timed, and the element-wise policy inlined something

@@ -34,7 +34,10 @@ class TrainSpec:
     ``optimizer``: ``sgd``, ``momentum``, ``nesterov``, ``adam`` or ``adamw``
     with ``lr``, ``momentum``, ``weight_decay``, ``betas``, ``eps``.
     ``frozen``: parameter names (as in the model file) not to train.
-    ``seed``: seeds the dropout noise."""
+    ``seed``: seeds the dropout noise.  ``keep_prediction``: each training step
+    also hands back the model output (``CompiledModel.last_prediction``, what a
+    training accuracy is counted from); off, a step writes only the loss and the
+    updated parameters and state, and a fusion plan need not store the output."""
 
     loss: str = "cross_entropy"
     labels: str = "labels"
@@ -48,6 +51,7 @@ class TrainSpec:
     frozen: tuple[str, ...] = ()
     output: str | None = None
     seed: int = 0
+    keep_prediction: bool = False
 
     @property
     def optimizer_settings(self) -> OptimizerSettings:

@@ -22,12 +22,19 @@ member is computed at the main point and *written through* the inverse
 prints one loop nest; its outer loops are shared out among threads and its
 inner loops run in vector lanes (``#pragma omp simd``: members carry no
 dependence between points, the sums are reductions).
+
+An element-wise member nothing outside the nest reads (``private``: an
+intermediate the fusion plan keeps in a tile buffer) is not stored at all: it
+is written into a *row buffer* of the main domain's innermost extent, private
+to each thread, and its readers in the nest read it there (they read members
+only at the main point, and each member's inner loop runs whole inside the
+shared outer loops, so the row holds the current point's values).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import islpy as isl
@@ -48,6 +55,7 @@ from neoflow.codegen.lower import (
     with_pragmas,
 )
 from neoflow.ir import bounds, index
+from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Const, Expr, Index, Read, Reduce, Select, map_children, map_indices
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.simplify import simplify_index
@@ -81,7 +89,8 @@ class Nest:
     ``outputs`` the members' output tensors.  A member written through an
     index map has an entry in ``writes``: where in its output each main point
     goes (index expressions in the main indices) and the isl constraint of the
-    main points it is computed at."""
+    main points it is computed at.  ``buffered`` members are kept in a row buffer
+    instead of being stored (they are not among ``outputs``)."""
 
     indices: tuple[str, ...]
     extents: tuple[int, ...]
@@ -90,6 +99,7 @@ class Nest:
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
     writes: Mapping[str, Written] = field(default_factory=dict)
+    buffered: tuple[str, ...] = ()
 
 
 def _reduce_free(node: Expr) -> bool:
@@ -130,9 +140,11 @@ def _as_member(op: Op, indices: tuple[str, ...], extents: tuple[int, ...]) -> tu
     return renamed, (epilogue if epilogue is not None else reduce)
 
 
-def shared_nest(ops: Sequence[Op]) -> Nest | None:
+def shared_nest(ops: Sequence[Op], private: Collection[str] = ()) -> Nest | None:
     """The loop nest computing ``ops`` together (see the module docstring), or
-    None when they are fewer than two or are not all members of one."""
+    None when they are fewer than two or are not all members of one.  Of the
+    ``private`` ops (read by nothing outside ``ops``), the element-wise members
+    are kept in row buffers where the main domain allows (``row_buffered``)."""
     if len(ops) < 2:
         return None
     main = max((op for op in ops if op.shape), key=lambda op: math.prod(op.shape), default=None)
@@ -172,8 +184,63 @@ def shared_nest(ops: Sequence[Op]) -> Nest | None:
                 inputs.setdefault(tensor.name, tensor)
     if not inputs:
         return None
-    outputs = tuple(op.output for op in ops)
-    return Nest(indices, extents, tuple(members), sums, tuple(inputs.values()), outputs, writes)
+    elementwise = [member.name for member in members if member.name in stored]
+    buffered = row_buffered(private, elementwise, extents, {op.name: op.dtype for op in ops})
+    if buffered:
+        members = [_on_rows(member, buffered, indices, extents, writes) for member in members]
+    outputs = tuple(op.output for op in ops if op.name not in buffered)
+    return Nest(indices, extents, tuple(members), sums, tuple(inputs.values()), outputs, writes, tuple(buffered))
+
+
+def nest_buffers(ops: Sequence[Op], private: Collection[str] = ()) -> tuple[str, ...] | None:
+    """The ``private`` ops that the loop nest of ``ops`` keeps in row buffers,
+    or None when ``ops`` make no loop nest (the fusion cost model's question)."""
+    nest = shared_nest(ops, private)
+    return None if nest is None else nest.buffered
+
+
+#: The most bytes a row buffer may take (one per buffered member and thread, on the thread's stack).
+ROW_BUFFER_BYTES = 16 * 1024
+
+
+def row_buffered(
+    private: Collection[str], elementwise: Collection[str], extents: tuple[int, ...], dtypes: Mapping[str, str]
+) -> list[str]:
+    """The ``private`` ops among the ``elementwise`` members that a nest over
+    ``extents`` keeps in row buffers: there must be outer loops around the
+    members' inner loops (some outer extent above 1) and a row must be small."""
+    if len(extents) < 2 or math.prod(extents[:-1]) < 2:
+        return []
+    return [
+        name
+        for name in elementwise
+        if name in private and extents[-1] * dt.numpy_dtype(dtypes[name]).itemsize <= ROW_BUFFER_BYTES
+    ]
+
+
+def _on_rows(
+    member: Op, buffered: Collection[str], indices: tuple[str, ...], extents: tuple[int, ...], writes: dict
+) -> Op:
+    """``member`` reading the ``buffered`` members from their rows (at the main
+    point's innermost index); a buffered member itself written into its row
+    (an entry of ``writes``)."""
+    rows = {name: (extents[-1],) for name in buffered}
+    inner = index.var(indices[-1])
+
+    def from_rows(node: Expr) -> Expr:
+        if isinstance(node, Read) and node.tensor in rows:
+            return Read(node.tensor, (inner,), node.tensor_dtype)
+        if isinstance(node, (Read, Index)):
+            return node
+        return map_children(node, from_rows)
+
+    inputs = tuple(Tensor(t.name, rows[t.name], t.dtype) if t.name in rows else t for t in member.inputs)
+    member = replace(member, body=from_rows(member.body), inputs=inputs)
+    if member.name in rows:
+        member = replace(member, output=Tensor(member.name, rows[member.name], member.dtype))
+        box = bounds.box_constraint(dict(zip(indices, extents, strict=True)))
+        writes[member.name] = Written((inner,), (), box)
+    return member
 
 
 def _written_through(
@@ -395,7 +462,9 @@ def nest_parameters(nest: Nest) -> str:
 def nest_function(nest: Nest, name: str) -> str:
     """The C function ``name(out0, ..., in0, ...)`` computing every member of ``nest``."""
     buffers = {t.name: f"in{k}" for k, t in enumerate(nest.inputs)}
-    buffers.update({op.name: f"out{k}" for k, op in enumerate(nest.members)})
+    buffers.update({t.name: f"out{k}" for k, t in enumerate(nest.outputs)})
+    rows = {name: f"row{k}" for k, name in enumerate(nest.buffered)}
+    buffers.update(rows)
     statements, totals, finals = [], [], []
     for k, member in enumerate(nest.members):
         if member.name in nest.sums:
@@ -415,11 +484,13 @@ def nest_function(nest: Nest, name: str) -> str:
             schedule = [*statement.schedule[:inner], str(k), *statement.schedule[inner:]]
             statements.append(replace(statement, schedule=schedule))
         if member.name in nest.sums:
-            finals.append(f"    out{k}[0] = {_epilogue(lowering, nest.sums[member.name], total)};")
+            finals.append(f"    {buffers[member.name]}[0] = {_epilogue(lowering, nest.sums[member.name], total)};")
     lines = [*statement_macros(statements), f"void {name}({nest_parameters(nest)}) {{"]
     lines += [f"    {ctype} {total} = 0;" for ctype, total in totals]
+    dtypes = {member.name: member.dtype for member in nest.members}
+    lines += [f"    {c_type(dtypes[member])} {row}[{nest.extents[-1]}];" for member, row in rows.items()]
     parallel = math.prod(nest.extents) >= PARALLEL_MIN_POINTS
-    lines += _annotated(isl_loops(statements, separate=True), [t for _, t in totals], parallel)
+    lines += _annotated(isl_loops(statements, separate=True), [t for _, t in totals], list(rows.values()), parallel)
     lines += finals
     lines.append("}")
     return "\n".join([*lines, *(f"#undef {s.name}" for s in statements)])
@@ -436,12 +507,13 @@ def _epilogue(lowering: Lowering, epilogue: Expr, total: str) -> str:
         printer.reduction = saved
 
 
-def _annotated(loops: str, totals: Sequence[str], parallel: bool) -> list[str]:
+def _annotated(loops: str, totals: Sequence[str], rows: Sequence[str], parallel: bool) -> list[str]:
     """isl's loops with OpenMP: outermost loops shared out among threads (a short
-    one collapsed with the loop it holds; the sums ``totals`` reduced), and a loop
-    adding to one sum alone split into vector lanes.  Other inner loops are left
-    to the compiler's own vectoriser."""
-    reduction = f" reduction(+:{', '.join(totals)})" if totals else ""
+    one collapsed with the loop it holds; the sums ``totals`` reduced, each
+    thread with its own ``rows``), and a loop adding to one sum alone split into
+    vector lanes.  Other inner loops are left to the compiler's own vectoriser."""
+    clauses = f" reduction(+:{', '.join(totals)})" if totals else ""
+    clauses += f" private({', '.join(rows)})" if rows else ""
     collapsed: set[int] = set()  # the lines of loops collapsed into the one around them
 
     def pragmas(rows: Sequence[str], number: int, outermost: bool) -> list[str]:
@@ -450,8 +522,8 @@ def _annotated(loops: str, totals: Sequence[str], parallel: bool) -> list[str]:
         if parallel and outermost:
             if collapsible(text, following) and _summed(rows, number + 1, indent + 2, totals) is None:
                 collapsed.add(number + 1)
-                return [f"parallel for collapse(2){reduction}"]
-            return [f"parallel for{reduction}"]
+                return [f"parallel for collapse(2){clauses}"]
+            return [f"parallel for{clauses}"]
         summed = _summed(rows, number, indent, totals)
         vector = summed is not None and number not in collapsed and most_trips(text) >= SHORT_SUM_LOOP
         return [f"simd reduction(+:{summed})"] if vector else []

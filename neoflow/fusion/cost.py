@@ -19,10 +19,10 @@ memory's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from neoflow.fusion.plan import FusionPlan, Kernel, kernel_ops
+from neoflow.fusion.plan import FusionPlan, Kernel, Nests, kernel_ops
 from neoflow.fusion.work import op_work
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
@@ -75,8 +75,6 @@ class Scheduled:
 
 #: ``schedule(op)``: how the target's code for ``op`` runs.
 Schedule = Callable[[Op], Scheduled]
-#: ``nests(ops)``: whether the target runs a kernel's ``ops`` as one loop nest (a multi-output kernel).
-Nests = Callable[[list[Op]], bool]
 
 
 def _itemsize(dtype: str) -> int:
@@ -96,7 +94,7 @@ class CostModel:
         self.schedule = schedule
         self.nests = nests
         self._ops: dict[Op, Cost] = {}
-        self._kernels: dict[tuple, Cost] = {}
+        self._kernels: dict[Kernel, Cost] = {}
 
     @property
     def machine(self) -> Machine:
@@ -120,17 +118,19 @@ class CostModel:
         self._ops[op] = cost
         return cost
 
-    def nest_cost(self, ops: list[Op]) -> Cost:
-        """The cost of ``ops`` run as one loop nest: every output written once,
-        every tensor from outside read once for all of them (as much of it as the
-        most reading op touches), the ones' outputs that others read not read again."""
+    def nest_cost(self, ops: list[Op], buffered: Collection[str] = ()) -> Cost:
+        """The cost of ``ops`` run as one loop nest: every output written once
+        (the ``buffered`` ones not at all: they stay in tile buffers), every
+        tensor from outside read once for all of them (as much of it as the most
+        reading op touches), the ones' outputs that others read not read again."""
         produced = {op.name for op in ops}
         flops, moved, reads = 0.0, 0.0, {}
         inputs = {}
         for op in ops:
             work = op_work(op)
             flops += work.flops
-            moved += math.prod(op.shape) * _itemsize(op.dtype)
+            if op.name not in buffered:
+                moved += math.prod(op.shape) * _itemsize(op.dtype)
             for tensor in op.inputs:
                 if tensor.name not in produced:
                     inputs[tensor.name] = tensor
@@ -152,17 +152,16 @@ class CostModel:
 
     def kernel_cost(self, graph: Graph, kernel: Kernel) -> Cost:
         """Arithmetic, bytes and predicted seconds of ``kernel`` of ``graph``."""
-        key = (kernel.ops, kernel.materialized)
-        cached = self._kernels.get(key)
+        cached = self._kernels.get(kernel)
         if cached is None:
             ops = kernel_ops(graph, kernel)
-            if len(ops) > 1 and self.nests is not None and self.nests(ops):
-                cached = self.nest_cost(ops)
-            else:
+            if len(ops) > 1 and self.nests is not None and self.nests(ops, kernel.buffered) is not None:
+                cached = self.nest_cost(ops, kernel.buffered)
+            else:  # a buffered op where the target runs no loop nest is stored like any other
                 cached = ZERO
                 for op in ops:
                     cached = cached + self.op_cost(op)
-            self._kernels[key] = cached
+            self._kernels[kernel] = cached
         return cached
 
     def plan_cost(self, graph: Graph, plan: FusionPlan) -> Cost:

@@ -2,15 +2,18 @@
 
 Each kernel lists its ops (in graph order) and which of them are
 *materialised* (written to memory: read by another kernel, kept by the caller,
-or chosen by the policy); the others are *inlined*, recomputed inside the loops
-of the kernel ops that read them (``neoflow.fusion.inline``).  ``apply_plan``
-turns a valid plan into the ops the code generator compiles, kernel by kernel.
+or chosen by the policy) and which are *buffered* (computed once into a tile
+buffer of the kernel's own, for its other ops to read: where the target runs
+the kernel as one loop nest); the others are *inlined*, recomputed inside the
+loops of the kernel ops that read them (``neoflow.fusion.inline``).
+``apply_plan`` turns a valid plan into the ops the code generator compiles,
+kernel by kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from neoflow.errors import CompileError
 from neoflow.fusion.inline import inline_all, why_not_inlined
@@ -27,15 +30,17 @@ class PlanError(CompileError):
 @dataclass(frozen=True)
 class Kernel:
     """One kernel: ``ops`` in graph order; ``materialized`` are written to
-    memory, every other op of the kernel is inlined into its readers."""
+    memory, ``buffered`` are computed once into a tile buffer of the kernel's,
+    every other op of the kernel is inlined into its readers."""
 
     ops: tuple[str, ...]
     materialized: tuple[str, ...]
+    buffered: tuple[str, ...] = ()
 
     @property
     def inlined(self) -> tuple[str, ...]:
         """The ops recomputed inside their readers instead of being stored."""
-        return tuple(name for name in self.ops if name not in self.materialized)
+        return tuple(name for name in self.ops if name not in self.materialized and name not in self.buffered)
 
     @property
     def name(self) -> str:
@@ -76,6 +81,12 @@ def holders(groups: Iterable[Collection[str]]) -> dict[str, list[int]]:
     return found
 
 
+#: ``nests(ops, private)``: when the target runs a kernel's fused ``ops`` as one
+#: loop nest, which of the ``private`` ones (read by nothing outside) it keeps in
+#: tile buffers; None when it does not run them as one loop nest.
+Nests = Callable[[list[Op], Collection[str]], Collection[str] | None]
+
+
 class Grouping:
     """The rule that turns groups of op names into kernels, with what it needs
     about ``graph`` computed once (policies call it for many candidate groupings).
@@ -84,10 +95,15 @@ class Grouping:
     (``must_store``), when nothing reads it, when some reader cannot inline it
     (a scatter-add, a read inside an index) or when a group holding a reader
     does not hold it; everywhere else it is inlined.  A group drops the ops it
-    holds only for recomputation that nothing left in it reads."""
+    holds only for recomputation that nothing left in it reads.  Given the
+    target's ``nests``, an op a kernel would inline into two or more of its ops
+    is buffered instead where the target's loop nest for the kernel can keep it
+    in a tile buffer (computed once, not once per reader)."""
 
-    def __init__(self, graph: Graph, keep: Collection[str] = ()) -> None:
+    def __init__(self, graph: Graph, keep: Collection[str] = (), nests: Nests | None = None) -> None:
         self.graph = graph
+        self.nests = nests
+        self._buffered: dict[Kernel, Kernel] = {}
         self.ops = {op.name: op for op in graph.ops}
         self.position = {op.name: k for k, op in enumerate(graph.ops)}
         self.readers: dict[str, list[str]] = {}
@@ -126,8 +142,33 @@ class Grouping:
                 members = kept
             if members:
                 order = tuple(sorted(members, key=self.position.__getitem__))
-                result.append(Kernel(order, tuple(n for n in order if n in materialized)))
+                result.append(self._with_buffers(Kernel(order, tuple(n for n in order if n in materialized))))
         return result
+
+    def _with_buffers(self, kernel: Kernel) -> Kernel:
+        """``kernel`` with the inlined ops that two or more of its ops read
+        buffered, as many of them as the target's loop nest keeps in tile buffers."""
+        if self.nests is None or len(kernel.ops) < 2:
+            return kernel
+        found = self._buffered.get(kernel)
+        if found is None:
+            members = set(kernel.ops)
+            candidates = tuple(
+                name for name in kernel.inlined if sum(r in members for r in self.readers.get(name, ())) >= 2
+            )
+            chosen: tuple[str, ...] = ()
+            while candidates:
+                trial = replace(kernel, buffered=candidates)
+                kept = self.nests(kernel_ops(self.graph, trial), candidates)
+                if kept is None:
+                    break
+                kept_in_order = tuple(name for name in candidates if name in kept)
+                if kept_in_order == candidates:
+                    chosen = candidates
+                    break
+                candidates = kept_in_order  # try again with only those the nest keeps
+            found = self._buffered[kernel] = replace(kernel, buffered=chosen)
+        return found
 
 
 def plan_from_groups(
@@ -136,9 +177,11 @@ def plan_from_groups(
     keep: Collection[str] = (),
     policy: str = "",
     notes: Mapping[str, str] | None = None,
+    nests: Nests | None = None,
 ) -> FusionPlan:
     """A plan with one kernel per group of op names (an op may sit in several
-    groups: it is then recomputed in each), stored and inlined ops decided by
+    groups: it is then recomputed in each), stored, buffered (given the
+    target's ``nests``, a cost model's) and inlined ops decided by
     ``Grouping``.  Kernels are ordered so that each runs after the kernels it
     reads from; the plan is checked with ``validate``."""
     groups = [frozenset(g) for g in groups]
@@ -146,7 +189,7 @@ def plan_from_groups(
     for group in groups:
         for name in sorted(group - names):
             raise PlanError(f"the plan names '{name}', which is not an op of the graph")
-    kernels = Grouping(graph, keep).kernels(groups)
+    kernels = Grouping(graph, keep, nests).kernels(groups)
     plan = FusionPlan(tuple(_kernel_order(graph, kernels)), policy, dict(notes or {}))
     validate(plan, graph, keep)
     return plan
@@ -198,7 +241,8 @@ def _kernel_order(graph: Graph, kernels: list[Kernel]) -> list[Kernel]:
 def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None:
     """Raise ``PlanError`` with the reason unless: every op is in a kernel and
     materialised in at most one; every kept tensor is materialised; an op a
-    kernel inlines is not a scatter-add and is read inside that kernel; every
+    kernel inlines is not a scatter-add and is read inside that kernel, and so
+    is an op it buffers (which it does not also materialise); every
     tensor a kernel reads from outside is materialised by a kernel that runs
     before it (so there is no cycle)."""
     ops = {op.name: op for op in graph.ops}
@@ -212,6 +256,12 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
         extra = set(kernel.materialized) - set(kernel.ops)
         if extra:
             raise PlanError(f"kernel '{kernel.name}' materialises ops it does not hold: {', '.join(sorted(extra))}")
+        extra = set(kernel.buffered) - set(kernel.ops)
+        if extra:
+            raise PlanError(f"kernel '{kernel.name}' buffers ops it does not hold: {', '.join(sorted(extra))}")
+        both = set(kernel.buffered) & set(kernel.materialized)
+        if both:
+            raise PlanError(f"kernel '{kernel.name}' both materialises and buffers {', '.join(sorted(both))}")
         for name in kernel.materialized:
             if name in home:
                 raise PlanError(f"'{name}' is materialised by two kernels")
@@ -233,6 +283,9 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
                 reason = why_not_inlined(reader, ops[name])
                 if reason is not None:
                     raise PlanError(reason)
+        for name in kernel.buffered:
+            if not any(name in ops[r].input_names for r in kernel.ops):
+                raise PlanError(f"kernel '{kernel.name}' buffers '{name}' but nothing in it reads '{name}'")
         for reader in kernel.ops:
             for tensor in ops[reader].input_names:
                 if tensor not in ops or tensor in members:
@@ -249,8 +302,8 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
 
 
 def kernel_ops(graph: Graph, kernel: Kernel) -> list[Op]:
-    """The ops kernel ``kernel`` computes: its materialised ops, in order, with
-    every inlined op substituted into its readers."""
+    """The ops kernel ``kernel`` computes: its materialised and buffered ops,
+    in order, with every inlined op substituted into its readers."""
     members = set(kernel.ops)
     return inline_all([op for op in graph.ops if op.name in members], kernel.inlined)
 

@@ -11,6 +11,7 @@ chains on top of ``elementwise``).  A policy of your own is any class with a
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Iterable
 
 from neoflow.errors import CompileError
@@ -113,9 +114,9 @@ class NeoFlow(FusionPolicy):
     """Generalised fusion: all four patterns, recomputation or storage of
     multi-reader producers, forward and backward ops alike, chosen greedily by
     the cost model: of all moves (merge the kernels at the two ends of an
-    edge; recompute a light producer inside one reader's kernel or inside all
-    of them), take the one that saves the most predicted time, until none
-    saves any."""
+    edge, or two kernels reading the same tensor; recompute a light producer
+    inside one reader's kernel or inside all of them), take the one that saves
+    the most predicted time, until none saves any."""
 
     name = "neoflow"
 
@@ -141,7 +142,7 @@ class NeoFlow(FusionPolicy):
             # each group as the kernel it makes: an op recomputed where nothing reads it any more
             # leaves the group, so later merges see the kernels the plan really has
             groups = [frozenset(kernel.ops) for kernel in search.grouping.kernels(_apply(groups, taken))]
-        return plan_from_groups(graph, groups, policy=self.name)
+        return plan_from_groups(graph, groups, policy=self.name, nests=cost_model.nests)
 
 
 class _Search:
@@ -150,7 +151,7 @@ class _Search:
     def __init__(self, graph: Graph, cost_model: CostModel) -> None:
         self.graph = graph
         self.cost_model = cost_model
-        self.grouping = Grouping(graph)
+        self.grouping = Grouping(graph, nests=cost_model.nests)
         self.ops = self.grouping.ops
         self.readers = self.grouping.readers
 
@@ -161,13 +162,13 @@ class _Search:
         # groups whose ops, or whose ops' readers, moved: their kernels may differ
         moved = set().union(*(g for g in set(old) ^ set(new)))
         touched = moved | {t for name in moved for t in self.ops[name].input_names}
-        before = {(k.ops, k.materialized) for k in self.grouping.kernels(old, _holding(old, touched))}
-        after = {(k.ops, k.materialized) for k in self.grouping.kernels(new, _holding(new, touched))}
+        before = set(self.grouping.kernels(old, _holding(old, touched)))
+        after = set(self.grouping.kernels(new, _holding(new, touched)))
         seconds = 0.0
-        for ops, materialized in after - before:
-            seconds += self.cost_model.kernel_cost(self.graph, Kernel(ops, materialized)).seconds
-        for ops, materialized in before - after:
-            seconds -= self.cost_model.kernel_cost(self.graph, Kernel(ops, materialized)).seconds
+        for kernel in after - before:
+            seconds += self.cost_model.kernel_cost(self.graph, kernel).seconds
+        for kernel in before - after:
+            seconds -= self.cost_model.kernel_cost(self.graph, kernel).seconds
         return seconds
 
 
@@ -214,9 +215,11 @@ def _apply(groups: list[frozenset[str]], moves: list[_Move]) -> list[frozenset[s
 
 
 def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> Iterable[_Move]:
-    """Candidate moves: merge the groups at the two ends of an edge, recompute
-    a light producer inside one reader's group, or inside every reader's group
-    (then it is stored nowhere unless it must be kept)."""
+    """Candidate moves: merge the groups at the two ends of an edge, or two
+    groups that read the same tensor or recompute the same op (siblings: a
+    forward and a backward kernel reading one activation); recompute a light
+    producer inside one reader's group, or inside every reader's group (then it
+    is stored nowhere unless it must be kept)."""
     where = holders(groups)
     seen = set()
     for op in graph.ops:
@@ -232,6 +235,19 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
                     yield frozenset((a, b)), (groups[a] | groups[b],)
                 if kind(ops[name]) == LIGHT:
                     yield frozenset((b,)), (groups[b] | {name},)
+    # siblings: groups that read the same tensor, or that both recompute one op
+    sharing: dict[str, set[int]] = {}
+    for k, group in enumerate(groups):
+        for name in group:
+            sharing.setdefault(name, set()).add(k)
+            for tensor in ops[name].input_names:
+                if tensor in ops and tensor not in group:
+                    sharing.setdefault(tensor, set()).add(k)
+    for name in sorted(sharing):
+        for a, b in itertools.combinations(sorted(sharing[name]), 2):
+            if (a, b) not in seen and (b, a) not in seen:
+                seen.add((a, b))
+                yield frozenset((a, b)), (groups[a] | groups[b],)
     stored = must_store(graph)
     for op in graph.ops:
         if kind(op) != LIGHT or op.name in stored:

@@ -51,17 +51,25 @@ def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
     return "\n\n".join(parts) + "\n", functions, interpreted
 
 
-def graph_nests(graph: Graph, groups: Collection[Collection[str]]) -> dict[str, Nest]:
+def graph_nests(graph: Graph, groups: Collection[Collection[str]], keep: Collection[str] = ()) -> dict[str, Nest]:
     """The groups of ``graph``'s ops (consecutive, one kernel of a fusion plan
-    each) that run as one loop nest (``codegen.nest``), by their first op's name."""
+    each) that run as one loop nest (``codegen.nest``), by their first op's name.
+    A group's ops that nothing outside it reads, not in ``keep`` nor outputs of
+    ``graph``, are private to its nest (which may keep them in row buffers)."""
     ops = {op.name: op for op in graph.ops}
     position = {op.name: k for k, op in enumerate(graph.ops)}
+    read_by: dict[str, set[str]] = {}
+    for op in graph.ops:
+        for name in op.input_names:
+            read_by.setdefault(name, set()).add(op.name)
+    kept = set(keep) | set(graph.outputs)
     nests = {}
     for group in groups:
         members = sorted(group, key=position.__getitem__)
         if len(members) < 2 or position[members[-1]] - position[members[0]] != len(members) - 1:
             continue
-        nest = shared_nest([ops[name] for name in members])
+        private = [name for name in members if name not in kept and read_by.get(name, set()) <= set(members)]
+        nest = shared_nest([ops[name] for name in members], private)
         if nest is not None:
             nests[members[0]] = nest
     return nests
@@ -88,7 +96,7 @@ def graph_entry(graph: Graph, functions: Mapping[str, str], nests: Mapping[str, 
     the nest and its function's name)."""
     slot = tensor_slots(graph)
     nests = nests or {}
-    in_nests = {t.name for nest, _ in nests.values() for t in nest.outputs}
+    in_nests = {member.name for nest, _ in nests.values() for member in nest.members}
     calls = []
     for op in graph.ops:
         if op.name in nests:
@@ -127,9 +135,10 @@ class CpuExecutor:
         self.keep = tuple(dict.fromkeys(keep))
         self.source, names, self.interpreted = module_source(graph)
         # a fusion plan's kernel of several ops runs as one loop nest where they make one
-        self.nests = graph_nests(graph, groups) if not self.interpreted else {}
-        nest_groups = [[t.name for t in nest.outputs] for nest in self.nests.values()]
-        self.plan: MemoryPlan = plan_memory(graph, self.keep, nest_groups)
+        self.nests = graph_nests(graph, groups, self.keep) if not self.interpreted else {}
+        nest_groups = [[member.name for member in nest.members] for nest in self.nests.values()]
+        buffered = [name for nest in self.nests.values() for name in nest.buffered]
+        self.plan: MemoryPlan = plan_memory(graph, self.keep, nest_groups, buffered)
         if not self.interpreted:
             nests_c, self._nest_functions = nest_source(self.nests)
             self.source += "\n" + nests_c + "\n" + graph_entry(graph, names, self._nest_functions)
@@ -237,7 +246,7 @@ class CpuExecutor:
         op's ``op_call`` in turn."""
         names = list(names)
         nest = self.nests.get(names[0]) if names else None
-        if nest is None or [t.name for t in nest.outputs] != names:
+        if nest is None or [member.name for member in nest.members] != names:
             return sequential_call(self, names, values)
         function = getattr(self.library, self._nest_functions[names[0]][1])
         function.argtypes = [ctypes.c_void_p] * (len(nest.outputs) + len(nest.inputs))

@@ -23,11 +23,11 @@ def cost_model(target: str) -> CostModel:
     code generator's schedule for ``cpu``; nominal figures otherwise."""
     if target == "cpu":
         from neoflow.codegen.estimate import schedule
-        from neoflow.codegen.nest import shared_nest
+        from neoflow.codegen.nest import nest_buffers
         from neoflow.runtime.cpu import threads
         from neoflow.runtime.machine import measure_machine
 
-        return CostModel(lambda: measure_machine(threads()), schedule, lambda ops: shared_nest(ops) is not None)
+        return CostModel(lambda: measure_machine(threads()), schedule, nest_buffers)
     return CostModel(Machine())
 
 

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class KernelRow:
     """One kernel of a plan: ``recomputed`` are its inlined ops (computed in
-    their readers' loops, never stored); times in seconds."""
+    their readers' loops, never stored), ``buffered`` the ones it keeps in a
+    tile buffer (computed once, never stored); times in seconds."""
 
     name: str
     ops: tuple[str, ...]
@@ -30,6 +31,7 @@ class KernelRow:
     bytes: float
     predicted: float
     measured: float
+    buffered: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5
                 cost.bytes,
                 cost.seconds,
                 seconds,
+                kernel.buffered,
             )
         )
     step = time_step(executor, feed, repeats)
@@ -154,7 +157,18 @@ def _milliseconds(value: float) -> str:
     return f"{value * 1e3:.3f}"
 
 
-KERNEL_COLUMNS = ("#", "kernel", "ops", "materialised", "recomputed", "MFLOP", "MB", "predicted ms", "measured ms")
+KERNEL_COLUMNS = (
+    "#",
+    "kernel",
+    "ops",
+    "materialised",
+    "recomputed",
+    "tile buffer",
+    "MFLOP",
+    "MB",
+    "predicted ms",
+    "measured ms",
+)
 
 
 def kernel_table(report: PolicyReport) -> list[list[str]]:
@@ -166,6 +180,7 @@ def kernel_table(report: PolicyReport) -> list[list[str]]:
             _names(row.ops),
             _names(row.materialized),
             _names(row.recomputed),
+            _names(row.buffered),
             f"{row.flops / 1e6:.2f}",
             _megabytes(row.bytes),
             _milliseconds(row.predicted),
@@ -179,6 +194,7 @@ def kernel_table(report: PolicyReport) -> list[list[str]]:
             "",
             "total",
             str(sum(len(r.ops) for r in report.rows)),
+            "",
             "",
             "",
             f"{report.flops / 1e6:.2f}",

@@ -73,10 +73,13 @@ def _size(count: int) -> str:
     return f"{count} B"
 
 
-def plan_memory(graph: Graph, keep: Collection[str], together: Collection[Collection[str]] = ()) -> MemoryPlan:
+def plan_memory(
+    graph: Graph, keep: Collection[str], together: Collection[Collection[str]] = (), unstored: Collection[str] = ()
+) -> MemoryPlan:
     """Plan a run of ``graph``'s ops in order, handing back the tensors in ``keep``.
     Each group of consecutive ops in ``together`` runs as one kernel: their
-    outputs live from the first of them and what any of them reads until the last."""
+    outputs live from the first of them and what any of them reads until the last.
+    The ``unstored`` tensors never reach memory (a kernel keeps them in a buffer of its own)."""
     tensors = graph.tensors
     persistent = set(graph.parameters)
     position = {op.name: k for k, op in enumerate(graph.ops)}
@@ -94,7 +97,7 @@ def plan_memory(graph: Graph, keep: Collection[str], together: Collection[Collec
     born.update(position)
     lifetime = {}
     for name in born:
-        if name in persistent:
+        if name in persistent or name in unstored:
             continue
         death = end if name in keep else last_use.get(name, born[name])
         lifetime[name] = (born[name], death)

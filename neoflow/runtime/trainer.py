@@ -63,6 +63,8 @@ class Trainer:
         self.x_test = fit_samples(data.x_test, self.input, self.input_name)
         self.y_train, self.y_test = self._labels(data.y_train), data.y_test
         self.classify = len(model.training.graph.tensors[training.prediction].shape) == 2
+        # the training accuracy is counted from the steps' predictions, when the model keeps them
+        self.count_training = self.classify and model.spec.keep_prediction
         if len(self.x_train) < self.batch:
             raise InputError(
                 f"the data set has {len(self.x_train)} training samples, fewer than one batch ({self.batch})"
@@ -107,7 +109,7 @@ class Trainer:
             )
             losses.append(loss)
             seen += len(pick)
-            if self.classify:
+            if self.count_training:
                 truth = self.y_train[pick] if self.y_train.ndim == 1 else self.y_train[pick].argmax(axis=1)
                 correct += int((self.model.last_prediction.argmax(axis=1) == truth).sum())
             if on_progress is not None:
@@ -118,7 +120,7 @@ class Trainer:
                         b + 1,
                         batches,
                         float(np.mean(losses)),
-                        correct / seen if self.classify else None,
+                        correct / seen if self.count_training else None,
                         seen / elapsed if elapsed else 0.0,
                     )
                 )
@@ -126,7 +128,7 @@ class Trainer:
         return EpochResult(
             number,
             float(np.mean(losses)),
-            correct / seen if self.classify else None,
+            correct / seen if self.count_training else None,
             self.test_accuracy(),
             seconds,
             seen / seconds if seconds else 0.0,

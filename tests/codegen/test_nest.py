@@ -146,3 +146,54 @@ def test_a_nest_writing_through_a_map_computes_what_its_ops_compute() -> None:
     got = executor.run(inputs)
     for name in keep:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_private_element_wise_members_are_kept_in_row_buffers() -> None:
+    # F and G are read by nothing outside the nest: they go to rows of the innermost extent,
+    # not to memory; the sum and the member written through a map are stored as before
+    nest = shared_nest(_ops(TAIL + GRAD_D), private={"F", "G", "loss", "DG"})
+    assert nest is not None
+    assert nest.buffered == ("F", "G")
+    assert [t.name for t in nest.outputs] == ["loss", "DG"]
+    source = nest_function(nest, "tail")
+    assert "float row0[10];" in source and "float row1[10];" in source
+    assert "row1[(v_w_mod2 + (2 * v_w_div2))]" in source  # DG reads G from its row
+    assert "out0[0] = " in source  # the loss is the first output now
+
+
+def test_rows_need_outer_loops_and_a_small_row() -> None:
+    flat = """
+X = tensor([64])
+Y[i] = X[i] * 2
+Z[i] = Y[i] + Y[i] * Y[i]
+"""
+    nest = shared_nest(_ops(flat), private={"Y"})
+    assert nest is not None and nest.buffered == ()  # no loop around the members' loops
+    wide = flat.replace("[64]", "[2, 8192]").replace("[i]", "[j, i]")
+    nest = shared_nest(_ops(wide), private={"Y"})
+    assert nest is not None and nest.buffered == ()  # a row of 32 KiB per thread is too much
+    narrow = flat.replace("[64]", "[2, 64]").replace("[i]", "[j, i]")
+    nest = shared_nest(_ops(narrow), private={"Y"})
+    assert nest is not None and nest.buffered == ("Y",)
+
+
+@NEEDS_CC
+def test_a_nest_with_row_buffers_computes_what_its_ops_compute() -> None:
+    # big enough to run on several threads: each needs rows of its own (private)
+    graph = neoflow.graph((TAIL + GRAD_D).replace("[2, ", "[80, ").replace("/ 960", "/ 38400"))
+    rng = np.random.default_rng(5)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
+    keep = ("loss", "DG")
+    expected = InterpreterExecutor(graph, keep).run(inputs)
+    executor = CpuExecutor(graph, keep, groups=[("F", "loss", "G", "DG")])
+    nest = executor.nests["F"]
+    assert nest.buffered == ("F", "G")
+    assert "private(row0, row1)" in executor.source
+    assert "F" not in executor.plan.offsets and "G" not in executor.plan.offsets  # no memory for them
+    for _ in range(3):
+        got = executor.run(inputs)
+        for name in keep:
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    values = executor.kernel_call(["F", "loss", "G", "DG"], inputs)()
+    assert set(values) == {"loss", "DG"}
+    np.testing.assert_allclose(values["DG"], expected["DG"], rtol=1e-5, atol=1e-6)

@@ -78,8 +78,27 @@ Z[i, j] = Y[i, j] * 2 + X[i, j]
     size = 256 * 256 * 4
     apart = CostModel(MACHINE).kernel_cost(graph, kernel)
     assert apart.bytes == 2 * size + 3 * size  # Y: X in, Y out; Z: Y and X in, Z out
-    nested = CostModel(MACHINE, nests=lambda ops: True).kernel_cost(graph, kernel)
+    nested = CostModel(MACHINE, nests=lambda ops, private: ()).kernel_cost(graph, kernel)
     assert nested.bytes == 3 * size  # X in, Y and Z out
     assert nested.flops == apart.flops and nested.seconds < apart.seconds
-    refused = CostModel(MACHINE, nests=lambda ops: False).kernel_cost(graph, kernel)
+    refused = CostModel(MACHINE, nests=lambda ops, private: None).kernel_cost(graph, kernel)
     assert refused == apart
+
+
+def test_a_buffered_op_in_a_loop_nest_is_neither_written_nor_read_back() -> None:
+    # Z kept, Y in the nest's tile buffer: only X in and Z out; where the target runs
+    # no loop nest, the buffered Y is stored and read back like a materialised one
+    text = """
+X = tensor([256, 256])
+Y[i, j] = max(X[i, j], 0)
+Z[i, j] = Y[i, j] * 2 + X[i, j] + Y[i, j]
+"""
+    graph = neoflow.graph(text)
+    kernel = Kernel(("Y", "Z"), ("Z",), ("Y",))
+    size = 256 * 256 * 4
+    buffered = CostModel(MACHINE, nests=lambda ops, private: tuple(private)).kernel_cost(graph, kernel)
+    assert buffered.bytes == 2 * size
+    stored = CostModel(MACHINE, nests=lambda ops, private: None).kernel_cost(graph, kernel)
+    assert stored.bytes == 2 * size + 3 * size
+    recomputed = CostModel(MACHINE).kernel_cost(graph, Kernel(("Y", "Z"), ("Z",)))
+    assert recomputed.bytes == 2 * size and recomputed.flops > buffered.flops

@@ -56,6 +56,12 @@ def test_an_op_in_two_groups_is_recomputed_in_each() -> None:
         ([Kernel(("E",), ("E",)), Kernel(("B", "C", "D"), ("D",))], "runs before"),
         ([Kernel(("B", "D"), ("B", "D")), Kernel(("C", "E"), ("C", "E"))], "depend on each other"),
         ([Kernel(("B", "C", "D", "E"), ("E",)), Kernel(("A_",), ())], "not an op of the graph"),
+        ([Kernel(("B", "C", "D", "E"), ("E",), ("A_",))], "buffers ops it does not hold: A_"),
+        ([Kernel(("B", "C", "D", "E"), ("D", "E"), ("D",))], "both materialises and buffers D"),
+        (
+            [Kernel(("B", "C", "D"), ("B", "C"), ("D",)), Kernel(("D", "E"), ("D", "E"))],
+            "buffers 'D' but nothing in it reads 'D'",
+        ),
     ],
 )
 def test_invalid_plans_are_refused_with_the_reason(kernels, message) -> None:
@@ -88,3 +94,18 @@ def test_an_op_read_inside_an_index_is_stored_not_inlined() -> None:
     fused, _ = apply_plan(graph, plan)
     x = np.arange(5, dtype=np.float32)
     np.testing.assert_array_equal(neoflow.evaluate(fused, {"X": x})["Y"], x[(np.arange(5) * 2) % 5] * 2)
+
+
+def test_an_op_two_ops_of_a_nest_read_is_buffered_where_the_nest_keeps_it() -> None:
+    # B is read by C and D in one kernel: given a target whose loop nest keeps it in a tile
+    # buffer it is buffered (computed once); where the nest would not keep it, it is inlined
+    keeps_all = plan_from_groups(_graph(), [["B", "C", "D"], ["E"]], nests=lambda ops, private: tuple(private))
+    kernel = keeps_all.kernel_of("B")
+    assert kernel.buffered == ("B",) and kernel.inlined == ("C",) and kernel.materialized == ("D",)
+    fused, groups = apply_plan(_graph(), keeps_all)
+    assert groups == (("B", "D"), ("E",))  # the buffered op is computed in the kernel, C substituted into D
+    assert [t.name for t in fused.op("D").inputs] == ["B"]
+    keeps_none = plan_from_groups(_graph(), [["B", "C", "D"], ["E"]], nests=lambda ops, private: ())
+    assert keeps_none.kernel_of("B").buffered == () and keeps_none.kernel_of("B").inlined == ("B", "C")
+    no_nest = plan_from_groups(_graph(), [["B", "C", "D"], ["E"]], nests=lambda ops, private: None)
+    assert no_nest.kernel_of("B").buffered == ()

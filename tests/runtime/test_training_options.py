@@ -52,3 +52,21 @@ def test_frozen_parameters_stay_and_the_learning_rate_is_an_input() -> None:
     np.testing.assert_array_equal(after["w1"], start["w1"])
     assert not np.array_equal(after["w2"], start["w2"])
     assert model.step == 2
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_step_hands_back_the_prediction_only_when_asked(keep: bool) -> None:
+    # the prediction is the model output before the step; not kept, it is no output of the step's
+    # graph, so a plan stores it only where another kernel reads it (the four-op graph's tile buffer:
+    # tests/fusion/test_policies.py)
+    spec = neoflow.TrainSpec(labels="y", lr=0.1, keep_prediction=keep)
+    model = neoflow.compile(MODELS_DIR / "mlp.onnx", train=spec, target="cpu", fusion="neoflow")
+    batch = model.example_batch(training=True)
+    before = model.run({name: value for name, value in batch.items() if name != "y"})
+    model.train_step(batch)
+    prediction = model.training.prediction
+    assert (prediction in model._train.planned_graph.outputs) == keep
+    if keep:
+        np.testing.assert_allclose(model.last_prediction, next(iter(before.values())), rtol=1e-5, atol=1e-6)
+    else:
+        assert model.last_prediction is None
