@@ -186,8 +186,10 @@ def shared_nest(ops: Sequence[Op], private: Collection[str] = ()) -> Nest | None
         return None
     elementwise = [member.name for member in members if member.name in stored]
     buffered = row_buffered(private, elementwise, extents, {op.name: op.dtype for op in ops})
-    if buffered:
-        members = [_on_rows(member, buffered, indices, extents, writes) for member in members]
+    if buffered:  # each buffered member is written into its row at the main point's innermost index
+        members = [_on_rows(member, buffered, indices, extents) for member in members]
+        box = bounds.box_constraint(dict(zip(indices, extents, strict=True)))
+        writes.update({name: Written((index.var(indices[-1]),), (), box) for name in buffered})
     outputs = tuple(op.output for op in ops if op.name not in buffered)
     return Nest(indices, extents, tuple(members), sums, tuple(inputs.values()), outputs, writes, tuple(buffered))
 
@@ -218,12 +220,9 @@ def row_buffered(
     ]
 
 
-def _on_rows(
-    member: Op, buffered: Collection[str], indices: tuple[str, ...], extents: tuple[int, ...], writes: dict
-) -> Op:
+def _on_rows(member: Op, buffered: Collection[str], indices: tuple[str, ...], extents: tuple[int, ...]) -> Op:
     """``member`` reading the ``buffered`` members from their rows (at the main
-    point's innermost index); a buffered member itself written into its row
-    (an entry of ``writes``)."""
+    point's innermost index); a buffered member's own output is its row."""
     rows = {name: (extents[-1],) for name in buffered}
     inner = index.var(indices[-1])
 
@@ -238,8 +237,6 @@ def _on_rows(
     member = replace(member, body=from_rows(member.body), inputs=inputs)
     if member.name in rows:
         member = replace(member, output=Tensor(member.name, rows[member.name], member.dtype))
-        box = bounds.box_constraint(dict(zip(indices, extents, strict=True)))
-        writes[member.name] = Written((inner,), (), box)
     return member
 
 
