@@ -31,6 +31,7 @@ import islpy as isl
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, c_type, cast, linear_index
 from neoflow.codegen.chain import chain_function, chain_plan
 from neoflow.codegen.gemm import gemm_function, gemm_plan, store_slice
+from neoflow.codegen.inner_split import Written, split_inner
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.staging import StagedPlan, staged_plan
 from neoflow.errors import CompileError
@@ -119,14 +120,19 @@ class Lowering:
     """Lower one op to C: ``function(name)`` returns the C definition of a
     function taking the output buffer, then the input buffers in ``op.inputs`` order."""
 
-    def __init__(self, op: Op, buffers: Mapping[str, str] | None = None, tag: str = "") -> None:
+    def __init__(
+        self, op: Op, buffers: Mapping[str, str] | None = None, tag: str = "", written: Written | None = None
+    ) -> None:
         """``buffers``: the C name of each tensor the op reads and of its output
         (default ``in<k>`` by position and ``out``); ``tag`` prefixes the names
-        of its statements and accumulators (ops lowered into one loop nest)."""
+        of its statements and accumulators (ops lowered into one loop nest);
+        ``written``: the points of its indices it is computed at and where each
+        is stored, when that is not its own output index (an element-wise op)."""
         if op.scatter is not None and op.reductions:
             raise CompileError("a scatter op with reductions has no C lowering", op=op.name)
         self.op = op
         self.tag = tag
+        self.written = written
         self.statements: list[Statement] = []
         self.accumulators: list[tuple[str, str]] = []  # (C type, name)
         self.extent = op.extent
@@ -232,6 +238,9 @@ class Lowering:
         if op.scatter is not None:
             target = linear_index([self.index(e) for e in op.scatter], op.shape)
             self._add(scope, scope.variables, f"{out}[{target}] += {value};")
+        elif self.written is not None:
+            target = linear_index([self.index(e) for e in self.written.target], op.shape)
+            self._add(scope, scope.variables, f"{out}[{target}] = {value};")
         else:
             target = linear_index([f"{PREFIX}{v}" for v in op.indices], op.shape)
             self._add(scope, scope.variables, f"{out}[{target}] = {value};")
@@ -241,6 +250,9 @@ class Lowering:
         op = self.op
         outer = [*op.indices]
         box = bounds.box_constraint({v: self.extent[v] for v in outer})
+        if self.written is not None:
+            self._store_split(_Scope(outer, [PREFIX + v for v in outer], [box, self.written.where], []), op.body)
+            return
         scope = _Scope(outer, [PREFIX + v for v in outer], [box], [])
         body = op.body
         if self._accumulate_in_place(box):
@@ -542,8 +554,9 @@ def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
 def lower_op(op: Op, name: str) -> str:
     """The C function ``name`` computing ``op``: a chain of two contractions tiled
     together (``chain``), a contraction in two stages (``staging``), the blocked
-    kernel for contractions worth it, dense pieces for other lattice domains, else
-    the plain loop nest."""
+    kernel for contractions worth it, dense pieces for other lattice domains, an
+    element-wise op of the depth-to-space family over its split inner index
+    (``inner_split``), else the plain loop nest."""
     try:
         chain = chain_plan(op)
         if chain is not None:
@@ -557,6 +570,9 @@ def lower_op(op: Op, name: str) -> str:
         pieces = split_lattice(op) if op.scatter is None else None
         if pieces is not None and (len(pieces) > 1 or pieces[0].empty):
             return lower_pieces(op, pieces, name)
+        split = split_inner(op, None) if op.scatter is None and not op.reductions else None
+        if split is not None:  # the depth-to-space family: unit-stride inner loops
+            return Lowering(split[0], written=split[1]).function(name)
         return Lowering(op).function(name)
     except CompileError as err:
         raise err.with_context(op=op.name) from None

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field, replace
 import islpy as isl
 import sympy
 
-from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, c_type, linear_index
+from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, c_type
+from neoflow.codegen.inner_split import Written, split_inner
 from neoflow.codegen.lattice import split_epilogue
 from neoflow.codegen.lower import (
     PREFIX,
@@ -58,25 +59,6 @@ from neoflow.ir import bounds, index
 from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Const, Expr, Index, Read, Reduce, Select, map_children, map_indices
 from neoflow.ir.op import Op, Tensor
-from neoflow.ir.simplify import simplify_index
-
-
-@dataclass(frozen=True)
-class Written:
-    """Where a member written through an index map goes: ``target`` indexes its
-    output (index expressions in the main indices), at the main points where
-    the isl ``constraint`` holds for some value of the ``hidden`` variables."""
-
-    target: tuple[sympy.Expr, ...]
-    hidden: tuple[str, ...]
-    constraint: str
-
-    @property
-    def where(self) -> str:
-        """The isl constraint on the main points (``hidden`` existentially quantified)."""
-        if not self.hidden:
-            return self.constraint
-        return f"exists ({', '.join(PREFIX + v for v in self.hidden)} : {self.constraint})"
 
 
 @dataclass(frozen=True)
@@ -373,69 +355,6 @@ def _from_ast(expr: isl.AstExpr, symbols: Mapping[str, sympy.Symbol]) -> sympy.E
     return None
 
 
-class _MappedLowering(Lowering):
-    """A member written through an index map (``written``): computed at the
-    points of its indices where ``written.where`` holds, stored at ``written.target``."""
-
-    def __init__(self, op: Op, buffers: Mapping[str, str], tag: str, written: Written) -> None:
-        super().__init__(op, buffers, tag)
-        self.written = written
-
-    def build(self) -> None:
-        op = self.op
-        box = bounds.box_constraint({v: self.extent[v] for v in op.indices})
-        where = self.written.where
-        self._store_split(_Scope(list(op.indices), [PREFIX + v for v in op.indices], [box, where], []), op.body)
-
-    def _store(self, scope: _Scope, body: Expr) -> None:
-        self._scope = scope
-        value = self.values(body, self.op.dtype)
-        target = linear_index([self.index(e) for e in self.written.target], self.op.shape)
-        self._add(scope, scope.variables, f"{self.output}[{target}] = {value};")
-
-
-def _split_inner(member: Op, written: Written | None) -> tuple[Op, Written] | None:
-    """``member`` with its innermost index ``w`` split as ``w = m*q + r`` (``r``
-    innermost), when its reads (or where it is written) use ``w`` only through
-    ``w // m`` and ``w % m`` besides plainly: the depth-to-space family.  Its
-    inner loop then runs over ``q``, each of the ``m`` steps of ``r`` a unit-stride
-    access, which the C compiler unrolls and vectorises; left alone, every point
-    computes its ``w % m`` and gathers.  None when there is nothing to split."""
-    inner = member.indices[-1]
-    w = index.var(inner)
-    point = tuple(index.var(v) for v in member.indices)
-    target = written.target if written is not None else point
-    exprs = [*target]
-    for node in member.body.walk():
-        if isinstance(node, Read):
-            exprs += node.indices
-        elif isinstance(node, Index):
-            exprs.append(node.expr)
-    moduli = set()
-    for expr in exprs:
-        for atom in expr.atoms(sympy.floor, sympy.Mod):
-            if w in atom.free_symbols:
-                moduli.add(int(atom.args[1]) if isinstance(atom, sympy.Mod) else index.denominator(atom.args[0]))
-    extent = member.extent[inner]
-    if len(moduli) != 1 or (m := moduli.pop()) < 2 or extent % m:
-        return None
-    taken = set(member.extent)
-    q, r = index.fresh_name(f"{inner}_div{m}", taken), index.fresh_name(f"{inner}_mod{m}", taken)
-    split = {w: m * index.var(q) + index.var(r)}
-    indices = (*member.indices[:-1], q, r)
-    ranges = tuple(zip(indices, (*(member.extent[v] for v in member.indices[:-1]), extent // m, m), strict=True))
-
-    def at_split(expr: sympy.Expr) -> sympy.Expr:  # w // m is q and w % m is r over the new box
-        return simplify_index(expr.xreplace(split), dict(ranges))
-
-    op = replace(member, body=map_indices(member.body, at_split), indices=indices, ranges=ranges)
-    hidden = (*(written.hidden if written is not None else ()), inner)
-    constraint = f"{PREFIX}{inner} = {m}*{PREFIX}{q} + {PREFIX}{r}"
-    if written is not None:
-        constraint = f"{written.constraint} and {constraint}"
-    return op, Written(tuple(at_split(e) for e in target), hidden, constraint)
-
-
 class _SumLowering(Lowering):
     """A sum member's per-point term, added to the scalar ``total`` instead of stored."""
 
@@ -468,10 +387,10 @@ def nest_function(nest: Nest, name: str) -> str:
             total = f"sum{k}"
             lowering: Lowering = _SumLowering(member, buffers, f"m{k}_", total)
             totals.append((c_type(member.dtype), total))
-        elif (split := _split_inner(member, nest.writes.get(member.name))) is not None:
-            lowering = _MappedLowering(split[0], buffers, f"m{k}_", split[1])
+        elif (split := split_inner(member, nest.writes.get(member.name))) is not None:
+            lowering = Lowering(split[0], buffers, f"m{k}_", split[1])
         elif member.name in nest.writes:
-            lowering = _MappedLowering(member, buffers, f"m{k}_", nest.writes[member.name])
+            lowering = Lowering(member, buffers, f"m{k}_", nest.writes[member.name])
         else:
             lowering = Lowering(member, buffers, f"m{k}_")
         lowering.build()

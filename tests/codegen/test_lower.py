@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import neoflow
+from neoflow.codegen.inner_split import split_inner
 from neoflow.codegen.lower import Lowering, lower_op, most_trips, trip_count
 from tests.targets import NEEDS_CC
 
@@ -192,3 +193,37 @@ def test_a_few_output_rows_sharing_a_read_are_updated_together_innermost() -> No
     plain = Lowering(neoflow.op(alone, shapes={"V": (3, 8, 32, 40), "U": (8,)})).function("kernel")
     update = next(line for line in plain.splitlines() if line.lstrip().startswith("S1("))
     assert "<= 2;" not in plain.splitlines()[plain.splitlines().index(update) - 1]
+
+
+DEPTH_TO_SPACE = "E[n, c, h, w] = D[n, c*4 + h%2*2 + w%2, h//2, w//2]"
+
+
+def test_a_depth_to_space_op_alone_runs_over_its_split_inner_index() -> None:
+    # w = 2*q + r with r innermost: each of the two steps of r a unit-stride read, no w % 2 per point
+    code = _c(DEPTH_TO_SPACE, {"D": (1, 16, 6, 10)}, (1, 4, 12, 20))
+    assert "v_w_div2" in code and "v_w_mod2" in code
+    assert "nf_mod(v_w," not in code and "nf_fdiv(v_w," not in code
+    assert split_inner(neoflow.op("S[] = X[0] * 2", shapes={"X": (4,)}), None) is None  # nothing to split
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(
+    ("text", "shapes", "out_shape"),
+    [
+        (DEPTH_TO_SPACE, {"D": (2, 16, 6, 10)}, (2, 4, 12, 20)),
+        # a concat with a depth-to-space branch (the seed's F): the split applies to both branches
+        (
+            "F[n, c, h, w] = Select(c < 3, A[n, c, h, w], D[n, 4*c + 2*(h%2) + w%2 - 12, h//2, w//2])",
+            {"A": (1, 3, 12, 20), "D": (1, 16, 6, 10)},
+            (1, 7, 12, 20),
+        ),
+    ],
+)
+def test_split_inner_ops_compute_what_the_interpreter_does(text: str, shapes: dict, out_shape: tuple) -> None:
+    op = neoflow.op(text, shapes=shapes, out_shape=out_shape)
+    assert "v_w_div2" in lower_op(op, "kernel")
+    rng = np.random.default_rng(1)
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    compiled = neoflow.compile(op, target="cpu").run(inputs)
+    expected = neoflow.compile(op, target="interp").run(inputs)
+    np.testing.assert_array_equal(compiled, expected)
