@@ -22,10 +22,11 @@ def test_compile_train_digits_cnn_reaches_95_percent_and_exports_onnx(tmp_path: 
     assert main([*args, "--optimizer", "adam", "--lr", "1e-2", "-o", str(build)]) == 0
     out = capsys.readouterr().out
     assert "training step:" in out and "peak live memory" in out
-    assert json.loads((build / "manifest.json").read_text())["train"]["optimizer"] == "adam"
+    train = json.loads((build / "manifest.json").read_text())["train"]
+    assert train["optimizer"] == "adam" and train["keep_prediction"]  # the training accuracy is counted from it
     assert main(["train", str(build), "--data", "digits", "--epochs", "10", "--batch", "32"]) == 0
     out = capsys.readouterr().out
-    assert "epoch 10/10" in out
+    assert "epoch 10/10" in out and "train acc" in out
     final = float(out.split("test accuracy ")[1].split("%")[0])
     assert final >= 95.0, out
     # the exported model predicts the same under onnxruntime as under neoflow
