@@ -52,7 +52,9 @@ _COMPARE = {
 class Piece:
     """A dense part of an op's domain: ``op`` over its own variables, writing
     output element ``base + Σ strides[v] * v`` of the original output; ``empty``
-    when its reduction has no points (its slice is zero)."""
+    when its reduction has no points and its slice is zero (where an epilogue
+    makes an empty sum's value other than zero, the piece's ``op`` is that
+    epilogue of a zero sum, an element-wise op, and not ``empty``)."""
 
     op: Op
     strides: dict[str, int] = field(hash=False)
@@ -213,7 +215,8 @@ def _simplify(state: _State) -> tuple[_State, bool]:
 def split_lattice(op: Op) -> tuple[Piece, ...] | None:
     """``op``'s domain as dense pieces (one piece, the op itself, when its reduction
     has no lattice condition); None when a lattice condition has no variable with
-    a coefficient coprime to its modulus to split on, or too many pieces would result.
+    a coefficient coprime to its modulus to split on, when too many pieces would
+    result, or when a max or min has an epilogue where it is empty.
     Cached: the blocked kernel's planner, the lowering and the cost model all ask."""
     parts = split_epilogue(op.body, op)
     if parts is None:
@@ -259,12 +262,15 @@ def split_lattice(op: Op) -> tuple[Piece, ...] | None:
             return None
     pieces = []
     for state, empty in sorted(done, key=lambda item: item[0].base):
-        if empty and state.epilogue is not None and not _zero(with_reduce(state.epilogue, Const(0.0))):
-            return None  # the epilogue of an empty sum is not zero there
         shape = tuple(state.extent[v] for v in state.indices)
         if math.prod(shape) == 0:
             continue
         body = with_reduce(state.epilogue, state.reduce)
+        if empty and state.epilogue is not None and not _zero(with_reduce(state.epilogue, Const(0.0))):
+            if state.reduce.kind != "ReduceAdd":
+                return None  # an empty max or min has no value for the epilogue to finish
+            # the epilogue of an empty sum is not zero there: an element-wise piece computes it
+            body, empty = with_reduce(state.epilogue, Const(0.0)), False
         axes = dict.fromkeys(a for r in reductions(body) for a in r.axes)  # nested reductions' too
         ranges = tuple((v, state.extent[v]) for v in (*state.indices, *axes))
         piece_op = Op(Tensor(op.name, shape, op.dtype), tuple(state.indices), body, op.inputs, ranges)

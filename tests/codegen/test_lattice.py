@@ -71,3 +71,33 @@ def test_compiled_pieces_equal_the_interpreter(case: str) -> None:
     adjoint = neoflow.grad(neoflow.op(text, shapes=shapes))[wrt]
     assert len(split_lattice(adjoint)) > 1
     assert_compiled_matches_interpreter(adjoint, 0)
+
+
+def _with_epilogue(op):
+    """``op`` minus a read of a new input ``A`` of its shape: an epilogue that is not
+    zero where the sum is empty (the four-op step's parameter update fused into dB)."""
+    from dataclasses import replace
+
+    from neoflow.ir import index
+    from neoflow.ir.expr import Binary, Read
+    from neoflow.ir.op import Tensor
+
+    shift = Read("A", tuple(index.var(v) for v in op.indices))
+    return replace(op, body=Binary("-", op.body, shift), inputs=(*op.inputs, Tensor("A", op.shape)))
+
+
+def test_an_epilogue_not_zero_on_an_empty_sum_makes_element_wise_pieces() -> None:
+    text, shapes, wrt = CASES["dilated_stride_2"]
+    op = _with_epilogue(neoflow.grad(neoflow.op(text, shapes=shapes))[wrt])
+    pieces = split_lattice(op)
+    assert pieces is not None and not any(p.empty for p in pieces)
+    summed = [p for p in pieces if p.op.reductions]
+    assert len(summed) == 1 and len(pieces) > 1  # the even rows and columns sum; the rest is -A
+    assert sum(p.op.output.size for p in pieces) == op.output.size
+    assert "_p1(" in lower_op(op, "kernel")  # computed piece by piece
+
+
+@NEEDS_CC
+def test_element_wise_pieces_compute_what_the_interpreter_does() -> None:
+    text, shapes, wrt = CASES["dilated_stride_2"]
+    assert_compiled_matches_interpreter(_with_epilogue(neoflow.grad(neoflow.op(text, shapes=shapes))[wrt]), 2)
