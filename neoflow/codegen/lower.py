@@ -238,26 +238,20 @@ class Lowering:
         if op.scatter is not None:
             target = linear_index([self.index(e) for e in op.scatter], op.shape)
             self._add(scope, scope.variables, f"{out}[{target}] += {value};")
-        elif self.written is not None:
-            target = linear_index([self.index(e) for e in self.written.target], op.shape)
-            self._add(scope, scope.variables, f"{out}[{target}] = {value};")
         else:
-            target = linear_index([f"{PREFIX}{v}" for v in op.indices], op.shape)
-            self._add(scope, scope.variables, f"{out}[{target}] = {value};")
+            point = [f"{PREFIX}{v}" for v in op.indices]
+            where = point if self.written is None else [self.index(e) for e in self.written.target]
+            self._add(scope, scope.variables, f"{out}[{linear_index(where, op.shape)}] = {value};")
 
     def build(self) -> None:
         """Create every statement of the op."""
         op = self.op
         outer = [*op.indices]
         box = bounds.box_constraint({v: self.extent[v] for v in outer})
-        if self.written is not None:
-            self._store_split(_Scope(outer, [PREFIX + v for v in outer], [box, self.written.where], []), op.body)
+        constraints = [box] if self.written is None else [box, self.written.where]
+        if self.written is None and self._accumulate_in_place(box):
             return
-        scope = _Scope(outer, [PREFIX + v for v in outer], [box], [])
-        body = op.body
-        if self._accumulate_in_place(box):
-            return
-        self._store_split(scope, body)
+        self._store_split(_Scope(outer, [PREFIX + v for v in outer], constraints, []), op.body)
 
     def _store_split(self, scope: _Scope, body: Expr) -> None:
         """Store ``body`` over ``scope``; a ``Select`` at its top with an affine

@@ -387,12 +387,10 @@ def nest_function(nest: Nest, name: str) -> str:
             total = f"sum{k}"
             lowering: Lowering = _SumLowering(member, buffers, f"m{k}_", total)
             totals.append((c_type(member.dtype), total))
-        elif (split := split_inner(member, nest.writes.get(member.name))) is not None:
-            lowering = Lowering(split[0], buffers, f"m{k}_", split[1])
-        elif member.name in nest.writes:
-            lowering = Lowering(member, buffers, f"m{k}_", nest.writes[member.name])
-        else:
-            lowering = Lowering(member, buffers, f"m{k}_")
+        else:  # stored at its point, through a map or into its row; the depth-to-space family split
+            written = nest.writes.get(member.name)
+            member, written = split_inner(member, written) or (member, written)
+            lowering = Lowering(member, buffers, f"m{k}_", written)
         lowering.build()
         inner = len(nest.indices) - 1
         for statement in lowering.statements:
@@ -423,13 +421,14 @@ def _epilogue(lowering: Lowering, epilogue: Expr, total: str) -> str:
         printer.reduction = saved
 
 
-def _annotated(loops: str, totals: Sequence[str], rows: Sequence[str], parallel: bool) -> list[str]:
+def _annotated(loops: str, totals: Sequence[str], private: Sequence[str], parallel: bool) -> list[str]:
     """isl's loops with OpenMP: outermost loops shared out among threads (a short
     one collapsed with the loop it holds; the sums ``totals`` reduced, each
-    thread with its own ``rows``), and a loop adding to one sum alone split into
-    vector lanes.  Other inner loops are left to the compiler's own vectoriser."""
+    thread with its own copy of the ``private`` row buffers), and a loop adding
+    to one sum alone split into vector lanes.  Other inner loops are left to the
+    compiler's own vectoriser."""
     clauses = f" reduction(+:{', '.join(totals)})" if totals else ""
-    clauses += f" private({', '.join(rows)})" if rows else ""
+    clauses += f" private({', '.join(private)})" if private else ""
     collapsed: set[int] = set()  # the lines of loops collapsed into the one around them
 
     def pragmas(rows: Sequence[str], number: int, outermost: bool) -> list[str]:

@@ -49,9 +49,9 @@ def interval(expr: sympy.Expr, extents: Mapping[str, int]) -> Interval | None:
         if not (divisor.is_Integer and divisor > 0):
             return None
         inner = interval(expr.args[0], extents)
-        if inner is not None and sympy.floor(inner[0] / divisor) == sympy.floor(inner[1] / divisor):
-            shift = divisor * sympy.floor(inner[0] / divisor)
-            return inner[0] - shift, inner[1] - shift
+        block = _one_block(inner, divisor)
+        if block is not None:
+            return inner[0] - divisor * block, inner[1] - divisor * block
         return sympy.Integer(0), divisor - 1
     return None
 
@@ -107,9 +107,9 @@ def read_offset(indices: Sequence[sympy.Expr], shape: Sequence[int], extents: Ma
 
 def _floor(argument: sympy.Expr, extents: Mapping[str, int]) -> sympy.Expr:
     """``floor(argument)`` simplified (``argument`` integer-valued terms over a constant)."""
-    bounds = interval(argument, extents)
-    if bounds is not None and sympy.floor(bounds[0]) == sympy.floor(bounds[1]):
-        return sympy.floor(bounds[0])
+    block = _one_block(interval(argument, extents), 1)
+    if block is not None:
+        return block
     denominator = index.denominator(argument)
     numerator = sympy.expand(argument * denominator)
     if isinstance(numerator, sympy.floor) and denominator > 1:
@@ -122,9 +122,16 @@ def _mod(value: sympy.Expr, divisor: sympy.Expr, extents: Mapping[str, int]) -> 
     """``value % divisor`` simplified where the box keeps ``value`` in one block."""
     if not (divisor.is_Integer and divisor > 0):
         return sympy.Mod(value, divisor)
-    bounds = interval(value, extents)
-    if bounds is not None:
-        block = sympy.floor(bounds[0] / divisor)
-        if block == sympy.floor(bounds[1] / divisor):
-            return sympy.expand(value - divisor * block)
+    block = _one_block(interval(value, extents), divisor)
+    if block is not None:
+        return sympy.expand(value - divisor * block)
     return sympy.Mod(value, divisor)
+
+
+def _one_block(bounds: Interval | None, divisor: sympy.Expr) -> sympy.Expr | None:
+    """The number of the one block of ``divisor`` consecutive integers that values
+    within ``bounds`` lie in (their floor division by ``divisor``), or None."""
+    if bounds is None:
+        return None
+    block = sympy.floor(bounds[0] / divisor)
+    return block if block == sympy.floor(bounds[1] / divisor) else None

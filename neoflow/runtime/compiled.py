@@ -102,15 +102,6 @@ def _bind(graph: Graph, parameters: Mapping[str, np.ndarray]) -> Graph:
     return dataclasses.replace(graph, parameters=bound)
 
 
-def _only_keeping(training: TrainingGraph, keep: Sequence[str]) -> Graph:
-    """The training graph without the model output among its outputs unless
-    ``keep`` holds it: a step that does not hand it back need not store it."""
-    graph = training.graph
-    if training.prediction in keep:
-        return graph
-    return dataclasses.replace(graph, outputs=tuple(name for name in graph.outputs if name != training.prediction))
-
-
 class CompiledModel:
     """A model compiled for one target: inference, and a training step when
     compiled with a ``TrainSpec``.  Tensors are named as in the model file."""
@@ -152,7 +143,7 @@ class CompiledModel:
             keep = [training.loss, *training.updates.values()]
             if spec.keep_prediction:
                 keep.insert(1, training.prediction)
-            self._train = build_executor(target, _only_keeping(training, keep), keep, self.fusion)
+            self._train = build_executor(target, training.graph, keep, self.fusion)
 
     # ----------------------------------------------------------------- running
 
@@ -239,7 +230,7 @@ class CompiledModel:
         training = self._require_training()
         if self._gradients is None:  # built on first use: most models never ask
             keep = [training.loss, *training.gradients.values()]
-            self._gradients = build_executor(self.target, _only_keeping(training, keep), keep, self.fusion)
+            self._gradients = build_executor(self.target, training.graph, keep, self.fusion)
         outputs = self._gradients.run(self._training_feed(batch))
         return {self.public_name(p): outputs[g] for p, g in training.gradients.items()}
 

@@ -32,10 +32,10 @@ def cost_model(target: str) -> CostModel:
 
 
 def planning_graph(graph: Graph, keep: Collection[str]) -> Graph:
-    """``graph`` with the tensors the caller keeps among its outputs (a plan
-    must materialise them)."""
-    outputs = tuple(dict.fromkeys([*graph.outputs, *keep]))
-    return dataclasses.replace(graph, outputs=outputs)
+    """``graph`` with the tensors the caller keeps as its outputs: a plan must
+    materialise them, and need not store an output of ``graph`` nobody keeps
+    (a training step's prediction when the step does not hand it back)."""
+    return dataclasses.replace(graph, outputs=tuple(dict.fromkeys(keep)))
 
 
 def plan_for(graph: Graph, fusion: str | FusionPolicy, model: CostModel) -> FusionPlan:
@@ -51,7 +51,7 @@ def plan_for(graph: Graph, fusion: str | FusionPolicy, model: CostModel) -> Fusi
 def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str | FusionPolicy = DEFAULT_POLICY):
     """An executor of ``target`` running ``graph`` fused by policy ``fusion``;
     it carries ``fusion_plan``, the ``planned_graph`` it was made for (``graph``
-    with ``keep`` among its outputs), ``kernel_groups`` and ``cost_model``."""
+    with ``keep`` as its outputs), ``kernel_groups`` and ``cost_model``."""
     model = cost_model(target)
     planned = planning_graph(graph, keep)
     plan = plan_for(planned, fusion, model)

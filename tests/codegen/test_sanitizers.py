@@ -42,8 +42,10 @@ def test_generated_code_is_clean_under_asan_and_ubsan(name, graph, tmp_path) -> 
     source.write_text(program)
     binary = tmp_path / name
     # -march=native as the kernels are built: the AVX2 packers (vector loads, masked loads, gathers) run
-    flags = ["-O1", "-g", "-march=native", "-fopenmp", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-    flags.append("-std=gnu11")
+    flags = [
+        *("-O1", "-g", "-march=native", "-fopenmp", "-std=gnu11"),
+        *("-fsanitize=address,undefined", "-fno-sanitize-recover=all"),
+    ]
     build = subprocess.run(["cc", *flags, str(source), "-o", str(binary), "-lm"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[:2000]
     env = {
