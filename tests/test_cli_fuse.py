@@ -34,7 +34,6 @@ def test_report_has_one_row_per_kernel_with_measured_times(tmp_path: Path, capsy
 
 
 def test_compare_draws_every_policy_including_a_user_policy(tmp_path: Path, capsys) -> None:
-    pytest.importorskip("matplotlib")
     plot, report = tmp_path / "cmp.png", tmp_path / "cmp.md"
     policies = "none,elementwise,neoflow,tests.fusion.user_policy:FirstReader"
     args = ["fuse", MLP, "--compare", policies, "--plot", str(plot), "--report", str(report), *QUICK]

@@ -7,7 +7,7 @@ import math
 import sympy
 
 from neoflow.codegen.chain import chain_cycles, chain_plan
-from neoflow.codegen.gemm import MR, NR, domain_points, gemm_plan, plan_cycles
+from neoflow.codegen.gemm import MR, NR, STEP_CYCLES, domain_points, gemm_plan, plan_cycles
 from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import in_place_reduction
 from neoflow.codegen.staging import staged_plan
@@ -17,8 +17,8 @@ from neoflow.ir.expr import Read, Reduce
 from neoflow.ir.op import Op
 from neoflow.ir.simplify import read_offset
 
-#: Multiply-adds per cycle of one core at the micro-kernel's peak (MR x NR per 6 cycles).
-MACS_PER_CYCLE = MR * NR / 6
+#: Multiply-adds per cycle of one core at the micro-kernel's peak (MR x NR a depth step).
+MACS_PER_CYCLE = MR * NR / STEP_CYCLES
 
 
 def blocked_schedule(op: Op) -> Scheduled | None:

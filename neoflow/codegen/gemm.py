@@ -11,9 +11,9 @@ emitted C then runs a blocked matrix product over the fused extents
   contiguous strips of ``NR`` columns / ``MR`` rows; packing evaluates the op's own
   read expressions (padding guards included, out-of-range rows and columns as
   zeros), so any index map the mapper accepts is handled the same way;
-* a ``MR x NR`` = 6 x 16 micro-kernel keeps 12 accumulators in ymm registers
-  (AVX2 + FMA intrinsics; GCC vector extensions where AVX2 is missing) and
-  streams the packed strips;
+* a ``MR x NR`` = 6 x 16 micro-kernel keeps its accumulators in registers (AVX-512:
+  a zmm a row, two sets taking turns over the depth; AVX2 + FMA: 12 ymm; GCC vector
+  extensions where neither is there) and streams the packed strips;
 * results are written back through the op's output index map, and the
   epilogue (a bias, for instance) is added in the last ``KC`` block;
 * the ``MC`` loop is OpenMP-parallel, each thread packing its own ``a`` block.
@@ -30,6 +30,7 @@ from typing import NamedTuple
 import sympy
 
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, unflatten_index
+from neoflow.codegen.hardware import AVX2
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.codegen.packing import (
@@ -49,6 +50,8 @@ from neoflow.ir.op import Op
 from neoflow.ir.simplify import read_offset
 
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
+#: cycles of one depth step of the MR x NR micro-kernel on this machine (6 with AVX2, 3 with AVX-512)
+STEP_CYCLES = AVX2.intrinsic("outer_product").cycles
 NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
 _THREADS = """#ifdef _OPENMP
@@ -64,7 +67,42 @@ VECTOR_PACK_CYCLES = 1.0  # per element of a strip copied with vector loads
 GATHER_PACK_CYCLES = 1.5  # per element of a strided strip gathered (two 8-lane gathers per depth step)
 
 MICROKERNEL = r"""
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* c (6 rows of 16, contiguous) = a b, or with from_c c += a b: one zmm register a row; two
+   sets of six accumulators take turns over the depth, so twelve FMA chains are in flight
+   (six would leave the FMA units waiting on their latency); summed at the end */
+static inline void nf_micro_6x16_from(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c,
+                                      int from_c) {
+#define NF_START(q) (from_c ? _mm512_loadu_ps(c + (q)) : _mm512_setzero_ps())
+    __m512 c0 = NF_START(0), c1 = NF_START(16), c2 = NF_START(32), c3 = NF_START(48);
+    __m512 c4 = NF_START(64), c5 = NF_START(80);
+#undef NF_START
+    __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps(), d2 = _mm512_setzero_ps();
+    __m512 d3 = _mm512_setzero_ps(), d4 = _mm512_setzero_ps(), d5 = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 1 < kc; k += 2) {
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+        c0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b0, c0); d0 = _mm512_fmadd_ps(_mm512_set1_ps(a[6]), b1, d0);
+        c1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b0, c1); d1 = _mm512_fmadd_ps(_mm512_set1_ps(a[7]), b1, d1);
+        c2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b0, c2); d2 = _mm512_fmadd_ps(_mm512_set1_ps(a[8]), b1, d2);
+        c3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b0, c3); d3 = _mm512_fmadd_ps(_mm512_set1_ps(a[9]), b1, d3);
+        c4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b0, c4); d4 = _mm512_fmadd_ps(_mm512_set1_ps(a[10]), b1, d4);
+        c5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b0, c5); d5 = _mm512_fmadd_ps(_mm512_set1_ps(a[11]), b1, d5);
+        a += 12;
+        b += 32;
+    }
+    if (k < kc) {
+        const __m512 b0 = _mm512_loadu_ps(b);
+        c0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), b0, c0); c1 = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), b0, c1);
+        c2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), b0, c2); c3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), b0, c3);
+        c4 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), b0, c4); c5 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), b0, c5);
+    }
+    _mm512_storeu_ps(c + 0, _mm512_add_ps(c0, d0)); _mm512_storeu_ps(c + 16, _mm512_add_ps(c1, d1));
+    _mm512_storeu_ps(c + 32, _mm512_add_ps(c2, d2)); _mm512_storeu_ps(c + 48, _mm512_add_ps(c3, d3));
+    _mm512_storeu_ps(c + 64, _mm512_add_ps(c4, d4)); _mm512_storeu_ps(c + 80, _mm512_add_ps(c5, d5));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 /* c (6 rows of 16, contiguous) = a b, or with from_c c += a b (the accumulators start from c);
    inlined with a constant from_c, the other start is compiled away */
@@ -275,7 +313,7 @@ def domain_points(op: Op) -> float:
 def kernel_cycles(mapping: Mapping, op: Op, strides: dict[str, int] | None = None) -> float:
     """Estimated cycles of the kernel computing ``op`` (a dense piece, its domain folded
     onto guards, writing the output at ``strides``; None: row-major) for ``mapping``:
-    micro-kernel calls (6 cycles each), packing (``_pack_cycles`` per element; all of
+    micro-kernel calls (``STEP_CYCLES`` a depth step), packing (``_pack_cycles`` per element; all of
     ``a`` once on the narrow structure, ``_narrow``) and the write-back after each
     depth block (more when the depth is one block and the tile's columns are not a
     contiguous run of the output: stores element by element), summed over the batch
@@ -287,7 +325,7 @@ def kernel_cycles(mapping: Mapping, op: Op, strides: dict[str, int] | None = Non
     factor_a, factor_b = _operand_factors(op, mapping)
     batch = [(v, extent[v]) for v in mapping.outer]
     narrow = _narrow(m, k, batch, factor_a) and not _split_depth(m, n, k)
-    compute = round_up(m, MR) * round_up(n, NR) * k / (MR * NR) * 6.0
+    compute = round_up(m, MR) * round_up(n, NR) * k / (MR * NR) * STEP_CYCLES
     pack_b = k * round_up(n, NR) * _pack_cycles(op, factor_b, groups["j"], groups["k"], NR)
     pack_a = round_up(m, MR) * k * _pack_cycles(op, factor_a, groups["i"], groups["k"], MR)
     blocks = 1 if narrow else -(-k // KC)

@@ -22,6 +22,22 @@ from neoflow.fusion.cost import Machine
 PROBE_SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
+/* the widest vector the micro-kernel uses (codegen/gemm.py): zmm with AVX-512, else ymm */
+#if defined(__AVX512F__)
+typedef __m512 nf_vector;
+#define NF_LANES 16
+#define NF_SET1 _mm512_set1_ps
+#define NF_FMA _mm512_fmadd_ps
+#define NF_ADD _mm512_add_ps
+#define NF_STORE _mm512_storeu_ps
+#else
+typedef __m256 nf_vector;
+#define NF_LANES 8
+#define NF_SET1 _mm256_set1_ps
+#define NF_FMA _mm256_fmadd_ps
+#define NF_ADD _mm256_add_ps
+#define NF_STORE _mm256_storeu_ps
+#endif
 double nf_fma_peak(long n) {
     double start = omp_get_wtime();
     float sink = 0;
@@ -29,26 +45,23 @@ double nf_fma_peak(long n) {
     {
         /* twelve chains with different values: equal ones would be merged into one
            chain by the compiler, which then runs at the FMA's latency, not its rate */
-        __m256 a0 = _mm256_set1_ps(1.00f), a1 = _mm256_set1_ps(1.01f), a2 = _mm256_set1_ps(1.02f);
-        __m256 a3 = _mm256_set1_ps(1.03f), a4 = _mm256_set1_ps(1.04f), a5 = _mm256_set1_ps(1.05f);
-        __m256 a6 = _mm256_set1_ps(1.06f), a7 = _mm256_set1_ps(1.07f), a8 = _mm256_set1_ps(1.08f);
-        __m256 a9 = _mm256_set1_ps(1.09f), a10 = _mm256_set1_ps(1.10f), a11 = _mm256_set1_ps(1.11f);
-        const __m256 x = _mm256_set1_ps(0.9999999f), y = _mm256_set1_ps(1e-7f);
+        nf_vector a0 = NF_SET1(1.00f), a1 = NF_SET1(1.01f), a2 = NF_SET1(1.02f), a3 = NF_SET1(1.03f);
+        nf_vector a4 = NF_SET1(1.04f), a5 = NF_SET1(1.05f), a6 = NF_SET1(1.06f), a7 = NF_SET1(1.07f);
+        nf_vector a8 = NF_SET1(1.08f), a9 = NF_SET1(1.09f), a10 = NF_SET1(1.10f), a11 = NF_SET1(1.11f);
+        const nf_vector x = NF_SET1(0.9999999f), y = NF_SET1(1e-7f);
         for (long i = 0; i < n; ++i) {
-            a0 = _mm256_fmadd_ps(a0, x, y); a1 = _mm256_fmadd_ps(a1, x, y); a2 = _mm256_fmadd_ps(a2, x, y);
-            a3 = _mm256_fmadd_ps(a3, x, y); a4 = _mm256_fmadd_ps(a4, x, y); a5 = _mm256_fmadd_ps(a5, x, y);
-            a6 = _mm256_fmadd_ps(a6, x, y); a7 = _mm256_fmadd_ps(a7, x, y); a8 = _mm256_fmadd_ps(a8, x, y);
-            a9 = _mm256_fmadd_ps(a9, x, y); a10 = _mm256_fmadd_ps(a10, x, y); a11 = _mm256_fmadd_ps(a11, x, y);
+            a0 = NF_FMA(a0, x, y); a1 = NF_FMA(a1, x, y); a2 = NF_FMA(a2, x, y); a3 = NF_FMA(a3, x, y);
+            a4 = NF_FMA(a4, x, y); a5 = NF_FMA(a5, x, y); a6 = NF_FMA(a6, x, y); a7 = NF_FMA(a7, x, y);
+            a8 = NF_FMA(a8, x, y); a9 = NF_FMA(a9, x, y); a10 = NF_FMA(a10, x, y); a11 = NF_FMA(a11, x, y);
         }
-        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                                 _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-        s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, s);
+        nf_vector s = NF_ADD(NF_ADD(NF_ADD(a0, a1), NF_ADD(a2, a3)), NF_ADD(NF_ADD(a4, a5), NF_ADD(a6, a7)));
+        s = NF_ADD(s, NF_ADD(NF_ADD(a8, a9), NF_ADD(a10, a11)));
+        float lanes[NF_LANES];
+        NF_STORE(lanes, s);
         sink += lanes[0];
     }
     double seconds = omp_get_wtime() - start;
-    return sink > 0 ? 2.0 * 8 * 12 * (double)n * omp_get_max_threads() / seconds : 0;
+    return sink > 0 ? 2.0 * NF_LANES * 12 * (double)n * omp_get_max_threads() / seconds : 0;
 }
 /* a generic loop nest's arithmetic: a guarded, index-computing element-wise op */
 double nf_loop_rate(float *out, const float *in, long n, int reps) {

@@ -7,6 +7,7 @@ import pytest
 
 import neoflow
 from neoflow.codegen.chain import chain_plan, choose_tiles, data_movement, footprint
+from neoflow.codegen.gemm import KC
 from neoflow.codegen.lower import lower_op
 from tests.targets import NEEDS_CC
 
@@ -83,7 +84,16 @@ def test_the_chain_kernel_computes_what_the_interpreter_does(text: str, sizes: t
 
 
 @NEEDS_CC
-def test_without_avx2_the_chain_kernel_computes_the_same(portable_cc) -> None:
-    # the portable micro-kernels (GCC vector extensions), the accumulating one over the blocks of L (TL = 6
+def test_a_tile_of_l_deeper_than_a_depth_block_is_summed_block_by_block() -> None:
+    # the second product runs over KC values of l at a time (two whole blocks and a rest here)
+    sizes = (96, 20, 600, 24)
+    plan = chain_plan(neoflow.op(CHAIN, shapes=_shapes(*sizes)))
+    assert plan is not None and plan.tile_l > 2 * KC
+    _assert_chain_matches_interpreter(CHAIN, sizes, seed=3)
+
+
+@NEEDS_CC
+def test_on_narrower_vector_units_the_chain_kernel_computes_the_same(narrower_cc) -> None:
+    # the narrower builds' micro-kernels, the accumulating one over the blocks of L (TL = 6
     # for these sizes on 2 threads)
     _assert_chain_matches_interpreter(CHAIN, (70, 20, 100, 40), seed=2)

@@ -92,8 +92,8 @@ def test_table_packers_compute_what_the_interpreter_does(text: str, shapes: dict
 
 
 @NEEDS_CC
-def test_runs_of_a_padded_read_are_copied_whole_and_their_guards_hold_at_both_ends(portable_cc) -> None:
-    # without AVX2: 20-wide rows in 16-wide strips: runs inside a row, strips across rows, and runs
+def test_runs_of_a_padded_read_are_copied_whole_and_their_guards_hold_at_both_ends(narrower_cc) -> None:
+    # narrower builds: 20-wide rows in 16-wide strips: runs inside a row, strips across rows, and runs
     # that start inside the image but end in its padding (they must not be copied whole)
     text = CONV.replace("< 9", "< 20")
     op = _op(text, {"X": (2, 8, 20, 20), "W": (16, 8, 3, 3), "Y": (2, 16, 20, 20)})
@@ -203,8 +203,8 @@ def test_depth_runs_are_transposed_in_registers(text: str, shapes: dict) -> None
 
 @NEEDS_CC
 @pytest.mark.parametrize(("text", "shapes"), DEPTH_RUNS)
-def test_without_avx2_the_portable_packers_and_micro_kernel_compute_the_same(
-    text: str, shapes: dict, portable_cc
+def test_on_narrower_vector_units_the_packers_and_micro_kernel_compute_the_same(
+    text: str, shapes: dict, narrower_cc
 ) -> None:
     assert_compiled_matches_interpreter(_op(text, shapes), 6)
 
