@@ -572,7 +572,9 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             float tile[{MR * NR}] __attribute__((aligned(64)));
             const int64_t ic = 0, jc = 0, mc = {m}, pc = 0, kc = {k};
             const int last_ = 1;
-            #pragma omp for schedule(dynamic)
+            /* static: each thread a contiguous run of tasks; neighbouring tasks write neighbouring
+               output elements, and handed out in turn they share cache lines between the threads */
+            #pragma omp for schedule(static)
             for (int64_t task = 0; task < {batches * strips}; ++task) {{
                 const int64_t batch_ = task / {strips}, jr = task % {strips} * {NR};
                 {unflatten_index("batch_", batch)}
@@ -632,7 +634,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                     {{
                         float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {round_up(MC, MR)});
                         float tile[{MR * NR}] __attribute__((aligned(64)));
-                        #pragma omp for schedule(dynamic)
+                        #pragma omp for schedule(static)
                         for (int64_t task = 0; task < mblocks * jparts; ++task) {{
                             const int64_t ic = (task / jparts) * mcb;
                             const int64_t mc = ic + mcb < {m} ? mcb : {m} - ic;
