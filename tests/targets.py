@@ -18,6 +18,14 @@ TARGETS = ["interp", *(["cpu"] if HAS_CC else [])]
 NEEDS_CC = pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 
 
+def compiler_defines(macro: str) -> bool:
+    """Whether the C compiler, with the kernels' flags (and ``CC`` as set now), defines ``macro``."""
+    from neoflow.codegen.compiler import load_library
+
+    probe = f"int nf_defines(void) {{\n#ifdef {macro}\n    return 1;\n#else\n    return 0;\n#endif\n}}\n"
+    return bool(load_library(probe).nf_defines())
+
+
 def evaluate_on(target: str, program: Op | Graph, inputs: Mapping[str, np.ndarray]):
     """``neoflow.evaluate`` on ``target``: an op's output array, or a graph's outputs by name."""
     if target == "interp":

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from neoflow.codegen.compiler import load_library
+from tests.targets import compiler_defines
 
 #: builds narrower than the machine's own: the flags a ``CC`` wrapper adds after the kernel
 #: flags, the macro that must then be undefined and the one that must still be defined
@@ -16,11 +16,6 @@ NARROWER_BUILDS = {
     "portable": (("-mno-avx2", "-mno-fma"), "__AVX2__", None),
     "avx2": (("-mno-avx512f",), "__AVX512F__", "__AVX2__"),
 }
-
-
-def _defines(macro: str) -> bool:
-    probe = f"int nf_defines(void) {{\n#ifdef {macro}\n    return 1;\n#else\n    return 0;\n#endif\n}}\n"
-    return bool(load_library(probe).nf_defines())
 
 
 @pytest.fixture(params=sorted(NARROWER_BUILDS))
@@ -31,12 +26,12 @@ def narrower_cc(request, tmp_path, monkeypatch) -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("AVX2 and AVX-512 are x86 extensions")
     flags, removed, kept = NARROWER_BUILDS[request.param]
-    if kept is not None and not _defines(kept):
+    if kept is not None and not compiler_defines(kept):
         pytest.skip(f"this machine has no {kept.strip('_')}")
     script = tmp_path / "cc-narrower"
     script.write_text(f'#!/bin/sh\nexec {shlex.join(shlex.split(os.environ.get("CC", "cc")))} "$@" {" ".join(flags)}\n')
     script.chmod(0o755)
     monkeypatch.setenv("CC", str(script))
-    assert not _defines(removed), f"the wrapper should build without {removed.strip('_')}"
-    assert kept is None or _defines(kept), f"the wrapper should still build with {kept.strip('_')}"
+    assert not compiler_defines(removed), f"the wrapper should build without {removed.strip('_')}"
+    assert kept is None or compiler_defines(kept), f"the wrapper should still build with {kept.strip('_')}"
     return request.param

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 
 import neoflow
-from neoflow.codegen.gemm import gemm_plan
-from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter
+from neoflow.codegen.gemm import STEP_CYCLES, gemm_plan
+from neoflow.codegen.hardware import cpu_flags
+from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter, compiler_defines
 
 pytestmark = NEEDS_CC
 
 CASES = {
     "gemm_odd": ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (67, 300), "B": (300, 37)}),
+    # an odd depth (256 + 45): the AVX-512 micro-kernel's depth steps go in pairs, the last one alone
+    "gemm_odd_depth": ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (37, 301), "B": (301, 29)}),
     "gemm_transposed_b_bias": (
         "C[i, j] = ReduceAdd({k}, A[i, k] * W[j, k]) + Bias[j]",
         {"A": (50, 70), "W": (33, 70), "Bias": (33,)},
@@ -146,3 +151,12 @@ def test_few_rows_pack_all_of_a_once_and_each_task_a_column_strip() -> None:
         if op is not conv:
             assert narrow not in lower_op(op, "kernel")
         assert_compiled_matches_interpreter(op, 4)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX-512 is an x86 extension")
+def test_the_cost_model_counts_the_micro_kernel_the_build_runs() -> None:
+    # the kernels are built for this machine: with AVX-512 the micro-kernel's zmm branch runs and a
+    # depth step costs 3 cycles in the model, else 6 (the AVX2 branch)
+    wide = compiler_defines("__AVX512F__")
+    assert ("avx512f" in cpu_flags()) == wide
+    assert (3.0 if wide else 6.0) == STEP_CYCLES
