@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import neoflow
+from neoflow.codegen.compiler import load_library
 from neoflow.ir import Graph, Op
 
 HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None
@@ -20,8 +21,6 @@ NEEDS_CC = pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 
 def compiler_defines(macro: str) -> bool:
     """Whether the C compiler, with the kernels' flags (and ``CC`` as set now), defines ``macro``."""
-    from neoflow.codegen.compiler import load_library
-
     probe = f"int nf_defines(void) {{\n#ifdef {macro}\n    return 1;\n#else\n    return 0;\n#endif\n}}\n"
     return bool(load_library(probe).nf_defines())
 

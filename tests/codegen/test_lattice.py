@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import sympy
 
 import neoflow
 from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import lower_op
-from neoflow.ir.expr import Index
+from neoflow.ir import index
+from neoflow.ir.expr import Binary, Index, Read
+from neoflow.ir.op import Tensor
 from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter
 
 
@@ -76,12 +80,6 @@ def test_compiled_pieces_equal_the_interpreter(case: str) -> None:
 def _with_epilogue(op):
     """``op`` minus a read of a new input ``A`` of its shape: an epilogue that is not
     zero where the sum is empty (the four-op step's parameter update fused into dB)."""
-    from dataclasses import replace
-
-    from neoflow.ir import index
-    from neoflow.ir.expr import Binary, Read
-    from neoflow.ir.op import Tensor
-
     shift = Read("A", tuple(index.var(v) for v in op.indices))
     return replace(op, body=Binary("-", op.body, shift), inputs=(*op.inputs, Tensor("A", op.shape)))
 
