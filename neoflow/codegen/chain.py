@@ -83,12 +83,15 @@ def _split_product(node: Expr) -> tuple[Expr, Expr] | None:
     return None
 
 
-def data_movement(m: int, n: int, middle: int, k: int, tile_m: int, tile_l: int) -> float:
+def data_movement(m: int, n: int, middle: int, k: int, tile_m: int, tile_l: int, threads: int = 1) -> float:
     """Elements moved between memory and the cache for order ``m, l, k, n``
     (Chimera's table): ``A`` and ``E`` once per ``l`` block, ``B`` and ``D``
-    once per ``m`` block, ``C`` never."""
+    once per ``m`` block, ``C`` never.  Where one block of ``l`` covers all of
+    it, the blocks of ``B`` and ``D`` are the same for every row block and stay
+    in each thread's cache: they move once per thread."""
     m_blocks, l_blocks = math.ceil(m / tile_m), math.ceil(middle / tile_l)
-    return m * k * l_blocks + k * middle * m_blocks + n * middle * m_blocks + m * n * l_blocks
+    b_and_d_loads = m_blocks if l_blocks > 1 else min(m_blocks, threads)
+    return m * k * l_blocks + (k + n) * middle * b_and_d_loads + m * n * l_blocks
 
 
 def footprint(n: int, k: int, tile_m: int, tile_l: int) -> int:
@@ -102,7 +105,9 @@ def choose_tiles(
 ) -> tuple[int, int]:
     """``(TM, TL)``: multiples of the micro-kernel's 16 and 6 minimising
     ``data_movement`` with ``footprint`` within ``cache_bytes``, keeping at
-    least two row blocks per thread, shared out evenly (load balance).  The continuous problem is
+    least two row blocks per thread, shared out evenly (load balance); of
+    tilings that move as much, the one with the smallest footprint (room in the
+    cache for what streams through it).  The continuous problem is
     Chimera's Lagrange-multiplier one; over these few discrete candidates an
     exhaustive search finds its exact optimum."""
     capacity = cache_bytes // 4
@@ -117,7 +122,7 @@ def choose_tiles(
         for tile_l in range(MR, columns + 1, MR):
             if footprint(n, k, tile_m, tile_l) > capacity:
                 break
-            key = (data_movement(m, n, middle, k, tile_m, tile_l), -tile_m * tile_l)
+            key = (data_movement(m, n, middle, k, tile_m, tile_l, threads), footprint(n, k, tile_m, tile_l))
             if best is None or key < best[:2]:
                 best = (*key, tile_m, tile_l)
     if best is None:
@@ -159,8 +164,9 @@ def chain_plan(op: Op, threads: int | None = None) -> ChainPlan | None:
                 m, n, width, k = extent[row], extent[col], extent[middle], extent[depth]
                 if m * n * width + m * width * k < MIN_MACS:
                     return None
-                tile_m, tile_l = choose_tiles(m, n, width, k, threads=threads or os.cpu_count() or 1)
-                movement = data_movement(m, n, width, k, tile_m, tile_l)
+                workers = threads or os.cpu_count() or 1
+                tile_m, tile_l = choose_tiles(m, n, width, k, threads=workers)
+                movement = data_movement(m, n, width, k, tile_m, tile_l, workers)
                 return ChainPlan(
                     row, col, middle, depth, factor_a, factor_b, factor_d, (m, n, width, k), tile_m, tile_l, movement
                 )
@@ -203,20 +209,25 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     enum {{ MP = {padded_m}, NP = {padded_n}, LP = {padded_l}, TM = {tm}, TL = {tl}, LC = {KC} }};
     float *bt = (float *)aligned_alloc(64, sizeof(float) * {round_up(padded_l * k_size, 16)});  /* B^T: [l/6][k][6] */
     float *dt = (float *)aligned_alloc(64, sizeof(float) * {round_up(padded_n * padded_l, 16)});  /* D^T: [n/6][l][6] */
-    #pragma omp parallel for
-    for (int64_t lp = 0; lp < LP; ++lp)
-        for (int64_t kp = 0; kp < K; ++kp) {{
-            float x = 0.0f;
-            if (lp < L) {{ const int64_t v_{mid} = lp, v_{k} = kp; x = {value_b}; }}
-            bt[(lp / 6) * 6 * K + kp * 6 + lp % 6] = x;
-        }}
-    #pragma omp parallel for
-    for (int64_t np = 0; np < NP; ++np)
-        for (int64_t lp = 0; lp < LP; ++lp) {{
-            float x = 0.0f;
-            if (np < N && lp < L) {{ const int64_t v_{mid} = lp, v_{n} = np; x = {value_d}; }}
-            dt[(np / 6) * 6 * LP + lp * 6 + np % 6] = x;
-        }}
+    #pragma omp parallel
+    {{  /* strip by strip, each written in order (and in one parallel region) */
+        #pragma omp for nowait
+        for (int64_t ls = 0; ls < LP; ls += 6)
+            for (int64_t kp = 0; kp < K; ++kp)
+                for (int64_t lp = ls; lp < ls + 6; ++lp) {{
+                    float x = 0.0f;
+                    if (lp < L) {{ const int64_t v_{mid} = lp, v_{k} = kp; x = {value_b}; }}
+                    bt[ls * K + kp * 6 + lp - ls] = x;
+                }}
+        #pragma omp for
+        for (int64_t ns = 0; ns < NP; ns += 6)
+            for (int64_t lp = 0; lp < LP; ++lp)
+                for (int64_t np = ns; np < ns + 6; ++np) {{
+                    float x = 0.0f;
+                    if (np < N && lp < L) {{ const int64_t v_{mid} = lp, v_{n} = np; x = {value_d}; }}
+                    dt[ns * LP + lp * 6 + np - ns] = x;
+                }}
+    }}
     #pragma omp parallel
     {{
         /* per thread: A^T block [i/16][k][16], the tile buffer C^T [i/16][l][16], E^T block [i/16][n][16] */
@@ -226,12 +237,13 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
         #pragma omp for schedule(dynamic)
         for (int64_t m0 = 0; m0 < MP; m0 += TM) {{
             const int64_t tm = MP - m0 < TM ? MP - m0 : TM;
-            for (int64_t ip = 0; ip < tm; ++ip)
-                for (int64_t kp = 0; kp < K; ++kp) {{
-                    float x = 0.0f;
-                    if (m0 + ip < M) {{ const int64_t v_{i} = m0 + ip, v_{k} = kp; x = {value_a}; }}
-                    at[(ip / 16) * 16 * K + kp * 16 + ip % 16] = x;
-                }}
+            for (int64_t is = 0; is < tm; is += 16)
+                for (int64_t kp = 0; kp < K; ++kp)
+                    for (int64_t ip = is; ip < is + 16; ++ip) {{
+                        float x = 0.0f;
+                        if (m0 + ip < M) {{ const int64_t v_{i} = m0 + ip, v_{k} = kp; x = {value_a}; }}
+                        at[is * K + kp * 16 + ip - is] = x;
+                    }}
             memset(et, 0, sizeof(float) * tm * NP);
             for (int64_t l0 = 0; l0 < LP; l0 += TL) {{
                 const int64_t tl = LP - l0 < TL ? LP - l0 : TL;

@@ -63,6 +63,17 @@ def test_tiles_minimise_data_movement_within_the_cache() -> None:
     assert footprint(n, k, small_m, small_l) * 4 <= 64 * 1024 and small_m * small_l < tile_m * tile_l
 
 
+def test_with_all_of_l_in_one_block_b_and_d_move_once_per_thread() -> None:
+    m, n, l, k = 1024, 64, 1024, 64  # noqa: E741
+    once = m * k + 2 * (k + n) * l + m * n  # A and E once; B and D once into each of two threads' caches
+    assert data_movement(m, n, l, k, 16, 1026, threads=2) == once
+    assert data_movement(m, n, l, k, 256, 1026, threads=2) == once
+    assert data_movement(m, n, l, k, 256, 516, threads=2) > once  # two blocks of l: B and D per row block
+    # on a 2 MiB cache all of l fits; of the tilings that move as little, the smallest footprint
+    tile_m, tile_l = choose_tiles(m, n, l, k, cache_bytes=2 * 1024 * 1024, threads=2)
+    assert tile_l >= l and tile_m == 16
+
+
 def _assert_chain_matches_interpreter(text: str, sizes: tuple, transposed: bool = False, seed: int = 1) -> None:
     shapes = _shapes(*sizes, transposed)
     op = neoflow.op(text, shapes=shapes)
