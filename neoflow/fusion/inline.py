@@ -20,7 +20,7 @@ from neoflow.ir import bounds, index
 from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Cast, Expr, Read, Reduce, map_children, map_indices
 from neoflow.ir.op import Op, Tensor
-from neoflow.ir.simplify import simplify_index
+from neoflow.ir.simplify import fold_selects, simplify_index
 
 
 def _rename_axes(node: Expr, names: Mapping[str, str]) -> Expr:
@@ -90,8 +90,10 @@ def inline(consumer: Op, producer: Op) -> Op:
     body = substitute(consumer.body)
     if not reads:
         return consumer
-    # the producer's indices at the consumer's points: a reshape's divisions often resolve there
+    # the producer's indices at the consumer's points: a reshape's divisions often resolve there,
+    # and so do the conditions of its selects (a concatenation read in one of its parts)
     body = map_indices(body, lambda expr: simplify_index(expr, new_ranges))
+    body = fold_selects(body, new_ranges)
     return replace(
         consumer,
         body=body,

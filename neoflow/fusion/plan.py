@@ -94,7 +94,9 @@ class Grouping:
     An op is materialised, in the first group holding it, when it must be kept
     (``must_store``), when nothing reads it, when some reader cannot inline it
     (a scatter-add, a read inside an index) or when a group holding a reader
-    does not hold it; everywhere else it is inlined.  A group drops the ops it
+    does not hold it and that group's kernel reads it (a reader recomputed
+    there may not: ``F = Select(c < 3, A, E)`` recomputed for ``c < 3`` only
+    reads ``A``); everywhere else it is inlined.  A group drops the ops it
     holds only for recomputation that nothing left in it reads.  Given the
     target's ``nests``, an op a kernel would inline into two or more of its ops
     is buffered instead where the target's loop nest for the kernel can keep it
@@ -104,6 +106,7 @@ class Grouping:
         self.graph = graph
         self.nests = nests
         self._buffered: dict[Kernel, Kernel] = {}
+        self._reads: dict[tuple[frozenset[str], frozenset[str]], frozenset[str]] = {}
         self.ops = {op.name: op for op in graph.ops}
         self.position = {op.name: k for k, op in enumerate(graph.ops)}
         self.readers: dict[str, list[str]] = {}
@@ -130,20 +133,54 @@ class Grouping:
                 if where[name][0] == k
                 and (
                     name in self.always
-                    or any(name not in groups[j] for r in self.readers.get(name, ()) for j in where[r])
+                    or any(
+                        self._outside_reads(groups, where, j, name)
+                        for r in self.readers.get(name, ())
+                        for j in where[r]
+                        if name not in groups[j]
+                    )
                 )
             }
-            members = set(groups[k])
-            while True:  # drop recomputed ops nothing left in the group reads
-                used = {t for name in members for t in self.ops[name].input_names}
-                kept = {n for n in members if n in materialized or n in used}
-                if kept == members:
-                    break
-                members = kept
-            if members:
-                order = tuple(sorted(members, key=self.position.__getitem__))
-                result.append(self._with_buffers(Kernel(order, tuple(n for n in order if n in materialized))))
+            kernel = self._kernel(groups[k], materialized)
+            if kernel is not None:
+                result.append(self._with_buffers(kernel))
         return result
+
+    def _kernel(self, group: frozenset[str], materialized: Collection[str]) -> Kernel | None:
+        """The kernel of ``group`` materialising ``materialized``, less the
+        recomputed ops nothing left in it reads; None where nothing is left."""
+        members = set(group)
+        while True:
+            used = {t for name in members for t in self.ops[name].input_names}
+            kept = {n for n in members if n in materialized or n in used}
+            if kept == members:
+                break
+            members = kept
+        if not members:
+            return None
+        order = tuple(sorted(members, key=self.position.__getitem__))
+        return Kernel(order, tuple(n for n in order if n in materialized))
+
+    def _outside_reads(self, groups: list[frozenset[str]], where: dict[str, list[int]], j: int, name: str) -> bool:
+        """Whether group ``j``, which holds a reader of ``name`` but not ``name``,
+        reads it: always where it stores a reader; where it only recomputes them,
+        when its kernel's ops, inlined and simplified, still read it."""
+        group = groups[j]
+        stored = {
+            n
+            for n in group
+            if where[n][0] == j
+            and (n in self.always or any(n not in groups[i] for r in self.readers.get(n, ()) for i in where[r]))
+        }
+        if any(r in stored for r in self.readers.get(name, ()) if r in group):
+            return True
+        key = (group, frozenset(stored))
+        reads = self._reads.get(key)
+        if reads is None:
+            kernel = self._kernel(group, stored)
+            ops = kernel_ops(self.graph, kernel) if kernel is not None else []
+            reads = self._reads[key] = frozenset(t.name for op in ops for t in op.inputs)
+        return name in reads
 
     def _with_buffers(self, kernel: Kernel) -> Kernel:
         """``kernel`` with the inlined ops that two or more of its ops read
@@ -286,11 +323,9 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
         for name in kernel.buffered:
             if not any(name in ops[r].input_names for r in kernel.ops):
                 raise PlanError(f"kernel '{kernel.name}' buffers '{name}' but nothing in it reads '{name}'")
-        for reader in kernel.ops:
-            for tensor in ops[reader].input_names:
-                if tensor not in ops or tensor in members:
-                    continue
-                if tensor not in home:
+        for op in kernel_ops(graph, kernel):  # what it reads once its recomputed ops are inlined
+            for tensor in op.input_names:
+                if tensor in ops and tensor not in members and tensor not in home:
                     raise PlanError(f"kernel '{kernel.name}' reads '{tensor}', which no kernel materialises")
     _kernel_order(graph, list(plan.kernels))  # a cycle is an error of its own
     for k, needs in enumerate(_sources(graph, list(plan.kernels))):

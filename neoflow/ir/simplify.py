@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import sympy
 
 from neoflow.ir import index
+from neoflow.ir.expr import COMPARISONS, Binary, Const, Expr, Index, Select, Unary, map_children
 
 Interval = tuple[sympy.Rational, sympy.Rational]
 
@@ -135,3 +136,64 @@ def _one_block(bounds: Interval | None, divisor: sympy.Expr) -> sympy.Expr | Non
         return None
     block = sympy.floor(bounds[0] / divisor)
     return block if block == sympy.floor(bounds[1] / divisor) else None
+
+
+def _index_value(node: Expr) -> sympy.Expr | None:
+    if isinstance(node, Index):
+        return node.expr
+    if isinstance(node, Const) and not isinstance(node.value, bool):
+        return sympy.sympify(node.value)
+    return None
+
+
+def condition_value(cond: Expr, extents: Mapping[str, int]) -> bool | None:
+    """Whether ``cond`` (comparisons of index expressions joined by ``&&``,
+    ``||`` and ``!``) holds at every point of the box of ``extents`` (True), at
+    none (False), or None: it depends on the point, or on data."""
+    if isinstance(cond, Const) and isinstance(cond.value, bool):
+        return cond.value
+    if isinstance(cond, Unary) and cond.op == "!":
+        inner = condition_value(cond.x, extents)
+        return None if inner is None else not inner
+    if not isinstance(cond, Binary):
+        return None
+    if cond.op in ("&&", "||"):
+        a, b = condition_value(cond.a, extents), condition_value(cond.b, extents)
+        decisive = cond.op == "||"  # the value of one side that decides the whole
+        if a is decisive or b is decisive:
+            return decisive
+        return None if a is None or b is None else not decisive
+    left, right = _index_value(cond.a), _index_value(cond.b)
+    if cond.op not in COMPARISONS or left is None or right is None:
+        return None
+    bounds = interval(sympy.expand(left - right), extents)
+    if bounds is None:
+        return None
+    low, high = bounds
+    always, never = {
+        "<": (high < 0, low >= 0),
+        "<=": (high <= 0, low > 0),
+        ">": (low > 0, high <= 0),
+        ">=": (low >= 0, high < 0),
+        "==": (low == high == 0, low > 0 or high < 0),
+        "!=": (low > 0 or high < 0, low == high == 0),
+    }[cond.op]
+    return True if always else False if never else None
+
+
+def fold_selects(node: Expr, extents: Mapping[str, int]) -> Expr:
+    """``node`` with every ``Select`` whose condition is decided over the box of
+    ``extents`` (``condition_value``) replaced by the branch it takes, where that
+    branch has the ``Select``'s dtype: ``F[c] = Select(c < 3, A[c], E[c - 3])``
+    read for ``c < 3`` only is ``A[c]``, and reads nothing of ``E``."""
+
+    def fold(n: Expr) -> Expr:
+        n = map_children(n, fold)
+        if isinstance(n, Select):
+            taken = condition_value(n.cond, extents)
+            branch = None if taken is None else n.a if taken else n.b
+            if branch is not None and branch.dtype == n.dtype:
+                return branch
+        return n
+
+    return fold(node)

@@ -109,3 +109,33 @@ def test_an_op_two_ops_of_a_nest_read_is_buffered_where_the_nest_keeps_it() -> N
     assert keeps_none.kernel_of("B").buffered == () and keeps_none.kernel_of("B").inlined == ("B", "C")
     no_nest = plan_from_groups(_graph(), [["B", "C", "D"], ["E"]], nests=lambda ops, private: None)
     assert no_nest.kernel_of("B").buffered == ()
+
+
+CONCAT = """
+E = tensor([4, 5])
+F = tensor([7, 5])
+L = tensor([7, 5])
+G = tensor([PARTS, 5])
+E[c, i] = D[c, i] * 2
+F[c, i] = Select(c < 3, A[c, i], E[c - 3, i])
+L[c, i] = F[c, i] * F[c, i] + 1
+G[c, i] = F[c, i] + 1
+"""
+
+
+@pytest.mark.parametrize("parts", [3, 4])
+def test_a_producer_a_recomputing_group_no_longer_reads_is_not_stored(parts: int) -> None:
+    # the second group recomputes the concatenation F for its first `parts` rows: within the
+    # first 3 that is A alone, so E need not be stored for it; one row more reads E
+    graph = neoflow.graph(CONCAT.replace("PARTS", str(parts)), shapes={"A": (3, 5), "D": (4, 5)})
+    plan = plan_from_groups(graph, [["E", "F", "L"], ["F", "G"]])
+    validate(plan, graph)
+    assert plan.kernel_of("L").materialized == (("L",) if parts == 3 else ("E", "L"))
+    fused, _ = apply_plan(graph, plan)
+    assert [t.name for t in fused.op("G").inputs] == (["A"] if parts == 3 else ["A", "E"])
+    rng = np.random.default_rng(0)
+    inputs = {"A": rng.standard_normal((3, 5)).astype(np.float32), "D": rng.standard_normal((4, 5)).astype(np.float32)}
+    expected = neoflow.evaluate(graph, inputs)
+    got = neoflow.evaluate(fused, inputs)
+    for name in ("L", "G"):
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-6)

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import neoflow
 from neoflow.ir import index
+from neoflow.ir.expr import Binary, Const, Index, Read, Select, Unary
 from neoflow.ir.index import flat_offset, var
-from neoflow.ir.simplify import interval, simplify_index, simplify_offset
+from neoflow.ir.simplify import condition_value, fold_selects, interval, simplify_index, simplify_offset
 
 i0, i1, i2, i3 = (var(f"i{d}") for d in range(4))
 
@@ -115,3 +116,49 @@ def test_every_point_of_a_small_box_checks_the_capsule_reshape_read() -> None:
     for point in itertools.product(*(range(e) for e in extents.values())):
         env = dict(zip(extents, point, strict=True))
         assert index.evaluate(expr, env) == env["b"]
+
+
+_COMPARE = {
+    "<": np.less,
+    "<=": np.less_equal,
+    ">": np.greater,
+    ">=": np.greater_equal,
+    "==": np.equal,
+    "!=": np.not_equal,
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    left=_expressions(_LEAVES),
+    right=_expressions(_LEAVES),
+    op=st.sampled_from(sorted(_COMPARE)),
+    sizes=st.tuples(st.integers(1, 6), st.integers(1, 6), st.integers(1, 6)),
+)
+def test_a_condition_decided_over_the_box_holds_at_every_point_or_at_none(left, right, op, sizes) -> None:
+    extents = dict(zip(("i0", "i1", "i2"), sizes, strict=True))
+    holds = _COMPARE[op](_values_on_box(left, extents), _values_on_box(right, extents))
+    cond = Binary(op, Index(left), Index(right))
+    for whole in (cond, Unary("!", cond), Binary("&&", cond, Const(True)), Binary("||", cond, Const(False))):
+        value = condition_value(whole, extents)
+        expected = ~holds if isinstance(whole, Unary) else holds
+        if value is not None:
+            assert bool(expected.all()) if value else not expected.any()
+    # what the box can decide, it does: a comparison of one variable with a constant
+    if left.is_Symbol and right.is_Integer:
+        assert (condition_value(cond, extents) is None) == (0 < holds.sum() < holds.size)
+
+
+def test_a_select_the_box_decides_is_the_branch_it_takes() -> None:
+    c = var("c")
+    concat = Select(Binary("<", Index(c), Const(3)), Read("A", (c,), "float32"), Read("E", (c - 3,), "float32"))
+    assert fold_selects(concat, {"c": 3}) == concat.a  # read for c < 3 only: A
+    assert fold_selects(concat, {"c": 7}) == concat  # both parts
+    shifted = Select(Binary("<", Index(c + 3), Const(3)), Read("A", (c,), "float32"), Read("E", (c,), "float32"))
+    assert fold_selects(shifted, {"c": 4}) == shifted.b  # never below 3: E
+    # a branch of another dtype is left in its select (the select's dtype is the promoted one)
+    mixed = Select(Binary("<", Index(c), Const(3)), Const(1), Read("E", (c,), "float32"))
+    assert fold_selects(mixed, {"c": 3}) == mixed
+    # a condition on data is not decided
+    on_data = Select(Binary("<", Read("I", (c,), "float32"), Const(3)), Const(1.0), Const(0.0))
+    assert condition_value(on_data.cond, {"c": 3}) is None and fold_selects(on_data, {"c": 3}) == on_data
