@@ -134,10 +134,7 @@ class Grouping:
                 and (
                     name in self.always
                     or any(
-                        self._outside_reads(groups, where, j, name)
-                        for r in self.readers.get(name, ())
-                        for j in where[r]
-                        if name not in groups[j]
+                        self._group_reads(groups, where, j, name) for j in self._outside_readers(groups, where, name)
                     )
                 )
             }
@@ -161,16 +158,19 @@ class Grouping:
         order = tuple(sorted(members, key=self.position.__getitem__))
         return Kernel(order, tuple(n for n in order if n in materialized))
 
-    def _outside_reads(self, groups: list[frozenset[str]], where: dict[str, list[int]], j: int, name: str) -> bool:
+    def _outside_readers(self, groups: list[frozenset[str]], where: dict[str, list[int]], name: str) -> set[int]:
+        """The groups that hold a reader of ``name`` but not ``name``."""
+        return {j for r in self.readers.get(name, ()) for j in where[r] if name not in groups[j]}
+
+    def _group_reads(self, groups: list[frozenset[str]], where: dict[str, list[int]], j: int, name: str) -> bool:
         """Whether group ``j``, which holds a reader of ``name`` but not ``name``,
         reads it: always where it stores a reader; where it only recomputes them,
-        when its kernel's ops, inlined and simplified, still read it."""
+        when its kernel's ops, inlined and simplified, still read it.  (The
+        group's stored ops are taken as any outside reader would make them: a
+        superset of what it stores, so what it reads is never missed.)"""
         group = groups[j]
         stored = {
-            n
-            for n in group
-            if where[n][0] == j
-            and (n in self.always or any(n not in groups[i] for r in self.readers.get(n, ()) for i in where[r]))
+            n for n in group if where[n][0] == j and (n in self.always or self._outside_readers(groups, where, n))
         }
         if any(r in stored for r in self.readers.get(name, ()) if r in group):
             return True
@@ -244,8 +244,8 @@ def _sources(graph: Graph, kernels: list[Kernel]) -> list[set[int]]:
     needs: list[set[int]] = [set() for _ in kernels]
     for k, kernel in enumerate(kernels):
         members = set(kernel.ops)
-        for name in kernel.ops:
-            for tensor in ops[name].input_names:
+        for op in kernel_ops(graph, kernel):  # what it reads once its recomputed ops are inlined
+            for tensor in op.input_names:
                 if tensor in ops and tensor not in members and tensor in home:
                     needs[k].add(home[tensor])
     return needs

@@ -139,3 +139,27 @@ def test_a_producer_a_recomputing_group_no_longer_reads_is_not_stored(parts: int
     got = neoflow.evaluate(fused, inputs)
     for name in ("L", "G"):
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-6)
+
+
+def test_kernels_are_ordered_by_what_they_read_once_their_recomputed_ops_are_inlined() -> None:
+    # the first group recomputes F for its first 3 rows (A alone there) and stores G, which the
+    # second reads; by the graph's edges the first would also need E, stored by the second: a cycle
+    text = """
+    E = tensor([4, 5])
+    F = tensor([7, 5])
+    G = tensor([3, 5])
+    L = tensor([7, 5])
+    E[c, i] = D[c, i] * 2
+    F[c, i] = Select(c < 3, A[c, i], E[c - 3, i])
+    G[c, i] = F[c, i] + 1
+    L[c, i] = F[c, i] * G[c % 3, i]
+    """
+    graph = neoflow.graph(text, shapes={"A": (3, 5), "D": (4, 5)})
+    plan = plan_from_groups(graph, [["E", "F", "L"], ["F", "G"]], keep=("E",))
+    validate(plan, graph, keep=("E",))
+    assert [k.materialized for k in plan.kernels] == [("G",), ("E", "L")]
+    fused, _ = apply_plan(graph, plan)
+    rng = np.random.default_rng(1)
+    inputs = {"A": rng.standard_normal((3, 5)).astype(np.float32), "D": rng.standard_normal((4, 5)).astype(np.float32)}
+    expected = neoflow.evaluate(graph, inputs)
+    np.testing.assert_allclose(neoflow.evaluate(fused, inputs)["L"], expected["L"], rtol=1e-6)

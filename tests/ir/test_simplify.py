@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import neoflow
 from neoflow.ir import index
-from neoflow.ir.expr import Binary, Const, Index, Read, Select, Unary
+from neoflow.ir.expr import COMPARISONS, Binary, Const, Index, Read, Select, Unary
 from neoflow.ir.index import flat_offset, var
+from neoflow.ir.interpreter import _BINARY
 from neoflow.ir.simplify import condition_value, fold_selects, interval, simplify_index, simplify_offset
 
 i0, i1, i2, i3 = (var(f"i{d}") for d in range(4))
@@ -118,14 +119,7 @@ def test_every_point_of_a_small_box_checks_the_capsule_reshape_read() -> None:
         assert index.evaluate(expr, env) == env["b"]
 
 
-_COMPARE = {
-    "<": np.less,
-    "<=": np.less_equal,
-    ">": np.greater,
-    ">=": np.greater_equal,
-    "==": np.equal,
-    "!=": np.not_equal,
-}
+_COMPARE = {op: _BINARY[op] for op in COMPARISONS}  # the interpreter's numpy comparisons
 
 
 @settings(max_examples=150, deadline=None)
