@@ -117,20 +117,29 @@ def _inputs(body: Expr, consumer: Op, producer: Op) -> tuple[Tensor, ...]:
     return tuple(found.values())
 
 
-def inline_all(ops: Iterable[Op], inlined: Iterable[str]) -> list[Op]:
+def inline_all(
+    ops: Iterable[Op], inlined: Iterable[str], memo: dict[tuple[str, frozenset[str]], Op] | None = None
+) -> list[Op]:
     """The ops of a kernel that are not in ``inlined``, each with every
     inlined op it reads (directly or through other inlined ops) substituted.
-    ``ops`` are in topological order."""
+    ``ops`` are in topological order.  ``memo`` (for ops of one graph) keeps each
+    op's substituted form by the inlined ops it reaches, for other kernels to reuse."""
     names = set(inlined)
     done: dict[str, Op] = {}
+    reached: dict[str, frozenset[str]] = {}
     roots = []
     for op in ops:
-        fused = op
-        for tensor in op.inputs:
-            if tensor.name in names:
-                fused = inline(fused, done[tensor.name])
+        reach = frozenset(name for t in op.inputs if t.name in names for name in (t.name, *reached[t.name]))
+        fused = memo.get((op.name, reach)) if memo is not None else None
+        if fused is None:
+            fused = op
+            for tensor in op.inputs:
+                if tensor.name in names:
+                    fused = inline(fused, done[tensor.name])
+            if memo is not None:
+                memo[(op.name, reach)] = fused
         if op.name in names:
-            done[op.name] = fused
+            done[op.name], reached[op.name] = fused, reach
         else:
             roots.append(fused)
     return roots

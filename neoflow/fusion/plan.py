@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from neoflow.errors import CompileError
 from neoflow.fusion.inline import inline_all, why_not_inlined
+from neoflow.ir.expr import Select
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 
@@ -106,8 +107,10 @@ class Grouping:
         self.graph = graph
         self.nests = nests
         self._buffered: dict[Kernel, Kernel] = {}
-        self._reads: dict[tuple[frozenset[str], frozenset[str]], frozenset[str]] = {}
+        self._reads: dict[Kernel, frozenset[str]] = {}
+        self._inlined: dict[tuple[str, frozenset[str]], Op] = {}  # inline_all's memo
         self.ops = {op.name: op for op in graph.ops}
+        self._selecting = {op.name for op in graph.ops if any(isinstance(n, Select) for n in op.body.walk())}
         self.position = {op.name: k for k, op in enumerate(graph.ops)}
         self.readers: dict[str, list[str]] = {}
         for op in graph.ops:
@@ -172,14 +175,22 @@ class Grouping:
         stored = {
             n for n in group if where[n][0] == j and (n in self.always or self._outside_readers(groups, where, n))
         }
-        if any(r in stored for r in self.readers.get(name, ()) if r in group):
+        kernel = self._kernel(group, stored)  # less the recomputed ops nothing in it uses
+        members = set(kernel.ops) if kernel is not None else set()
+        if any(r in stored for r in self.readers.get(name, ()) if r in members):
             return True
-        key = (group, frozenset(stored))
-        reads = self._reads.get(key)
+        downstream, frontier = set(), [name]  # the kernel's ops that read name, directly or through others
+        while frontier:
+            found = {r for n in frontier for r in self.readers.get(n, ()) if r in members} - downstream
+            downstream |= found
+            frontier = list(found)
+        if not downstream or downstream.isdisjoint(self._selecting):
+            return bool(downstream)  # only a select the inlining folds can take a read away
+        reads = self._reads.get(kernel)
         if reads is None:
-            kernel = self._kernel(group, stored)
-            ops = kernel_ops(self.graph, kernel) if kernel is not None else []
-            reads = self._reads[key] = frozenset(t.name for op in ops for t in op.inputs)
+            reads = self._reads[kernel] = frozenset(
+                t.name for op in kernel_ops(self.graph, kernel, self._inlined) for t in op.inputs
+            )
         return name in reads
 
     def _with_buffers(self, kernel: Kernel) -> Kernel:
@@ -196,7 +207,7 @@ class Grouping:
             chosen: tuple[str, ...] = ()
             while candidates:
                 trial = replace(kernel, buffered=candidates)
-                kept = self.nests(kernel_ops(self.graph, trial), candidates)
+                kept = self.nests(kernel_ops(self.graph, trial, self._inlined), candidates)
                 if kept is None:
                     break
                 kept_in_order = tuple(name for name in candidates if name in kept)
@@ -336,11 +347,12 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
                 )
 
 
-def kernel_ops(graph: Graph, kernel: Kernel) -> list[Op]:
+def kernel_ops(graph: Graph, kernel: Kernel, memo: dict[tuple[str, frozenset[str]], Op] | None = None) -> list[Op]:
     """The ops kernel ``kernel`` computes: its materialised and buffered ops,
-    in order, with every inlined op substituted into its readers."""
+    in order, with every inlined op substituted into its readers (``memo``:
+    ``inline_all``'s, for many kernels of ``graph``)."""
     members = set(kernel.ops)
-    return inline_all([op for op in graph.ops if op.name in members], kernel.inlined)
+    return inline_all([op for op in graph.ops if op.name in members], kernel.inlined, memo)
 
 
 def apply_plan(graph: Graph, plan: FusionPlan) -> tuple[Graph, tuple[tuple[str, ...], ...]]:

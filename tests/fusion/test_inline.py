@@ -66,6 +66,24 @@ def test_a_chain_of_inlined_ops_leaves_only_the_stored_ones() -> None:
     np.testing.assert_allclose(evaluate(fused, {"A": a}), (a * 2 + 1) ** 2)
 
 
+def test_a_memo_reuses_an_ops_substituted_form_only_for_the_same_inlined_producers() -> None:
+    graph = _graph(
+        """
+        B[i] = A[i] * 2
+        C[i] = B[i] + 1
+        D[i] = C[i] * C[i]
+        """,
+        A=(8,),
+    )
+    memo: dict = {}
+    both = inline_all(graph.ops, ["B", "C"], memo)
+    assert both == inline_all(graph.ops, ["B", "C"]) and ("D", frozenset({"B", "C"})) in memo
+    # C alone inlined: D's form reaches C only, and C's keeps its read of B
+    (stored_b, only_c) = inline_all(graph.ops, ["C"], memo)
+    assert stored_b.name == "B" and [t.name for t in only_c.inputs] == ["B"]
+    assert inline_all(graph.ops, ["B", "C"], memo)[0] is both[0]  # reused, not rebuilt
+
+
 def test_a_narrowing_producer_keeps_its_rounding() -> None:
     graph = _graph("H[i] = float16(A[i] / 3)\nY[i] = H[i] * 3", A=(4,))
     fused = inline(graph.ops[1], graph.ops[0])
