@@ -8,6 +8,12 @@ from neoflow.errors import CompileError
 from neoflow.fusion.inline import inline, inline_all
 from neoflow.ir import Graph, evaluate, evaluate_graph
 
+CHAIN = """
+B[i] = A[i] * 2
+C[i] = B[i] + 1
+D[i] = C[i] * C[i]
+"""
+
 
 def _graph(text: str, **shapes) -> Graph:
     return neoflow.graph(text, shapes={k: tuple(v) for k, v in shapes.items()})
@@ -52,14 +58,7 @@ def test_a_reduction_inlined_twice_gets_fresh_axis_names() -> None:
 
 
 def test_a_chain_of_inlined_ops_leaves_only_the_stored_ones() -> None:
-    graph = _graph(
-        """
-        B[i] = A[i] * 2
-        C[i] = B[i] + 1
-        D[i] = C[i] * C[i]
-        """,
-        A=(8,),
-    )
+    graph = _graph(CHAIN, A=(8,))
     (fused,) = inline_all(graph.ops, ["B", "C"])
     assert fused.name == "D" and [t.name for t in fused.inputs] == ["A"]
     a = np.arange(8, dtype=np.float32)
@@ -67,14 +66,7 @@ def test_a_chain_of_inlined_ops_leaves_only_the_stored_ones() -> None:
 
 
 def test_a_memo_reuses_an_ops_substituted_form_only_for_the_same_inlined_producers() -> None:
-    graph = _graph(
-        """
-        B[i] = A[i] * 2
-        C[i] = B[i] + 1
-        D[i] = C[i] * C[i]
-        """,
-        A=(8,),
-    )
+    graph = _graph(CHAIN, A=(8,))
     memo: dict = {}
     both = inline_all(graph.ops, ["B", "C"], memo)
     assert both == inline_all(graph.ops, ["B", "C"]) and ("D", frozenset({"B", "C"})) in memo
