@@ -30,7 +30,8 @@ from typing import NamedTuple
 import sympy
 
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, unflatten_index
-from neoflow.codegen.hardware import AVX2
+from neoflow.codegen.depth_vector import DepthVectorPlan, depth_vector_code, depth_vector_cycles, depth_vector_plan
+from neoflow.codegen.hardware import AVX2, cpu_flags
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.codegen.packing import (
@@ -38,6 +39,7 @@ from neoflow.codegen.packing import (
     Strips,
     affine_operand,
     affine_packer,
+    batch_base,
     free_tables,
     gather_fraction,
     operand_tables,
@@ -52,6 +54,7 @@ from neoflow.ir.simplify import read_offset
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
 #: cycles of one depth step of the MR x NR micro-kernel on this machine (6 with AVX2, 3 with AVX-512)
 STEP_CYCLES = AVX2.intrinsic("outer_product").cycles
+AVX512 = "avx512f" in cpu_flags()  # the depth-vectorised kernel runs (``depth_vector``)
 NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
 _THREADS = """#ifdef _OPENMP
@@ -159,6 +162,23 @@ static inline void nf_micro_6x16(int64_t kc, const float *restrict a, const floa
 static inline void nf_micro_6x16_acc(int64_t kc, const float *restrict a, const float *restrict b, float *restrict c) {
     nf_micro_6x16_from(kc, a, b, c, 1);
 }
+#if defined(__AVX512F__)
+/* the depth-vectorised kernel's loads (neoflow.codegen.depth_vector): p[0], p[2], ..., p[30]
+   (the last element of the second load is masked off: it may lie past the tensor) */
+static inline __m512 nf_load_pairs(const float *p) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(p), even, _mm512_maskz_loadu_ps(0x7FFF, p + 16));
+}
+/* the first count (1 to 16) of the 16 elements step apart from p, the other lanes zero and not read */
+static inline __m512 nf_load_run(const float *p, int64_t step, int count) {
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    if (step == 1)
+        return _mm512_maskz_loadu_ps(mask, p);
+    const __m512i lane = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int32_t)step));
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, lane, p, 4);
+}
+#endif
 #if defined(__AVX2__)
 #include <immintrin.h>
 /* the 8 x 8 block in r[0..7] transposed in place (the packers' depth runs) */
@@ -312,8 +332,9 @@ def domain_points(op: Op) -> float:
 
 def kernel_cycles(mapping: Mapping, op: Op, strides: dict[str, int] | None = None) -> float:
     """Estimated cycles of the kernel computing ``op`` (a dense piece, its domain folded
-    onto guards, writing the output at ``strides``; None: row-major) for ``mapping``:
-    micro-kernel calls (``STEP_CYCLES`` a depth step), packing (``_pack_cycles`` per element; all of
+    onto guards, writing the output at ``strides``; None: row-major) for ``mapping``: the
+    depth-vectorised kernel's (``depth_vector``) where it runs, otherwise micro-kernel
+    calls (``STEP_CYCLES`` a depth step), packing (``_pack_cycles`` per element; all of
     ``a`` once on the narrow structure, ``_narrow``) and the write-back after each
     depth block (more when the depth is one block and the tile's columns are not a
     contiguous run of the output: stores element by element), summed over the batch
@@ -324,6 +345,11 @@ def kernel_cycles(mapping: Mapping, op: Op, strides: dict[str, int] | None = Non
     batches = math.prod(extent[v] for v in mapping.outer)
     factor_a, factor_b = _operand_factors(op, mapping)
     batch = [(v, extent[v]) for v in mapping.outer]
+    if AVX512:
+        shapes = {t.name: t.shape for t in op.inputs}
+        vector = _depth_vector(factor_a, factor_b, shapes, extent, (m, n, k), [(v, extent[v]) for v in groups["k"]])
+        if vector is not None:
+            return batches * (depth_vector_cycles(vector, (m, n, k), STEP_CYCLES / MR) + m * n * WRITE_CYCLES)
     narrow = _narrow(m, k, batch, factor_a) and not _split_depth(m, n, k)
     compute = round_up(m, MR) * round_up(n, NR) * k / (MR * NR) * STEP_CYCLES
     pack_b = k * round_up(n, NR) * _pack_cycles(op, factor_b, groups["j"], groups["k"], NR)
@@ -513,10 +539,43 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         if epilogue is not None:
             epilogue_term = f""" {_lookup("row", "i", rows)} {_lookup("col", "jc + j", cols)}
                     {{ const float acc_ = sum; sum = (float)({finish(epilogue, "float32")}); }}"""
-        split = _depth_split_code(
-            tables, (m, n, k), batch, batches, offset(batch), pack_a, pack_b("0", b_outer), epilogue_term, operand_free
+        open_batch = f"""for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
+            {unflatten_index("batch_", batch)}
+            float *restrict to_batch = outp + {offset(batch)};"""
+        sums = _partial_sums(m, epilogue_term)
+        split = f"""
+        {tables}{_depth_split_code((m, n, k), open_batch, pack_a, pack_b("0", b_outer), sums)}
+        {_FREE_TABLES} {operand_free}"""
+        vector = _depth_vector(factor_a, factor_b, shapes, extent, (m, n, k), depth)
+        if vector is None:
+            return packers, split
+        # the depth-vectorised kernel reads the depth tables only where each run starts
+        a_base, b_base = (batch_base(operand, batch) for operand in (vector.a, vector.b))
+        inputs = (names[vector.a.tensor], names[vector.b.tensor])
+        operands = (("a", vector.a, rows), ("b", vector.b, cols))
+        vector_tables = "\n        ".join(
+            f"{operand_tables(f'{side}_side', operand, group, False)}\n        "
+            f"{operand_tables(f'{side}_dep', operand, depth[:-1], True)}"
+            for side, operand, group in operands
         )
-        return packers, split
+        release = " ".join(
+            f"{free_tables(f'{side}_side', operand)} {free_tables(f'{side}_dep', operand)}"
+            for side, operand, _ in operands
+        )
+        code = depth_vector_code(vector, (m, n, k), inputs, (a_base, b_base), open_batch, sums)
+        return (
+            packers,
+            f"""
+#if defined(__AVX512F__)
+        float *restrict outp = out + {piece.base};
+        {_table("row", rows, offset(rows))}
+        {_table("col", cols, offset(cols))}
+        {vector_tables}
+{_THREADS}{code}
+        free(row_tab); free(row_off); free(col_tab); free(col_off); {release}
+#else{split}
+#endif""",
+        )
 
     def row_strips(b_strip: str) -> str:
         """C running the micro-kernel down rows ``[ic, ic + mc)`` against the packed
@@ -816,28 +875,46 @@ def _split_depth(m: int, n: int, k: int) -> bool:
     return m * n <= (1 << 16) and k >= 4 * KC
 
 
-def _depth_split_code(
-    tables: str,
+def _depth_vector(
+    factor_a: Expr,
+    factor_b: Expr,
+    shapes: dict[str, tuple[int, ...]],
+    extent: dict[str, int],
     sizes: tuple[int, int, int],
-    batch: list[tuple[str, int]],
-    batches: int,
-    batch_offset: str,
-    pack_a: str,
-    pack_b: str,
-    epilogue: str,
-    operand_free: str,
-) -> str:
+    depth: list[tuple[str, int]],
+) -> DepthVectorPlan | None:
+    """The depth-vectorised plan (``neoflow.codegen.depth_vector``) of a contraction the
+    blocked kernel would run with its depth shared out, where it applies and one output
+    block of columns (``NC``) holds all of them."""
+    if sizes[1] > NC or not _split_depth(*sizes):
+        return None
+    frozen_shapes, extents = tuple(sorted(shapes.items())), tuple(sorted(extent.items()))
+    return depth_vector_plan(
+        _affine(factor_a, frozen_shapes, extents), _affine(factor_b, frozen_shapes, extents), sizes, depth
+    )
+
+
+def _partial_sums(m: int, epilogue: str) -> str:
+    """C adding the threads' partial outputs (``partial``, ``threads_ x m x width_``) for
+    columns ``[jc, jc + nc)`` into ``to_batch``, applying ``epilogue`` to each sum."""
+    return f"""                #pragma omp parallel for
+                for (int64_t i = 0; i < {m}; ++i)
+                    for (int64_t j = 0; j < nc; ++j) {{
+                        float sum = 0.0f;
+                        for (int64_t t = 0; t < threads_; ++t) sum += partial[(t * {m} + i) * width_ + j];{epilogue}
+                        to_batch[row_off[i] + col_off[jc + j]] = sum;
+                    }}"""
+
+
+def _depth_split_code(sizes: tuple[int, int, int], open_batch: str, pack_a: str, pack_b: str, sums: str) -> str:
     """C for the blocked kernel with the ``KC`` blocks shared out among the threads: each
     accumulates its part of the sum in its own ``m x nc`` buffer, and the buffers are then
-    added up into the output (with the epilogue); ``operand_free`` releases the packers' tables."""
+    added up into the output by ``sums``; ``open_batch`` opens the loop over the batch points."""
     m, n, k = sizes
     return f"""
-        {tables}
         const int64_t width_ = {min(NC, n)};
         float *partial = (float *)malloc(sizeof(float) * threads_ * {m} * width_);
-        for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
-            {unflatten_index("batch_", batch)}
-            float *restrict to_batch = outp + {batch_offset};
+        {open_batch}
             for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
                 const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;
                 const int64_t strips = (nc + {NR - 1}) / {NR};
@@ -875,14 +952,7 @@ def _depth_split_code(
                     free(apack);
                     free(bpack);
                 }}
-                #pragma omp parallel for
-                for (int64_t i = 0; i < {m}; ++i)
-                    for (int64_t j = 0; j < nc; ++j) {{
-                        float sum = 0.0f;
-                        for (int64_t t = 0; t < threads_; ++t) sum += partial[(t * {m} + i) * width_ + j];{epilogue}
-                        to_batch[row_off[i] + col_off[jc + j]] = sum;
-                    }}
+{sums}
             }}
         }}
-        free(partial);
-        {_FREE_TABLES} {operand_free}"""
+        free(partial);"""

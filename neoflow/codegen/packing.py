@@ -214,6 +214,12 @@ def operand_tables(name: str, operand: AffineOperand, variables: list[tuple[str,
     )
 
 
+def batch_base(operand: AffineOperand, batch: list[tuple[str, int]]) -> str:
+    """C for the part of ``operand``'s read offset in the ``batch`` variables (read as ``v_<name>``)."""
+    printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
+    return printer(_part(operand.offset, {v for v, _ in batch}, False))
+
+
 def free_tables(name: str, operand: AffineOperand) -> str:
     """C freeing the tables of ``operand_tables``."""
     return f"for (int q = 0; q < {len(operand.quantities())}; ++q) free({name}[q]);"

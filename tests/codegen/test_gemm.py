@@ -44,6 +44,24 @@ CASES = {
         "C[i, j] = ReduceAdd({k}, A[k, i] * B[k, j]) + Bias[j]",
         {"A": (3000, 30), "B": (3000, 50), "Bias": (50,)},
     ),
+    # vectorised along the depth (``depth_vector``): a step of two along q (and a 5-step tail),
+    # a batch variable outside, both operands stepping by two, and an update epilogue
+    "weight_gradient_stride_2": (
+        "dW[k, c, r, s] = ReduceAdd({n, p, q}, dY[n, k, p, q] * X[n, c, 2*p + r, 2*q + s])",
+        {"dY": (2, 10, 16, 37), "X": (2, 3, 33, 75)},
+    ),
+    "batched_weight_gradient": (
+        "dW[g, k, c] = ReduceAdd({p, q}, dY[g, k, p, q] * X[g, c, 2*p, 2*q])",
+        {"dY": (3, 7, 8, 160), "X": (3, 5, 16, 320)},
+    ),
+    "both_operands_step_two": (
+        "dW[k, c] = ReduceAdd({p, q: 64}, dY[k, p, 2*q] * X[c, p, 2*q + 1])",
+        {"dY": (9, 20, 128), "X": (11, 20, 129)},
+    ),
+    "depth_vector_update_epilogue": (
+        "C[k, c] = P[k, c] - 0.1 * ReduceAdd({p, q}, dY[k, p, q] * X[c, p, 2*q])",
+        {"dY": (13, 20, 64), "X": (7, 20, 128), "P": (13, 7)},
+    ),
     # epilogues of any shape, applied to the finished sum (what fusing an activation or an update gives)
     "relu_bias_epilogue": (
         "C[i, j] = max(ReduceAdd({k}, A[i, k] * B[k, j]) + Bias[j], 0)",
@@ -106,6 +124,51 @@ def test_weight_gradients_share_out_the_reduction() -> None:
     assert "partial" in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
     text, shapes = CASES["gemm_odd"]
     assert "partial" not in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
+
+
+DEPTH_VECTOR_CASES = [
+    "weight_gradient_split_depth",
+    "weight_gradient_stride_2",
+    "batched_weight_gradient",
+    "both_operands_step_two",
+    "depth_vector_update_epilogue",
+]
+DEPTH_VECTOR_MARK = "16 partial sums an output in lanes"
+
+
+@pytest.mark.parametrize("case", DEPTH_VECTOR_CASES)
+def test_long_depths_with_runs_of_one_or_two_steps_are_vectorised_along_the_depth(case: str) -> None:
+    from neoflow.codegen.lower import lower_op
+
+    text, shapes = CASES[case]
+    assert DEPTH_VECTOR_MARK in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
+
+
+@pytest.mark.parametrize(
+    "text, shapes",
+    [
+        # a padding guard on the read, a step of three, a depth's last variable shorter than 16
+        (
+            "dW[k, c, r] = ReduceAdd({p, q}, dY[k, p, q] * Select(q + r - 1 >= 0, X[c, p, q + r - 1], 0))",
+            {"dY": (8, 20, 64), "X": (5, 20, 64)},
+        ),
+        ("dW[k, c] = ReduceAdd({p, q}, dY[k, p, q] * X[c, p, 3*q])", {"dY": (8, 20, 64), "X": (5, 20, 192)}),
+        ("dW[k, c] = ReduceAdd({p, q}, dY[k, p, q] * X[c, p, q])", {"dY": (8, 200, 8), "X": (5, 200, 8)}),
+    ],
+)
+def test_other_long_depths_keep_the_packed_depth_split(text: str, shapes: dict) -> None:
+    from neoflow.codegen.lower import lower_op
+
+    code = lower_op(neoflow.op(text, shapes=shapes), "kernel")
+    assert "partial" in code and DEPTH_VECTOR_MARK not in code
+    assert_compiled_matches_interpreter(neoflow.op(text, shapes=shapes), 4)
+
+
+def test_on_narrower_vector_units_the_depth_split_computes_the_same(narrower_cc) -> None:
+    # without AVX-512 the packed depth split runs instead of the depth-vectorised kernel
+    for case in ("weight_gradient_stride_2", "depth_vector_update_epilogue"):
+        text, shapes = CASES[case]
+        assert_compiled_matches_interpreter(neoflow.op(text, shapes=dict(shapes)), 5)
 
 
 def test_a_strided_adjoint_runs_the_blocked_kernel_on_each_dense_piece() -> None:
