@@ -39,8 +39,9 @@ import os
 from dataclasses import dataclass
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, linear_index
-from neoflow.codegen.gemm import KC, MR, NR, STEP_CYCLES, round_up
+from neoflow.codegen.gemm import KC, MR, NR, STEP_CYCLES
 from neoflow.codegen.hardware import AVX2
+from neoflow.codegen.packing import round_up
 from neoflow.ir.expr import Binary, Expr, Reduce, index_variables
 from neoflow.ir.op import Op
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from neoflow.codegen.packing import AffineOperand
+from neoflow.codegen.packing import AffineOperand, round_up
 from neoflow.ir.index import var
 
 LANES = 16
@@ -68,7 +68,7 @@ def depth_vector_plan(
         return None
     # the operand whose loads cost more (a step of two) takes the block's shorter side
     block = REGISTER_BLOCK if steps[0] >= steps[1] else REGISTER_BLOCK[::-1]
-    if _round_up(m, block[0]) * _round_up(n, block[1]) * LANES * 4 > MAX_LANES_BYTES:
+    if round_up(m, block[0]) * round_up(n, block[1]) * LANES * 4 > MAX_LANES_BYTES:
         return None
     return DepthVectorPlan(run, (int(steps[0]), int(steps[1])), block, a, b)
 
@@ -86,10 +86,6 @@ def depth_vector_cycles(plan: DepthVectorPlan, sizes: tuple[int, int, int], fma_
         for side, step in zip(plan.block, plan.steps, strict=True)
     )
     return blocks * runs * (ra * rb * fma_cycles + loads)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _run_body(plan: DepthVectorPlan, count: int | None) -> str:
@@ -118,7 +114,7 @@ def _compact(side: str, count: int, padded: int, plan: DepthVectorPlan, depth_bl
     points ``[o, o_end)`` into ``<side>_run``: each of its ``padded`` rows (the ones past
     ``count`` repeat the last) a run of ``run`` consecutive floats, zero-padded to whole vectors."""
     run = plan.run
-    full, tail, stride = run // LANES * LANES, run % LANES, _round_up(run, LANES)
+    full, tail, stride = run // LANES * LANES, run % LANES, round_up(run, LANES)
     tail_copy = ""
     if tail:
         copy = f"_mm512_store_ps(to + {full}, nf_load_run(row + {full * 2}, 2, {tail}));"
@@ -171,9 +167,9 @@ def depth_vector_code(
     column block within ``L1_BLOCK_BYTES``."""
     m, n, k = sizes
     ra, rb = plan.block
-    mp, np_ = _round_up(m, ra), _round_up(n, rb)
+    mp, np_ = round_up(m, ra), round_up(n, rb)
     outer = k // plan.run
-    full, tail, stride = plan.run // LANES * LANES, plan.run % LANES, _round_up(plan.run, LANES)
+    full, tail, stride = plan.run // LANES * LANES, plan.run % LANES, round_up(plan.run, LANES)
     depth_block = max(1, min(outer, L1_BLOCK_BYTES // ((mp + rb) * stride * 4)))
     compacted = tuple(step != 1 for step in plan.steps)
     accumulators = [f"c{r}_{c}" for r in range(ra) for c in range(rb)]
@@ -203,7 +199,7 @@ def depth_vector_code(
         {open_batch}
             const float *restrict a_at = {inputs[0]} + ({bases[0]});
             const float *restrict b_at = {inputs[1]} + ({bases[1]});
-            const int64_t jc = 0, nc = {n};
+            const int64_t jc = 0, nc = {n};  /* all columns in one block, as the threads' sums read them */
             /* each thread a share of the depth's outer points; 16 partial sums an output in lanes */
             #pragma omp parallel
             {{

@@ -34,7 +34,7 @@ import sympy
 
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, unflatten_index
 from neoflow.codegen.depth_vector import DepthVectorPlan, depth_vector_code, depth_vector_cycles, depth_vector_plan
-from neoflow.codegen.hardware import AVX2, cpu_flags
+from neoflow.codegen.hardware import AVX2, AVX512
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.codegen.packing import (
@@ -46,6 +46,7 @@ from neoflow.codegen.packing import (
     free_tables,
     gather_fraction,
     operand_tables,
+    round_up,
     vector_fraction,
 )
 from neoflow.ir.bounds import reduction_points
@@ -57,7 +58,6 @@ from neoflow.ir.simplify import read_offset
 MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
 #: cycles of one depth step of the MR x NR micro-kernel on this machine (6 with AVX2, 3 with AVX-512)
 STEP_CYCLES = AVX2.intrinsic("outer_product").cycles
-AVX512 = "avx512f" in cpu_flags()  # the depth-vectorised kernel runs (``depth_vector``)
 NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
 _THREADS = """#ifdef _OPENMP
@@ -65,7 +65,8 @@ _THREADS = """#ifdef _OPENMP
 #else
         const int64_t threads_ = 1;
 #endif"""
-_FREE_TABLES = "free(row_tab); free(row_off); free(col_tab); free(col_off); free(dep_tab);"
+_FREE_OUTPUT_TABLES = "free(row_tab); free(row_off); free(col_tab); free(col_off);"
+_FREE_TABLES = _FREE_OUTPUT_TABLES + " free(dep_tab);"
 GENERIC_CYCLES_PER_POINT = 2.0
 #: cycles per output element written back after a depth block, and extra ones for storing it alone
 WRITE_CYCLES, SCATTER_CYCLES = 1.5, 2.5
@@ -531,9 +532,10 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {a_outer}, {pack_a_code.tables}{arguments});
                             for (int64_t i = mc; i < (mc + {MR - 1}) / {MR} * {MR}; ++i)
                                 for (int64_t p = 0; p < kc; ++p) {zero_a} = 0.0f;"""
-    tables = f"""float *restrict outp = out + {piece.base};
+    output_tables = f"""float *restrict outp = out + {piece.base};
         {_table("row", rows, offset(rows))}
-        {_table("col", cols, offset(cols))}
+        {_table("col", cols, offset(cols))}"""
+    tables = f"""{output_tables}
         {_table("dep", depth, None)}
         {operand_setup}
 {_THREADS}"""
@@ -553,7 +555,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         if vector is None:
             return packers, split
         # the depth-vectorised kernel reads the depth tables only where each run starts
-        a_base, b_base = (batch_base(operand, batch) for operand in (vector.a, vector.b))
+        a_base, b_base = (batch_base(operand.offset, batch) for operand in (vector.a, vector.b))
         inputs = (names[vector.a.tensor], names[vector.b.tensor])
         operands = (("a", vector.a, rows), ("b", vector.b, cols))
         vector_tables = "\n        ".join(
@@ -570,12 +572,10 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             packers,
             f"""
 #if defined(__AVX512F__)
-        float *restrict outp = out + {piece.base};
-        {_table("row", rows, offset(rows))}
-        {_table("col", cols, offset(cols))}
+        {output_tables}
         {vector_tables}
 {_THREADS}{code}
-        free(row_tab); free(row_off); free(col_tab); free(col_off); {release}
+        {_FREE_OUTPUT_TABLES} {release}
 #else{split}
 #endif""",
         )
@@ -846,11 +846,6 @@ def _inner_is_first(
 
     # a tie at unit steps goes to the side: its strips are then runs of consecutive reads, copied whole
     return step(first) < step(second) or step(first) == step(second) == 1
-
-
-def round_up(value: int, multiple: int) -> int:
-    """``value`` rounded up to a multiple of ``multiple``."""
-    return -(-value // multiple) * multiple
 
 
 def _first_read(node: Expr) -> str:

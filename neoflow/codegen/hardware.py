@@ -161,6 +161,8 @@ def _cpu(name: str, vector_bytes: int, notes: str, step_cycles: float = 6.0) -> 
     return Hardware(name, intrinsics, scopes, vector_bytes, 16, 2.0, os.cpu_count() or 1, notes)
 
 
+#: Whether this machine has AVX-512 (the kernels are built for it, ``-march=native``).
+AVX512 = "avx512f" in cpu_flags()
 #: The cpu target.  Its kernels are built for the machine they run on (``-march=native``): where
 #: that has AVX-512, the 6 x 16 micro-kernel keeps a row in one zmm register and a depth step
 #: takes half the cycles (``codegen/gemm.py``); the rest of the code is AVX2's.
@@ -168,7 +170,7 @@ AVX2 = _cpu(
     "avx2",
     32,
     "x86-64 AVX2 + FMA: 16 ymm registers of 8 floats, two FMA ports (the micro-kernel in zmm with AVX-512)",
-    step_cycles=3.0 if "avx512f" in cpu_flags() else 6.0,
+    step_cycles=3.0 if AVX512 else 6.0,
 )
 PORTABLE = _cpu("portable", 32, "GCC vector extensions (8 x float), for CPUs without AVX2")
 

@@ -214,10 +214,16 @@ def operand_tables(name: str, operand: AffineOperand, variables: list[tuple[str,
     )
 
 
-def batch_base(operand: AffineOperand, batch: list[tuple[str, int]]) -> str:
-    """C for the part of ``operand``'s read offset in the ``batch`` variables (read as ``v_<name>``)."""
+def batch_base(quantity: sympy.Expr, batch: list[tuple[str, int]]) -> str:
+    """C for the part of an operand's ``quantity`` (its read offset, a guarded expression)
+    in the ``batch`` variables (read as ``v_<name>``)."""
     printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
-    return printer(_part(operand.offset, {v for v, _ in batch}, False))
+    return printer(_part(quantity, {v for v, _ in batch}, False))
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple`` (a packed buffer's rows or strips)."""
+    return -(-value // multiple) * multiple
 
 
 def free_tables(name: str, operand: AffineOperand) -> str:
@@ -243,12 +249,8 @@ def affine_packer(
     loads, each lane masked by the guards: along a ``VECTOR_WIDTH``-wide strip
     (``_side_runs``) or along the depth, 8 steps of a few rows at a time, transposed
     in registers (``_depth_runs``)."""
-    printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
-    batch_names = {v for v, _ in batch}
     quantities = operand.quantities()
-    bases = " ".join(
-        f"const int64_t base{q}_ = {printer(_part(expr, batch_names, False))};" for q, expr in enumerate(quantities)
-    )
+    bases = " ".join(f"const int64_t base{q}_ = {batch_base(expr, batch)};" for q, expr in enumerate(quantities))
 
     def element(side: str, depth: str) -> str:
         """The packed value, with quantity ``q`` = ``side(q) + depth(q)``."""

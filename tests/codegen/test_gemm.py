@@ -159,9 +159,10 @@ def test_long_depths_with_runs_of_one_or_two_steps_are_vectorised_along_the_dept
 def test_other_long_depths_keep_the_packed_depth_split(text: str, shapes: dict) -> None:
     from neoflow.codegen.lower import lower_op
 
-    code = lower_op(neoflow.op(text, shapes=shapes), "kernel")
+    op = neoflow.op(text, shapes=shapes)
+    code = lower_op(op, "kernel")
     assert "partial" in code and DEPTH_VECTOR_MARK not in code
-    assert_compiled_matches_interpreter(neoflow.op(text, shapes=shapes), 4)
+    assert_compiled_matches_interpreter(op, 4)
 
 
 def test_on_narrower_vector_units_the_depth_split_computes_the_same(narrower_cc) -> None:
