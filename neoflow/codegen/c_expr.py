@@ -19,6 +19,7 @@ from sympy.core.function import AppliedUndef
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Binary, Cast, Const, Expr, Index, Read, Reduce, Select, Unary
+from neoflow.ir.index import is_power
 from neoflow.ir.op import Tensor
 from neoflow.ir.simplify import read_offset
 
@@ -170,6 +171,8 @@ class IndexPrinter:
                 if coeff != 1
                 else ("(" + " * ".join(factors) + ")")
             )
+        if is_power(expr):
+            return "(" + " * ".join([self(expr.base)] * int(expr.exp)) + ")"
         raise CompileError(f"index expression {expr} has no C form")
 
 

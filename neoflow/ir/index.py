@@ -146,6 +146,8 @@ def evaluate(expr: IndexExpr, env: Mapping[str, np.ndarray], read: ReadFn | None
                 raise ValueError(f"fractional index expression {expr}")
             product = product * evaluate(a, env, read)
         return product
+    if is_power(expr):
+        return evaluate(expr.base, env, read) ** int(expr.exp)
     if isinstance(expr, AppliedUndef):
         if read is None:
             raise ValueError(f"data-dependent index {expr} needs a reader")
@@ -198,7 +200,15 @@ def _print(expr: IndexExpr) -> tuple[str, int]:
         if c != 1:
             factors.insert(0, _wrap(c, _PREC_ATOM))
         return "*".join(factors), _PREC_MUL
+    if is_power(expr):
+        return "*".join([_wrap(expr.base, _PREC_MUL + 1)] * int(expr.exp)), _PREC_MUL
     raise ValueError(f"cannot print index expression {expr}")
+
+
+def is_power(expr: IndexExpr) -> bool:
+    """Whether ``expr`` is an index expression to a positive integer power: sympy writes
+    some products that way (``Mod(3*(i % 3), 2)`` becomes ``Mod((i % 3)**2, 2)``)."""
+    return bool(expr.is_Pow and expr.exp.is_Integer and expr.exp > 0)
 
 
 def _wrap(expr: IndexExpr, min_prec: int) -> str:

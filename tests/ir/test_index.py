@@ -2,9 +2,12 @@
 
 import numpy as np
 import pytest
+import sympy
 
+import neoflow
 from neoflow.ir import index
 from neoflow.ir.index import floordiv, mod, var
+from tests.targets import TARGETS, evaluate_on
 
 p, q, r, h, w = (var(n) for n in "pqrhw")
 
@@ -53,6 +56,7 @@ def test_data_dependent_read_uses_the_reader() -> None:
         mod(h + 1, 3) * 2,
         floordiv(-p, 2),
         floordiv(p - r, 2),
+        mod(3 * mod(h, 3), 2),  # sympy writes it Mod((h % 3)**2, 2)
     ],
 )
 def test_text_is_python_equivalent(expr) -> None:
@@ -60,3 +64,14 @@ def test_text_is_python_equivalent(expr) -> None:
     for values in [(0, 0, 0, 0, 0, 0), (5, 3, 7, 2, 9, 4), (-3, 4, -5, 1, -2, 6)]:
         env = dict(zip(["p", "q", "r", "h", "w", "c"], values, strict=True))
         assert eval(text, {}, env) == int(index.evaluate(expr, env)), text
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_product_sympy_writes_as_a_power_is_evaluated_printed_and_compiled(target: str) -> None:
+    op = neoflow.op("Y[i] = X[(3*(i%3)) % 2 + i//3]", shapes={"X": (4,)}, out_shape=(9,))
+    assert any(node.is_Pow for node in sympy.preorder_traversal(op.body.indices[0]))
+    x = np.arange(4, dtype=np.float32) * 10
+    np.testing.assert_array_equal(evaluate_on(target, op, {"X": x}), [x[(3 * (i % 3)) % 2 + i // 3] for i in range(9)])
+    # its text reads back as the same op
+    again = neoflow.op(str(op), shapes={"X": (4,)}, out_shape=(9,))
+    np.testing.assert_array_equal(evaluate_on(target, again, {"X": x}), evaluate_on(target, op, {"X": x}))
