@@ -43,12 +43,12 @@ from neoflow.codegen.packing import (
     affine_operand,
     affine_packer,
     batch_base,
-    free_tables,
     gather_fraction,
     operand_tables,
     round_up,
     vector_fraction,
 )
+from neoflow.codegen.tables import Table, built_once, index_table
 from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
 from neoflow.ir.index import var
@@ -65,8 +65,6 @@ _THREADS = """#ifdef _OPENMP
 #else
         const int64_t threads_ = 1;
 #endif"""
-_FREE_OUTPUT_TABLES = "free(row_tab); free(row_off); free(col_tab); free(col_off);"
-_FREE_TABLES = _FREE_OUTPUT_TABLES + " free(dep_tab);"
 GENERIC_CYCLES_PER_POINT = 2.0
 #: cycles per output element written back after a depth block, and extra ones for storing it alone
 WRITE_CYCLES, SCATTER_CYCLES = 1.5, 2.5
@@ -167,7 +165,7 @@ static inline void nf_micro_6x16_acc(int64_t kc, const float *restrict a, const 
     nf_micro_6x16_from(kc, a, b, c, 1);
 }
 #if defined(__AVX512F__)
-/* the depth-vectorised kernel's loads (neoflow.codegen.depth_vector): p[0], p[2], ..., p[30]
+/* every other element (the depth-vectorised kernel, the packers): p[0], p[2], ..., p[30]
    (the last element of the second load is masked off: it may lie past the tensor) */
 static inline __m512 nf_load_pairs(const float *p) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -405,20 +403,6 @@ def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, 
     return vector * VECTOR_PACK_CYCLES + gathered * GATHER_PACK_CYCLES + (1 - vector - gathered) * scalar
 
 
-def _table(name: str, variables: list[tuple[str, int]], offset: str | None) -> str:
-    """C filling ``<name>_tab`` (the value of each variable at every flat index of
-    the group, interleaved) and, given an offset expression, ``<name>_off``."""
-    size = math.prod(e for _, e in variables)
-    width = len(variables)
-    stores = " ".join(f"{name}_tab[f * {width} + {d}] = (int32_t)v_{v};" for d, (v, _) in enumerate(variables))
-    lines = [f"int32_t *{name}_tab = (int32_t *)malloc(sizeof(int32_t) * {max(size * width, 1)});"]
-    if offset is not None:
-        lines.append(f"int64_t *{name}_off = (int64_t *)malloc(sizeof(int64_t) * {max(size, 1)});")
-        stores += f" {name}_off[f] = {offset};"
-    lines.append(f"for (int64_t f = 0; f < {size}; ++f) {{ {unflatten_index('f', variables)} {stores} }}")
-    return "\n        ".join(lines)
-
-
 def _lookup(name: str, flat: str, variables: list[tuple[str, int]]) -> str:
     """C declaring ``v_<name>`` for each variable of a group from its table."""
     loads = ", ".join(f"v_{v} = {name}_t[{d}]" for d, (v, _) in enumerate(variables))
@@ -517,27 +501,25 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     )
     sides = (pack_a_code, pack_b_code)
     packers = "\n".join(side.code for side in sides)
-    operand_setup = "\n        ".join(side.setup for side in sides if side.setup)
-    operand_free = " ".join(side.release for side in sides if side.release)
+    operand_tables_ = [table for side in sides for table in side.tables]
     b_outer = "kc" if b_inner else "nc"
 
     def pack_b(lo: str, hi: str) -> str:
         zero = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
-        return f"""{prefix}_pack_b(bpack, jc, nc, pc, kc, {lo}, {hi}, {pack_b_code.tables}{arguments});
+        return f"""{prefix}_pack_b(bpack, jc, nc, pc, kc, {lo}, {hi}, {pack_b_code.arguments}{arguments});
                     for (int64_t j = nc; j < strips * {NR}; ++j)
                         for (int64_t p = 0; p < kc; ++p) {zero} = 0.0f;"""
 
     zero_a = f"apack[(i / {MR}) * {MR} * kc + p * {MR} + i % {MR}]"
     a_outer = "kc" if a_inner else "mc"
-    pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {a_outer}, {pack_a_code.tables}{arguments});
+    pack_a = f"""{prefix}_pack_a(apack, ic, mc, pc, kc, 0, {a_outer}, {pack_a_code.arguments}{arguments});
                             for (int64_t i = mc; i < (mc + {MR - 1}) / {MR} * {MR}; ++i)
                                 for (int64_t p = 0; p < kc; ++p) {zero_a} = 0.0f;"""
-    output_tables = f"""float *restrict outp = out + {piece.base};
-        {_table("row", rows, offset(rows))}
-        {_table("col", cols, offset(cols))}"""
-    tables = f"""{output_tables}
-        {_table("dep", depth, None)}
-        {operand_setup}
+    output = f"float *restrict outp = out + {piece.base};"
+    output_tables = [index_table("row", rows, offset(rows)), index_table("col", cols, offset(cols))]
+    all_tables = [*output_tables, index_table("dep", depth, None), *operand_tables_]
+    tables = f"""{output}
+        {built_once(all_tables)}
 {_THREADS}"""
     if _split_depth(m, n, k):
         epilogue_term = ""
@@ -549,8 +531,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             float *restrict to_batch = outp + {offset(batch)};"""
         sums = _partial_sums(m, epilogue_term)
         split = f"""
-        {tables}{_depth_split_code((m, n, k), open_batch, pack_a, pack_b("0", b_outer), sums)}
-        {_FREE_TABLES} {operand_free}"""
+        {tables}{_depth_split_code((m, n, k), open_batch, pack_a, pack_b("0", b_outer), sums)}"""
         vector = _depth_vector(factor_a, factor_b, shapes, extent, (m, n, k), depth)
         if vector is None:
             return packers, split
@@ -558,24 +539,22 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         a_base, b_base = (batch_base(operand.offset, batch) for operand in (vector.a, vector.b))
         inputs = (names[vector.a.tensor], names[vector.b.tensor])
         operands = (("a", vector.a, rows), ("b", vector.b, cols))
-        vector_tables = "\n        ".join(
-            f"{operand_tables(f'{side}_side', operand, group, False)}\n        "
-            f"{operand_tables(f'{side}_dep', operand, depth[:-1], True)}"
+        vector_tables = [
+            table
             for side, operand, group in operands
-        )
-        release = " ".join(
-            f"{free_tables(f'{side}_side', operand)} {free_tables(f'{side}_dep', operand)}"
-            for side, operand, _ in operands
-        )
+            for table in (
+                operand_tables(f"{side}_side", operand, group, False),
+                operand_tables(f"{side}_dep", operand, depth[:-1], True),
+            )
+        ]
         code = depth_vector_code(vector, (m, n, k), inputs, (a_base, b_base), open_batch, sums)
         return (
             packers,
             f"""
 #if defined(__AVX512F__)
-        {output_tables}
-        {vector_tables}
+        {output}
+        {built_once([*output_tables, *vector_tables])}
 {_THREADS}{code}
-        {_FREE_OUTPUT_TABLES} {release}
 #else{split}
 #endif""",
         )
@@ -604,25 +583,31 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                                     }}{epilogue_loop}
                                 }}"""
 
-    row_steps = f"""/* the distance between the rows of each full strip of {MR} output rows, 0 where uneven */
-        int64_t *row_steps = (int64_t *)malloc(sizeof(int64_t) * {-(-m // MR)});
-        for (int64_t s = 0; s < {-(-m // MR)}; ++s) {{
-            int64_t step = s * {MR} + {MR} <= {m} ? row_off[s * {MR} + 1] - row_off[s * {MR}] : 0;
-            for (int64_t r = 2; step && r < {MR}; ++r)
-                if (row_off[s * {MR} + r] - row_off[s * {MR} + r - 1] != step) step = 0;
-            row_steps[s] = step;
-        }}"""
+    strips_of_rows = -(-m // MR)
+    row_steps = Table(
+        "static int64_t *row_steps;",
+        f"""/* the distance between the rows of each full strip of {MR} output rows, 0 where uneven */
+row_steps = (int64_t *)malloc(sizeof(int64_t) * {strips_of_rows});
+for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
+    int64_t step = s * {MR} + {MR} <= {m} ? row_off[s * {MR} + 1] - row_off[s * {MR}] : 0;
+    for (int64_t r = 2; step && r < {MR}; ++r)
+        if (row_off[s * {MR} + r] - row_off[s * {MR} + r - 1] != step) step = 0;
+    row_steps[s] = step;
+}}""",
+    )
+    tables = f"""{output}
+        {built_once([*all_tables, row_steps])}
+{_THREADS}"""
     if _narrow(m, k, batch, factor_a):
-        a_whole = f"{prefix}_pack_a(apack, 0, {m}, 0, {k}, 0, {k if a_inner else m}, {pack_a_code.tables}"
+        a_whole = f"{prefix}_pack_a(apack, 0, {m}, 0, {k}, 0, {k if a_inner else m}, {pack_a_code.arguments}"
         a_whole += "".join(f", in{i}" for i in range(len(op.inputs))) + ", 0" * len(batch) + ");"
         strips = -(-n // NR)
-        b_strip = f"{prefix}_pack_b(bpack, jr, width, 0, {k}, 0, {k if b_inner else 'width'}, {pack_b_code.tables}"
+        b_strip = f"{prefix}_pack_b(bpack, jr, width, 0, {k}, 0, {k if b_inner else 'width'}, {pack_b_code.arguments}"
         b_strip += f"{arguments});"
         return (
             packers,
             f"""
         {tables}
-        {row_steps}
         /* the whole of a (rows x depth) packed once, each column strip packed and multiplied by the task owning it */
         float *apack = (float *)aligned_alloc(64, sizeof(float) * {round_up(k * round_up(m, MR), 16)});
         {a_whole}
@@ -651,9 +636,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             }}
             free(bpack);
         }}
-        free(apack);
-        free(row_steps);
-        {_FREE_TABLES} {operand_free}""",
+        free(apack);""",
         )
     # the b block is packed by every thread, each a slice of the packer's outer loop
     pack_b_shared = "for (int64_t part = 0; part < threads_; ++part)\n                        " + pack_b(
@@ -663,7 +646,6 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         packers,
         f"""
         {tables}
-        {row_steps}
         float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, round_up(n, NR))});
         char *contiguous = (char *)malloc({-(-min(NC, n) // NR)});
         /* row blocks: a multiple of the thread count when there are enough rows, otherwise
@@ -715,21 +697,17 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             }}
         }}
         free(bpack);
-        free(contiguous);
-        free(row_steps);
-        {_FREE_TABLES} {operand_free}""",
+        free(contiguous);""",
     )
 
 
 class OperandPacker(NamedTuple):
-    """One operand's packing function and the C the kernel needs around it: ``setup``
-    builds the tables the packer reads, ``release`` frees them, ``tables`` are the
-    packer's table arguments."""
+    """One operand's packing function, the index tables it reads (built with the
+    kernel's own) and the names of those tables, its first arguments after the ranges."""
 
     code: str
-    setup: str
-    release: str
-    tables: str
+    tables: tuple[Table, ...]
+    arguments: str
 
 
 def _operand_packer(
@@ -755,9 +733,7 @@ def _operand_packer(
     affine = affine_operand(factor, shapes, extents)
     if affine is None:
         generic = "row_tab" if side == "a" else "col_tab"
-        return OperandPacker(
-            _packer(name, width, group, value, depth, side_inner, params), "", "", f"{generic}, dep_tab"
-        )
+        return OperandPacker(_packer(name, width, group, value, depth, side_inner, params), (), f"{generic}, dep_tab")
     return OperandPacker(
         affine_packer(
             name,
@@ -769,9 +745,7 @@ def _operand_packer(
             params,
             Strips(tuple(v for v, _ in group), tuple(v for v, _ in depth), extents, math.prod(shapes[affine.tensor])),
         ),
-        f"{operand_tables(f'{side}_side', affine, group, False)}\n        "
-        f"{operand_tables(f'{side}_dep', affine, depth, True)}",
-        f"{free_tables(f'{side}_side', affine)} {free_tables(f'{side}_dep', affine)}",
+        (operand_tables(f"{side}_side", affine, group, False), operand_tables(f"{side}_dep", affine, depth, True)),
         f"{side}_side, {side}_dep",
     )
 

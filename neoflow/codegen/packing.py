@@ -23,6 +23,7 @@ from functools import lru_cache
 import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, unflatten_index
+from neoflow.codegen.tables import Table
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Select, conjuncts
 from neoflow.ir.index import var
 from neoflow.ir.simplify import read_offset
@@ -195,10 +196,10 @@ def _part(expr: sympy.Expr, names: set[str], constant: bool) -> sympy.Expr:
     return sympy.Add(*kept)
 
 
-def operand_tables(name: str, operand: AffineOperand, variables: list[tuple[str, int]], first_depth: bool) -> str:
-    """C allocating ``<name>[q]`` (one ``int64_t`` table per quantity of ``operand``) and
-    filling entry ``f`` with the part of each quantity in ``variables`` at their ``f``-th
-    point (row-major); the depth tables (``first_depth``) carry the constant terms."""
+def operand_tables(name: str, operand: AffineOperand, variables: list[tuple[str, int]], first_depth: bool) -> Table:
+    """``<name>[q]`` (one ``int64_t`` table per quantity of ``operand``) with entry ``f``
+    the part of each quantity in ``variables`` at their ``f``-th point (row-major); the
+    depth tables (``first_depth``) carry the constant terms."""
     names = {v for v, _ in variables}
     size = math.prod(extent for _, extent in variables)
     printer = IndexPrinter(lambda v: f"v_{v}", _no_data_reads)
@@ -206,11 +207,11 @@ def operand_tables(name: str, operand: AffineOperand, variables: list[tuple[str,
     stores = " ".join(
         f"{name}[{q}][f] = {printer(_part(expr, names, first_depth))};" for q, expr in enumerate(quantities)
     )
-    return (
-        f"int64_t *{name}[{len(quantities)}];\n        "
+    return Table(
+        f"static int64_t *{name}[{len(quantities)}];",
         f"for (int q = 0; q < {len(quantities)}; ++q)\n"
-        f"            {name}[q] = (int64_t *)malloc(sizeof(int64_t) * {max(size, 1)});\n"
-        f"        for (int64_t f = 0; f < {size}; ++f) {{ {unflatten_index('f', variables)} {stores} }}"
+        f"    {name}[q] = (int64_t *)malloc(sizeof(int64_t) * {max(size, 1)});\n"
+        f"for (int64_t f = 0; f < {size}; ++f) {{ {unflatten_index('f', variables)} {stores} }}",
     )
 
 
@@ -224,11 +225,6 @@ def batch_base(quantity: sympy.Expr, batch: list[tuple[str, int]]) -> str:
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple`` (a packed buffer's rows or strips)."""
     return -(-value // multiple) * multiple
-
-
-def free_tables(name: str, operand: AffineOperand) -> str:
-    """C freeing the tables of ``operand_tables``."""
-    return f"for (int q = 0; q < {len(operand.quantities())}; ++q) free({name}[q]);"
 
 
 def affine_packer(
@@ -445,7 +441,9 @@ def _side_runs(
     quantity (side part as an ``int32`` lane plus the depth part) leaves its range;
     a plain load where the whole strip lies inside the tensor (a masked load, which
     never touches the masked lanes, at its edges); a strip whose offsets are a
-    constant step apart with two masked gathers; other strips element by element."""
+    constant step apart with two masked gathers, or, a step of two inside the tensor
+    on AVX-512, two loads and a permute (``nf_load_pairs``, gathers are slow); other
+    strips element by element."""
     guards = list(enumerate(operand.ranges, start=1))
     lanes = "\n".join(
         f"            for (int ii = 0; ii < {VECTOR_WIDTH}; ++ii) g{q}[ii] = (int32_t)s{q}_[s + ii];\n"
@@ -480,6 +478,15 @@ def _side_runs(
                 const __m256i mb = {mask("b")};
                 const int64_t at = s0_[s] + dep[0][pc + p] + base0_;
                 __m256 xa, xb;
+#if defined(__AVX512F__)
+                if (step_ == 2 && at >= 0 && at <= {tensor_size - 2 * VECTOR_WIDTH + 1}) {{
+                    /* every other element: two loads and a permute, not a gather */
+                    const __m512 x = nf_load_pairs({tensor_name} + at);
+                    xa = _mm256_and_ps(_mm512_castps512_ps256(x), _mm256_castsi256_ps(ma));
+                    xb = _mm256_and_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)),
+                                       _mm256_castsi256_ps(mb));
+                }} else
+#endif
                 if (step_ != 1) {{  /* reads a constant step apart: gathered, masked lanes never read */
                     const __m256 zero = _mm256_setzero_ps();
                     xa = _mm256_mask_i32gather_ps(zero, {tensor_name} + at, ia, _mm256_castsi256_ps(ma), 4);

@@ -131,25 +131,33 @@ STRIDED = (
 )
 
 
+STRIDED_CASES = [
+    # a stride-2 padded conv: each 16-wide strip of (p, q) is one output row, read every other
+    # element, its first lane in the padding where s = 0
+    (STRIDED, {"X": (2, 4, 32, 32), "W": (16, 4, 3, 3), "Y": (2, 16, 16, 16)}),
+    # without padding: every lane read; rows of 20 split across strips (those element by element);
+    # the last strips' reads end less than 31 elements before the tensor's end (gathered)
+    (
+        "Y[n, k, p, q] = ReduceAdd({r, s, c}, X[n, c, 2*p + r, 2*q + s] * W[k, c, r, s])",
+        {"X": (2, 4, 41, 41), "W": (16, 4, 3, 3), "Y": (2, 16, 20, 20)},
+    ),
+]
+
+
 @NEEDS_CC
-@pytest.mark.parametrize(
-    ("text", "shapes"),
-    [
-        # a stride-2 padded conv: each 16-wide strip of (p, q) is one output row, read every other
-        # element (a gather), its first lane in the padding where s = 0
-        (STRIDED, {"X": (2, 4, 32, 32), "W": (16, 4, 3, 3), "Y": (2, 16, 16, 16)}),
-        # without padding: every lane read; rows of 20 split across strips (those element by element)
-        (
-            "Y[n, k, p, q] = ReduceAdd({r, s, c}, X[n, c, 2*p + r, 2*q + s] * W[k, c, r, s])",
-            {"X": (2, 4, 41, 41), "W": (16, 4, 3, 3), "Y": (2, 16, 20, 20)},
-        ),
-    ],
-)
-def test_strided_strips_are_gathered_with_their_guards_as_the_mask(text: str, shapes: dict) -> None:
+@pytest.mark.parametrize(("text", "shapes"), STRIDED_CASES)
+def test_strided_strips_are_gathered_or_compacted_with_their_guards_as_the_mask(text: str, shapes: dict) -> None:
     op = _op(text, shapes)
     source = lower_op(op, "kernel")
     assert "_mm256_mask_i32gather_ps" in source, "strided strips should be gathered"
+    assert "nf_load_pairs(in0 + at)" in source, "a step of two should be compacted on AVX-512"
     assert_compiled_matches_interpreter(op, 7)
+
+
+@NEEDS_CC
+@pytest.mark.parametrize(("text", "shapes"), STRIDED_CASES)
+def test_on_narrower_vector_units_strided_strips_compute_the_same(text: str, shapes: dict, narrower_cc) -> None:
+    assert_compiled_matches_interpreter(_op(text, shapes), 8)
 
 
 def test_the_gathered_share_counts_the_strips_inside_one_strided_row() -> None:
