@@ -32,7 +32,8 @@ from neoflow.ir.index import var
 LANES = 16
 REGISTER_BLOCK = (4, 6)  # rows x columns of accumulators: 24 of the 32 zmm registers
 MAX_LANES_BYTES = 512 * 1024  # each thread's accumulator buffer stays in its L2
-L1_BLOCK_BYTES = 32 * 1024  # a's rows and one column block of b over a block of the depth, kept in L1
+#: the inner loop's operand over a block of the depth, passed over once per outer register block
+INNER_BLOCK_BYTES = 64 * 1024
 #: cycles of one vector load from L1/L2 and of the permute a step of two adds
 LOAD_CYCLES, PERMUTE_CYCLES = 0.5, 1.0
 
@@ -160,18 +161,23 @@ def depth_vector_code(
     (declaring the batch variables and ``to_batch``); ``sums`` is the C adding the
     threads' partial outputs up into ``to_batch``.
 
-    The column blocks are the outer loop, so that a block's columns stay in L1 while
-    every row block passes over them; an operand with a step of two is first compacted,
-    per block of the depth, into runs of consecutive floats (all of it read once, then
-    by aligned loads), and the depth block is as long as keeps ``a``'s rows and one
-    column block within ``L1_BLOCK_BYTES``."""
+    An operand with a step of two is first compacted, per block of the depth, into runs
+    of consecutive floats (all of it read once, then by aligned loads).  The register
+    blocks of the other operand (read in place) are the outer loop, so that each of its
+    elements is fetched from memory once and stays in L1 while the inner loop passes
+    over all of the compacted one (where both or neither are compacted, the side with
+    fewer rows is the inner one); the depth block is as long as keeps the inner side
+    within ``INNER_BLOCK_BYTES``, so that each thread's accumulators, stored in ``lanes``
+    between depth blocks, are read and written back seldom (once per outer point, they
+    took a third of the four-op weight gradient's time)."""
     m, n, k = sizes
     ra, rb = plan.block
     mp, np_ = round_up(m, ra), round_up(n, rb)
     outer = k // plan.run
     full, tail, stride = plan.run // LANES * LANES, plan.run % LANES, round_up(plan.run, LANES)
-    depth_block = max(1, min(outer, L1_BLOCK_BYTES // ((mp + rb) * stride * 4)))
     compacted = tuple(step != 1 for step in plan.steps)
+    inner_is_b = compacted[1] if compacted[0] != compacted[1] else np_ <= mp
+    depth_block = max(1, min(outer, INNER_BLOCK_BYTES // ((np_ if inner_is_b else mp) * stride * 4)))
     accumulators = [f"c{r}_{c}" for r in range(ra) for c in range(rb)]
     load_cells = " ".join(f"__m512 {a} = _mm512_load_ps(cell + {i * LANES});" for i, a in enumerate(accumulators))
     store_cells = " ".join(f"_mm512_store_ps(cell + {i * LANES}, {a});" for i, a in enumerate(accumulators))
@@ -186,6 +192,11 @@ def depth_vector_code(
         else:
             offsets.append(f"d{side} = {side}_dep[0][oo]")
     release = " ".join(f"free({side}_run);" for side, flag in zip("ab", compacted, strict=True) if flag)
+    a_loop = f"""for (int64_t ib = 0; ib < {mp}; ib += {ra}) {{
+                        {_pointers("a", "ib", m, ra, compacted[0], depth_block, stride)}"""
+    b_loop = f"""for (int64_t jb = 0; jb < {np_}; jb += {rb}) {{
+                        {_pointers("b", "jb", n, rb, compacted[1], depth_block, stride)}"""
+    loops = (a_loop, b_loop) if inner_is_b else (b_loop, a_loop)
     tail_code = ""
     if tail:
         tail_code = f"""
@@ -215,10 +226,8 @@ def depth_vector_code(
                 for (int64_t o = first; o < end; o += {depth_block}) {{
                     const int64_t o_end = o + {depth_block} < end ? o + {depth_block} : end;
                     {" ".join(compaction)}
-                    for (int64_t jb = 0; jb < {np_}; jb += {rb}) {{
-                        {_pointers("b", "jb", n, rb, compacted[1], depth_block, stride)}
-                        for (int64_t ib = 0; ib < {mp}; ib += {ra}) {{
-                            {_pointers("a", "ib", m, ra, compacted[0], depth_block, stride)}
+                    {loops[0]}
+                        {loops[1]}
                             float *restrict cell = lanes + (ib * {np_} + jb * {ra}) * {LANES};
                             {load_cells}
                             for (int64_t oo = o; oo < o_end; ++oo) {{

@@ -62,6 +62,12 @@ CASES = {
         "C[k, c] = P[k, c] - 0.1 * ReduceAdd({p, q}, dY[k, p, q] * X[c, p, 2*q])",
         {"dY": (13, 20, 64), "X": (7, 20, 128), "P": (13, 7)},
     ),
+    # the step of two on the rows' side (their block the inner loop), depth blocks of 32 outer
+    # points and a shorter last one in each thread's share
+    "depth_vector_step_two_rows": (
+        "dW[c, k] = ReduceAdd({p, q}, X[c, p, 2*q] * dY[k, p, q])",
+        {"X": (5, 80, 128), "dY": (9, 80, 64)},
+    ),
     # epilogues of any shape, applied to the finished sum (what fusing an activation or an update gives)
     "relu_bias_epilogue": (
         "C[i, j] = max(ReduceAdd({k}, A[i, k] * B[k, j]) + Bias[j], 0)",
@@ -132,6 +138,7 @@ DEPTH_VECTOR_CASES = [
     "batched_weight_gradient",
     "both_operands_step_two",
     "depth_vector_update_epilogue",
+    "depth_vector_step_two_rows",
 ]
 DEPTH_VECTOR_MARK = "16 partial sums an output in lanes"
 
