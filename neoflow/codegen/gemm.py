@@ -44,6 +44,7 @@ from neoflow.codegen.packing import (
     affine_packer,
     batch_base,
     gather_fraction,
+    gather_step,
     operand_tables,
     round_up,
     vector_fraction,
@@ -383,7 +384,8 @@ def _operand_factors(op: Op, mapping: Mapping) -> tuple[Expr, Expr]:
 def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, ...], width: int) -> float:
     """Estimated cycles per element packed of one operand: ``VECTOR_PACK_CYCLES`` for the
     share the packer copies with vector loads (``packing.vector_fraction``),
-    ``GATHER_PACK_CYCLES`` for the share it gathers (``packing.gather_fraction``), otherwise
+    ``GATHER_PACK_CYCLES`` for the share it gathers (``packing.gather_fraction``; with
+    AVX-512 a step of two, compacted by permutes, costs a vector copy), otherwise
     a couple of cycles plus one per index variable read from the tables, one per guard
     checked and two per clamp applied.  Cached, as the
     mapper prices every candidate mapping with it."""
@@ -400,7 +402,9 @@ def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, 
     # two per clamp applied (a compare and a select, NaN kept)
     guards, clamps = (len(operand.ranges), len(operand.clamps)) if operand is not None else (0, 0)
     scalar = 2.0 + len(side) + len(depth) + guards + 2 * clamps
-    return vector * VECTOR_PACK_CYCLES + gathered * GATHER_PACK_CYCLES + (1 - vector - gathered) * scalar
+    # a step of two is two loads and a permute a strip row on AVX-512, about a vector copy's cost
+    gather = VECTOR_PACK_CYCLES if AVX512 and gather_step(operand, strips) == 2 else GATHER_PACK_CYCLES
+    return vector * VECTOR_PACK_CYCLES + gathered * gather + (1 - vector - gathered) * scalar
 
 
 def _lookup(name: str, flat: str, variables: list[tuple[str, int]]) -> str:

@@ -368,6 +368,12 @@ def gather_fraction(operand: AffineOperand | None, width: int, side_inner: bool,
     return inside / counted * (size // width * width) / size if counted else 0.0
 
 
+def gather_step(operand: AffineOperand | None, strips: Strips) -> int:
+    """How many elements apart a ``"side"`` packer's gathered reads lie (0 where not constant):
+    a step of two is compacted with two loads and a permute on AVX-512 (``nf_load_pairs``)."""
+    return 0 if operand is None else _stride_span(operand, strips.side, strips.extents)[1]
+
+
 def _stride_span(operand: AffineOperand, variables: tuple[str, ...], extents: dict[str, int]) -> tuple[int, int]:
     """``_run_span`` for reads a constant step apart: how many elements ``operand`` reads
     along the flattened ``variables`` one ``step`` apart before its offset jumps, and the step

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import neoflow
-from neoflow.codegen.gemm import STEP_CYCLES, gemm_plan
+from neoflow.codegen import gemm
+from neoflow.codegen.gemm import GATHER_PACK_CYCLES, STEP_CYCLES, VECTOR_PACK_CYCLES, gemm_plan
 from neoflow.codegen.hardware import cpu_flags
 from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter, compiler_defines
 
@@ -229,3 +230,25 @@ def test_the_cost_model_counts_the_micro_kernel_the_build_runs() -> None:
     wide = compiler_defines("__AVX512F__")
     assert ("avx512f" in cpu_flags()) == wide
     assert (3.0 if wide else 6.0) == STEP_CYCLES
+
+
+@pytest.mark.parametrize(
+    ("stride", "avx512", "cycles"),
+    [(2, True, VECTOR_PACK_CYCLES), (2, False, GATHER_PACK_CYCLES), (3, True, GATHER_PACK_CYCLES)],
+)
+def test_a_strip_read_every_other_element_is_priced_as_the_packer_copies_it(
+    stride: int, avx512: bool, cycles: float, monkeypatch
+) -> None:
+    # rows of 16 outputs read `stride` apart: every strip gathered, or with AVX-512 and a step
+    # of two compacted by two loads and a permute (about a vector copy)
+    op = neoflow.op(
+        f"Y[n, k, p, q] = ReduceAdd({{r, s, c}}, X[n, c, {stride}*p + r, {stride}*q + s] * W[k, c, r, s])",
+        shapes={"X": (1, 4, 16 * stride + 2, 16 * stride + 2), "W": (8, 4, 3, 3)},
+    )
+    monkeypatch.setattr(gemm, "AVX512", avx512)
+    gemm._pack_cycles.cache_clear()
+    try:
+        price = gemm._pack_cycles(op, op.body.body.a, ("p", "q"), ("r", "s", "c"), 16)
+    finally:
+        gemm._pack_cycles.cache_clear()
+    assert price == cycles

@@ -8,7 +8,7 @@ import sympy
 import neoflow
 from neoflow.codegen.gemm import gemm_plan
 from neoflow.codegen.lower import lower_op
-from neoflow.codegen.packing import Range, Strips, affine_operand, gather_fraction, vector_runs
+from neoflow.codegen.packing import Range, Strips, affine_operand, gather_fraction, gather_step, vector_runs
 from neoflow.ir.expr import Binary
 from neoflow.ir.index import var
 from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter
@@ -174,6 +174,15 @@ def test_the_gathered_share_counts_the_strips_inside_one_strided_row() -> None:
     unit = _op(CONV, CONV_SHAPES)
     padded = affine_operand(unit.body.body.a, {t.name: t.shape for t in unit.inputs}, unit.extent)
     assert gather_fraction(padded, 16, True, Strips(("p", "q"), depth, unit.extent, 8192)) == 0.0  # loads
+
+
+def test_the_gathered_reads_step_is_the_last_side_variables_coefficient() -> None:
+    depth = ("r", "s", "c")
+    for stride in (2, 3):
+        op = _op(STRIDED.replace("2*", f"{stride}*"), {"X": (2, 4, 48, 48), "W": (16, 4, 3, 3), "Y": (2, 16, 16, 16)})
+        operand = affine_operand(op.body.body.a, {t.name: t.shape for t in op.inputs}, op.extent)
+        assert gather_step(operand, Strips(("p", "q"), depth, op.extent, 18432)) == stride
+    assert gather_step(None, Strips(("p", "q"), depth, op.extent, 18432)) == 0
 
 
 def test_vector_runs_need_consecutive_reads_and_small_lanes() -> None:
