@@ -17,6 +17,9 @@ emitted C then runs a blocked matrix product over the fused extents
 * results are written back through the op's output index map, and the
   epilogue (a bias, for instance) is added in the last ``KC`` block;
 * the ``MC`` loop is OpenMP-parallel, each thread packing its own ``a`` block;
+* the index tables the packers and the write-back read (each row's, column's and depth
+  step's variables and offsets) are built by the kernel's first call and kept
+  (``neoflow.codegen.tables``);
 * a small output with a long depth (a weight gradient) shares the depth out among the
   threads instead (``_split_depth``), and where both reads run along the depth's last
   variable it is vectorised along the depth without packing (``neoflow.codegen.depth_vector``).
