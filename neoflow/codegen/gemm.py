@@ -508,7 +508,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     )
     sides = (pack_a_code, pack_b_code)
     packers = "\n".join(side.code for side in sides)
-    operand_tables_ = [table for side in sides for table in side.tables]
+    packer_tables = [table for side in sides for table in side.tables]
     b_outer = "kc" if b_inner else "nc"
 
     def pack_b(lo: str, hi: str) -> str:
@@ -524,8 +524,8 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                                 for (int64_t p = 0; p < kc; ++p) {zero_a} = 0.0f;"""
     output = f"float *restrict outp = out + {piece.base};"
     output_tables = [index_table("row", rows, offset(rows)), index_table("col", cols, offset(cols))]
-    all_tables = [*output_tables, index_table("dep", depth, None), *operand_tables_]
-    tables = f"""{output}
+    all_tables = [*output_tables, index_table("dep", depth, None), *packer_tables]
+    split_tables = f"""{output}
         {built_once(all_tables)}
 {_THREADS}"""
     if _split_depth(m, n, k):
@@ -538,7 +538,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             float *restrict to_batch = outp + {offset(batch)};"""
         sums = _partial_sums(m, epilogue_term)
         split = f"""
-        {tables}{_depth_split_code((m, n, k), open_batch, pack_a, pack_b("0", b_outer), sums)}"""
+        {split_tables}{_depth_split_code((m, n, k), open_batch, pack_a, pack_b("0", b_outer), sums)}"""
         vector = _depth_vector(factor_a, factor_b, shapes, extent, (m, n, k), depth)
         if vector is None:
             return packers, split
