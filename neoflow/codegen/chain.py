@@ -189,6 +189,21 @@ def chain_cycles(plan: ChainPlan) -> float:
     return first + second + packing
 
 
+def _pack_strips(buffer: str, width: int, rows: tuple[str, str], depth: str, guard: str, bind: str, value: str) -> str:
+    """C packing an operand into ``buffer`` as strips of ``width`` rows (``[strip][depth][width]``),
+    strip by strip, each written in order: rows ``rows[0]`` below ``rows[1]`` (padded to
+    ``width``), depth ``dp`` below ``depth``; ``value`` (read with ``bind`` declaring its
+    index variables) where ``guard`` holds, zero in the padding."""
+    row, limit = rows
+    return f"""for (int64_t s_ = 0; s_ < {limit}; s_ += {width})
+            for (int64_t dp = 0; dp < {depth}; ++dp)
+                for (int64_t {row} = s_; {row} < s_ + {width}; ++{row}) {{
+                    float x = 0.0f;
+                    if ({guard}) {{ {bind} x = {value}; }}
+                    {buffer}[s_ * {depth} + dp * {width} + {row} - s_] = x;
+                }}"""
+
+
 def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     """The C function ``name`` computing ``op`` by ``plan`` (output first, then the inputs)."""
     tensors = {t.name: t for t in op.inputs}
@@ -204,6 +219,13 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     tm, tl = plan.tile_m, plan.tile_l
     target = linear_index([f"v_{v}" for v in op.indices], op.shape)
     params = "".join(f", const float *restrict in{j}" for j in range(len(op.inputs)))
+    bind_b, bind_d = f"const int64_t v_{mid} = lp, v_{k} = dp;", f"const int64_t v_{mid} = dp, v_{n} = np;"
+    pack_b = _pack_strips("bt", MR, ("lp", "LP"), "K", "lp < L", bind_b, value_b)
+    pack_d = _pack_strips("dt", MR, ("np", "NP"), "LP", "np < N && dp < L", bind_d, value_d)
+    pack_a = _pack_strips(
+        "at", NR, ("ip", "tm"), "K", "m0 + ip < M", f"const int64_t v_{i} = m0 + ip, v_{k} = dp;", value_a
+    )
+    pack_a = pack_a.replace("\n", "\n    ")
     return f"""void {name}(float *restrict out{params}) {{
     /* {plan.describe()} */
     enum {{ M = {m_size}, N = {n_size}, L = {l_size}, K = {k_size} }};
@@ -213,21 +235,9 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     #pragma omp parallel
     {{  /* strip by strip, each written in order (and in one parallel region) */
         #pragma omp for nowait
-        for (int64_t ls = 0; ls < LP; ls += 6)
-            for (int64_t kp = 0; kp < K; ++kp)
-                for (int64_t lp = ls; lp < ls + 6; ++lp) {{
-                    float x = 0.0f;
-                    if (lp < L) {{ const int64_t v_{mid} = lp, v_{k} = kp; x = {value_b}; }}
-                    bt[ls * K + kp * 6 + lp - ls] = x;
-                }}
+        {pack_b}
         #pragma omp for
-        for (int64_t ns = 0; ns < NP; ns += 6)
-            for (int64_t lp = 0; lp < LP; ++lp)
-                for (int64_t np = ns; np < ns + 6; ++np) {{
-                    float x = 0.0f;
-                    if (np < N && lp < L) {{ const int64_t v_{mid} = lp, v_{n} = np; x = {value_d}; }}
-                    dt[ns * LP + lp * 6 + np - ns] = x;
-                }}
+        {pack_d}
     }}
     #pragma omp parallel
     {{
@@ -238,13 +248,7 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
         #pragma omp for schedule(dynamic)
         for (int64_t m0 = 0; m0 < MP; m0 += TM) {{
             const int64_t tm = MP - m0 < TM ? MP - m0 : TM;
-            for (int64_t is = 0; is < tm; is += 16)
-                for (int64_t kp = 0; kp < K; ++kp)
-                    for (int64_t ip = is; ip < is + 16; ++ip) {{
-                        float x = 0.0f;
-                        if (m0 + ip < M) {{ const int64_t v_{i} = m0 + ip, v_{k} = kp; x = {value_a}; }}
-                        at[is * K + kp * 16 + ip - is] = x;
-                    }}
+            {pack_a}
             memset(et, 0, sizeof(float) * tm * NP);
             for (int64_t l0 = 0; l0 < LP; l0 += TL) {{
                 const int64_t tl = LP - l0 < TL ? LP - l0 : TL;

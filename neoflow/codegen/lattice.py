@@ -36,16 +36,9 @@ from neoflow.ir.expr import (
     reductions,
 )
 from neoflow.ir.op import Op, Tensor
+from neoflow.ir.simplify import condition_value
 
 MAX_PIECES = 64
-_COMPARE = {
-    "==": lambda a, b: a == b,
-    "!=": lambda a, b: a != b,
-    "<": lambda a, b: a < b,
-    "<=": lambda a, b: a <= b,
-    ">": lambda a, b: a > b,
-    ">=": lambda a, b: a >= b,
-}
 
 
 @dataclass(frozen=True)
@@ -134,13 +127,6 @@ def with_reduce(epilogue: Expr | None, value: Expr) -> Expr:
     return put(epilogue)
 
 
-def _fold(part: Expr) -> bool | None:
-    """The value of a conjunct comparing two constants, None when it is not one."""
-    if isinstance(part, Binary) and part.op in _COMPARE and isinstance(part.a, Const) and isinstance(part.b, Const):
-        return bool(_COMPARE[part.op](part.a.value, part.b.value))
-    return None
-
-
 def _unit_variable(expr: sympy.Expr, modulus: int, candidates: list[str]) -> str | None:
     """The first of ``candidates`` that ``expr`` (affine) has with a coefficient coprime
     to ``modulus`` (each residue class of such a variable meets the lattice in one class)."""
@@ -204,7 +190,8 @@ def _simplify(state: _State) -> tuple[_State, bool]:
     no_points = any(state.extent[a] == 0 for a in reduce.axes)
     if reduce.where is None:
         return state, no_points
-    values = [(part, _fold(part)) for part in conjuncts(reduce.where)]
+    # a conjunct comparing two constants is decided (``condition_value`` over no variables)
+    values = [(part, condition_value(part, {})) for part in conjuncts(reduce.where)]
     if any(value is False for _, value in values):
         return state, True
     where = _and([part for part, value in values if value is None])

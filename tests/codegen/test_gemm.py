@@ -8,6 +8,7 @@ import neoflow
 from neoflow.codegen import gemm
 from neoflow.codegen.gemm import GATHER_PACK_CYCLES, STEP_CYCLES, VECTOR_PACK_CYCLES, gemm_plan
 from neoflow.codegen.hardware import cpu_flags
+from neoflow.codegen.lower import lower_op
 from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter, compiler_defines
 
 pytestmark = NEEDS_CC
@@ -125,8 +126,6 @@ def test_parity_domains_are_blocked_only_on_their_dense_piece() -> None:
 
 
 def test_weight_gradients_share_out_the_reduction() -> None:
-    from neoflow.codegen.lower import lower_op
-
     text, shapes = CASES["weight_gradient_split_depth"]
     assert "partial" in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
     text, shapes = CASES["gemm_odd"]
@@ -146,8 +145,6 @@ DEPTH_VECTOR_MARK = "16 partial sums an output in lanes"
 
 @pytest.mark.parametrize("case", DEPTH_VECTOR_CASES)
 def test_long_depths_with_runs_of_one_or_two_steps_are_vectorised_along_the_depth(case: str) -> None:
-    from neoflow.codegen.lower import lower_op
-
     text, shapes = CASES[case]
     assert DEPTH_VECTOR_MARK in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
 
@@ -165,8 +162,6 @@ def test_long_depths_with_runs_of_one_or_two_steps_are_vectorised_along_the_dept
     ],
 )
 def test_other_long_depths_keep_the_packed_depth_split(text: str, shapes: dict) -> None:
-    from neoflow.codegen.lower import lower_op
-
     op = neoflow.op(text, shapes=shapes)
     code = lower_op(op, "kernel")
     assert "partial" in code and DEPTH_VECTOR_MARK not in code
@@ -204,8 +199,6 @@ def test_a_short_depth_stores_whole_rows_of_the_output() -> None:
 
 
 def test_few_rows_pack_all_of_a_once_and_each_task_a_column_strip() -> None:
-    from neoflow.codegen.lower import lower_op
-
     narrow = "the whole of a (rows x depth) packed once"
     conv = neoflow.op(
         "Y[n, k, p, q] = ReduceAdd({c, r, s}, X[n, c, p + r, q + s] * W[k, c, r, s])",
