@@ -217,11 +217,14 @@ class CompiledModel:
         """One optimizer step on ``batch`` (data inputs and labels by name);
         returns the loss before the step."""
         training = self._require_training()
-        outputs = self._train.run(self._training_feed(batch))
+        # the next values are read by the next step only, so the executor may write the
+        # step after next's into the same buffers (what it returns is not kept longer)
+        outputs = self._train.run(self._training_feed(batch), recycle=True)
         for target, next_value in training.updates.items():
             self._values[target] = outputs[next_value]
         self.step += 1
-        self.last_prediction = outputs.get(training.prediction)
+        prediction = outputs.get(training.prediction)
+        self.last_prediction = None if prediction is None else prediction.copy()
         return float(outputs[training.loss])
 
     def gradients(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

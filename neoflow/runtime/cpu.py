@@ -121,6 +121,24 @@ def data_address(array: np.ndarray) -> int:
         return array.ctypes.data
 
 
+class _RecycledBlock:
+    """One of the two blocks of kept tensors a ``CpuExecutor``'s recycled runs write in
+    turn: the block, its arrays by name, the slot pointers of a run writing it (the
+    arena's and the block's filled in, the inputs' as its last run found them), and
+    per input the array that run was given (``seen``) and the one it read (``held``)."""
+
+    def __init__(self, executor: CpuExecutor) -> None:
+        self.memory, start = aligned_buffer(executor._kept_bytes)
+        self.pointers = executor._arena_pointers.copy()
+        self.outputs = {}
+        for (name, slot, shape, dtype), offset in zip(executor._kept_slots, executor._kept_offsets, strict=True):
+            self.outputs[name] = np.ndarray(shape, dtype, buffer=self.memory, offset=offset)
+            self.pointers[slot] = start + offset
+        count = len(executor._input_slots)
+        self.seen: list[np.ndarray | None] = [None] * count
+        self.held: list[np.ndarray | None] = [None] * count
+
+
 class CpuExecutor:
     """Runs ``graph`` as compiled C kernels (ops without a C lowering run in the
     interpreter and are listed in ``interpreted``), freeing tensors by ``plan``.
@@ -177,12 +195,22 @@ class CpuExecutor:
         for _, _, shape, dtype in self._kept_slots:
             self._kept_offsets.append(self._kept_bytes)
             self._kept_bytes += aligned_size(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        self._recycled: list[_RecycledBlock] = []  # the two blocks recycled runs write in turn
+        self._recycle_turn = 0
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, inputs: Mapping[str, np.ndarray], recycle: bool = False) -> dict[str, np.ndarray]:
         """The kept tensors by name, from every graph input by name (checked by the caller).
         The intermediates' arena is allocated once and reused by every run (a fresh one
         faults its pages in again each step, as much time as a light kernel takes); a run
-        while another thread's holds it gets an arena of its own."""
+        while another thread's holds it gets an arena of its own.
+
+        With ``recycle`` the kept tensors are written into one of two blocks the executor
+        keeps, taken in turn, and the arrays returned stay valid only until the run after
+        next: a training step's next parameters, which the next step reads and its own
+        results replace.  Such a run allocates nothing, and an input given as the very
+        array (contiguous, of its dtype) it was given two runs before keeps the address
+        found then: a small model's step spends more time making arrays and finding
+        addresses than computing."""
         if self.entry is None:
             return run_graph(self, inputs)
         if not self._arena_lock.acquire(blocking=False):
@@ -192,9 +220,30 @@ class CpuExecutor:
             if self._arena is None:
                 self._arena, start = aligned_buffer(self.plan.arena_bytes)
                 self._arena_pointers = self._slot_pointers(start)
+            if recycle:
+                return self._run_recycled(inputs)
             return self._run_in(self._arena_pointers.copy(), inputs)
         finally:
             self._arena_lock.release()
+
+    def _run_recycled(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``run`` with ``recycle``, the arena lock held."""
+        if not self._recycled:
+            self._recycled = [_RecycledBlock(self) for _ in range(2)]
+        block = self._recycled[self._recycle_turn]
+        self._recycle_turn = 1 - self._recycle_turn
+        pointers, seen = block.pointers, block.seen
+        for k, (name, slot, dtype) in enumerate(self._input_slots):
+            value = inputs[name]
+            if value is seen[k]:
+                continue  # the array this block's run was given last time: its address is known
+            array = np.ascontiguousarray(value, dtype=dtype)
+            pointers[slot] = data_address(array)
+            # a converted copy is not remembered: the caller may change the array it copies
+            seen[k] = value if array is value else None
+            block.held[k] = array
+        self.entry(pointers.ctypes.data)
+        return {name: block.outputs[name] if name in block.outputs else inputs[name] for name in self.keep}
 
     def _slot_pointers(self, arena: int) -> np.ndarray:
         """Every tensor slot's pointer, the intermediates' at their offsets in the arena

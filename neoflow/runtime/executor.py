@@ -61,7 +61,10 @@ class InterpreterExecutor:
         """A call computing the ops ``names`` (one kernel of a fusion plan) in turn."""
         return sequential_call(self, names, values)
 
-    run = run_graph
+    def run(self, inputs: Mapping[str, np.ndarray], recycle: bool = False) -> dict[str, np.ndarray]:
+        """The kept tensors by name, from every graph input by name (``recycle``, which lets
+        a compiled executor reuse its output buffers, changes nothing here)."""
+        return run_graph(self, inputs)
 
 
 def _cpu(graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = ()):

@@ -106,6 +106,42 @@ def test_kept_tensors_share_one_block_at_aligned_addresses_and_read_only_inputs_
     assert not np.shares_memory(result["H"], result["T"])
 
 
+@NEEDS_CC
+def test_recycled_runs_write_two_blocks_in_turn_and_compute_what_fresh_runs_do() -> None:
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("T", "L"))
+    rng = np.random.default_rng(4)
+    batches = [
+        {"X": rng.standard_normal((64, 48)).astype(np.float32), "W": rng.standard_normal((48, 32)).astype(np.float32)}
+        for _ in range(3)
+    ]
+    results = [executor.run(batch, recycle=True) for batch in batches[:2]]
+    kept = results[0]["T"].copy()
+    assert not np.shares_memory(results[0]["T"], results[1]["T"]), "two runs in a row write two blocks"
+    np.testing.assert_array_equal(results[0]["T"], kept)
+    third = executor.run(batches[2], recycle=True)
+    assert third["T"] is results[0]["T"], "the run after next writes the first run's arrays again"
+    for batch, result in zip(batches[1:], [results[1], third], strict=True):
+        fresh = executor.run(batch)
+        np.testing.assert_array_equal(result["T"], fresh["T"])
+        np.testing.assert_array_equal(result["L"], fresh["L"])
+
+
+@NEEDS_CC
+def test_a_recycled_run_reads_an_input_changed_in_place_or_converted_again() -> None:
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("T",))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 48)).astype(np.float32)
+    w64 = rng.standard_normal((48, 32))  # float64: converted for every run
+    for turn in range(6):  # the same two arrays every run, changed in place in between
+        x *= -1.5
+        w64 += 0.25
+        result = executor.run({"X": x, "W": w64}, recycle=True)
+        expected = _reference(graph, {"X": x.copy(), "W": w64.astype(np.float32)})
+        np.testing.assert_allclose(result["T"], expected["T"], rtol=1e-4, atol=1e-3, err_msg=f"run {turn}")
+
+
 def test_a_data_address_is_numpys_for_writable_read_only_and_empty_arrays() -> None:
     writable = np.arange(12, dtype=np.float32).reshape(3, 4)
     read_only = writable.copy()

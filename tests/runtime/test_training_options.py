@@ -68,5 +68,12 @@ def test_a_step_hands_back_the_prediction_only_when_asked(keep: bool) -> None:
     assert (prediction in model._train.planned_graph.outputs) == keep
     if keep:
         np.testing.assert_allclose(model.last_prediction, next(iter(before.values())), rtol=1e-5, atol=1e-6)
+        # the step's results are written into two blocks in turn: the prediction handed back
+        # must not change when the steps after it write that block again
+        first = model.last_prediction
+        kept = first.copy()
+        for _ in range(3):
+            model.train_step(batch)
+        np.testing.assert_array_equal(first, kept)
     else:
         assert model.last_prediction is None
