@@ -81,6 +81,34 @@ static inline int64_t nf_ipow(int64_t a, int64_t b) {
 #define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
 #define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))
 #define NF_IMIN(a, b) ((a) < (b) ? (a) : (b))
+/* Scratch memory for a kernel's temporaries (packed operands, partial and staged sums),
+   kept by each calling thread from one call to the next: allocated and freed on every
+   call, glibc hands large blocks back to the system and the next call faults them in
+   again, which costs a small kernel more than its arithmetic.  NF_SCRATCH declares a
+   pointer to at least ``count`` elements, the block of that site and thread (contents
+   undefined); a thread's blocks are freed when it exits. */
+#include <pthread.h>
+typedef struct nf_block { struct nf_block *next; } nf_block;
+static pthread_key_t nf_blocks_key;
+static pthread_once_t nf_blocks_once = PTHREAD_ONCE_INIT;
+static void nf_free_blocks(void *head) {
+    for (nf_block *b = (nf_block *)head; b != NULL;) { nf_block *next = b->next; free(b); b = next; }
+}
+static void nf_blocks_init(void) { pthread_key_create(&nf_blocks_key, nf_free_blocks); }
+static void *nf_scratch(void **kept, size_t *capacity, size_t bytes) {
+    if (*kept == NULL || bytes > *capacity) {  /* a larger block; the smaller one stays listed */
+        pthread_once(&nf_blocks_once, nf_blocks_init);
+        nf_block *block = (nf_block *)aligned_alloc(64, 64 + (bytes + 63) / 64 * 64);
+        block->next = (nf_block *)pthread_getspecific(nf_blocks_key);
+        pthread_setspecific(nf_blocks_key, block);
+        *kept = (char *)block + 64;
+        *capacity = bytes;
+    }
+    return *kept;
+}
+#define NF_SCRATCH(type, name, count) \
+    static __thread void *name##_kept_; static __thread size_t name##_capacity_; \
+    type *restrict name = (type *)nf_scratch(&name##_kept_, &name##_capacity_, sizeof(type) * (size_t)(count))
 #ifdef _OPENMP
 void nf_set_threads(int n) { omp_set_num_threads(n); }
 #else

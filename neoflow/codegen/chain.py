@@ -230,8 +230,8 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     /* {plan.describe()} */
     enum {{ M = {m_size}, N = {n_size}, L = {l_size}, K = {k_size} }};
     enum {{ MP = {padded_m}, NP = {padded_n}, LP = {padded_l}, TM = {tm}, TL = {tl}, LC = {KC} }};
-    float *bt = (float *)aligned_alloc(64, sizeof(float) * {round_up(padded_l * k_size, 16)});  /* B^T: [l/6][k][6] */
-    float *dt = (float *)aligned_alloc(64, sizeof(float) * {round_up(padded_n * padded_l, 16)});  /* D^T: [n/6][l][6] */
+    NF_SCRATCH(float, bt, {round_up(padded_l * k_size, 16)});  /* B^T: [l/6][k][6] */
+    NF_SCRATCH(float, dt, {round_up(padded_n * padded_l, 16)});  /* D^T: [n/6][l][6] */
     #pragma omp parallel
     {{  /* strip by strip, each written in order (and in one parallel region) */
         #pragma omp for nowait
@@ -242,9 +242,9 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
     #pragma omp parallel
     {{
         /* per thread: A^T block [i/16][k][16], the tile buffer C^T [i/16][l][16], E^T block [i/16][n][16] */
-        float *at = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * k_size, 16)});
-        float *ct = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * tl, 16)});
-        float *et = (float *)aligned_alloc(64, sizeof(float) * {round_up(tm * padded_n, 16)});
+        NF_SCRATCH(float, at, {round_up(tm * k_size, 16)});
+        NF_SCRATCH(float, ct, {round_up(tm * tl, 16)});
+        NF_SCRATCH(float, et, {round_up(tm * padded_n, 16)});
         #pragma omp for schedule(dynamic)
         for (int64_t m0 = 0; m0 < MP; m0 += TM) {{
             const int64_t tm = MP - m0 < TM ? MP - m0 : TM;
@@ -269,8 +269,6 @@ def chain_function(op: Op, plan: ChainPlan, name: str) -> str:
                     out[{target}] = et[(ip / 16) * 16 * NP + np * 16 + ip % 16];
                 }}
         }}
-        free(at); free(ct); free(et);
     }}
-    free(bt); free(dt);
 }}
 """

@@ -185,13 +185,12 @@ def depth_vector_code(
     for side, count, padded, flag in (("a", m, mp, compacted[0]), ("b", n, np_, compacted[1])):
         if flag:
             size = padded * depth_block * stride
-            scratch.append(f"float *restrict {side}_run = (float *)aligned_alloc(64, sizeof(float) * {size});")
+            scratch.append(f"NF_SCRATCH(float, {side}_run, {size});")
             scratch.append(f"memset({side}_run, 0, sizeof(float) * {size});")
             compaction.append(_compact(side, count, padded, plan, depth_block))
             offsets.append(f"d{side} = (oo - o) * {stride}")
         else:
             offsets.append(f"d{side} = {side}_dep[0][oo]")
-    release = " ".join(f"free({side}_run);" for side, flag in zip("ab", compacted, strict=True) if flag)
     a_loop = f"""for (int64_t ib = 0; ib < {mp}; ib += {ra}) {{
                         {_pointers("a", "ib", m, ra, compacted[0], depth_block, stride)}"""
     b_loop = f"""for (int64_t jb = 0; jb < {np_}; jb += {rb}) {{
@@ -206,7 +205,7 @@ def depth_vector_code(
                                 }}"""
     return f"""
         const int64_t width_ = {n};
-        float *partial = (float *)malloc(sizeof(float) * threads_ * {m} * width_);
+        NF_SCRATCH(float, partial, threads_ * {m} * width_);
         {open_batch}
             const float *restrict a_at = {inputs[0]} + ({bases[0]});
             const float *restrict b_at = {inputs[1]} + ({bases[1]});
@@ -219,7 +218,7 @@ def depth_vector_code(
 #else
                 const int64_t me = 0, team = 1;
 #endif
-                float *restrict lanes = (float *)aligned_alloc(64, sizeof(float) * {mp * np_ * LANES});
+                NF_SCRATCH(float, lanes, {mp * np_ * LANES});
                 memset(lanes, 0, sizeof(float) * {mp * np_ * LANES});
                 {" ".join(scratch)}
                 const int64_t first = {outer} * me / team, end = {outer} * (me + 1) / team;
@@ -248,8 +247,6 @@ def depth_vector_code(
                         const float *cell = lanes + (ib * {np_} + jb * {ra} + (i - ib) * {rb} + (j - jb)) * {LANES};
                         mine[i * width_ + j] = _mm512_reduce_add_ps(_mm512_load_ps(cell));
                     }}
-                free(lanes); {release}
             }}
 {sums}
-        }}
-        free(partial);"""
+        }}"""

@@ -616,13 +616,13 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
             f"""
         {tables}
         /* the whole of a (rows x depth) packed once, each column strip packed and multiplied by the task owning it */
-        float *apack = (float *)aligned_alloc(64, sizeof(float) * {round_up(k * round_up(m, MR), 16)});
+        NF_SCRATCH(float, apack, {round_up(k * round_up(m, MR), 16)});
         {a_whole}
         for (int64_t i = {m}; i < {round_up(m, MR)}; ++i)
             for (int64_t p = 0; p < {k}; ++p) apack[(i / {MR}) * {MR} * {k} + p * {MR} + i % {MR}] = 0.0f;
         #pragma omp parallel
         {{
-            float *bpack = (float *)aligned_alloc(64, sizeof(float) * {k} * {NR});
+            NF_SCRATCH(float, bpack, {k} * {NR});
             float tile[{MR * NR}] __attribute__((aligned(64)));
             const int64_t ic = 0, jc = 0, mc = {m}, pc = 0, kc = {k};
             const int last_ = 1;
@@ -641,9 +641,7 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
                 for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
 {row_strips("bpack")}
             }}
-            free(bpack);
-        }}
-        free(apack);""",
+        }}""",
         )
     # the b block is packed by every thread, each a slice of the packer's outer loop
     pack_b_shared = "for (int64_t part = 0; part < threads_; ++part)\n                        " + pack_b(
@@ -653,8 +651,8 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
         packers,
         f"""
         {tables}
-        float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {min(NC, round_up(n, NR))});
-        char *contiguous = (char *)malloc({-(-min(NC, n) // NR)});
+        NF_SCRATCH(float, bpack, {KC} * {min(NC, round_up(n, NR))});
+        NF_SCRATCH(char, contiguous, {-(-min(NC, n) // NR)});
         /* row blocks: a multiple of the thread count when there are enough rows, otherwise
            the column strips are shared out too */
         int64_t mblocks = ({m} + {MC - 1}) / {MC};
@@ -683,7 +681,7 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
                     {pack_b_shared}
                     #pragma omp parallel
                     {{
-                        float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {round_up(MC, MR)});
+                        NF_SCRATCH(float, apack, {KC} * {round_up(MC, MR)});
                         float tile[{MR * NR}] __attribute__((aligned(64)));
                         #pragma omp for schedule(static)
                         for (int64_t task = 0; task < mblocks * jparts; ++task) {{
@@ -698,13 +696,10 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
 {row_strips("bpack + jr * kc")}
                             }}
                         }}
-                        free(apack);
                     }}
                 }}
             }}
-        }}
-        free(bpack);
-        free(contiguous);""",
+        }}""",
     )
 
 
@@ -892,7 +887,7 @@ def _depth_split_code(sizes: tuple[int, int, int], open_batch: str, pack_a: str,
     m, n, k = sizes
     return f"""
         const int64_t width_ = {min(NC, n)};
-        float *partial = (float *)malloc(sizeof(float) * threads_ * {m} * width_);
+        NF_SCRATCH(float, partial, threads_ * {m} * width_);
         {open_batch}
             for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
                 const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;
@@ -905,8 +900,8 @@ def _depth_split_code(sizes: tuple[int, int, int], open_batch: str, pack_a: str,
 #else
                     const int64_t me = 0, team = 1;
 #endif
-                    float *apack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {round_up(MC, MR)});
-                    float *bpack = (float *)aligned_alloc(64, sizeof(float) * {KC} * {round_up(min(NC, n), NR)});
+                    NF_SCRATCH(float, apack, {KC} * {round_up(MC, MR)});
+                    NF_SCRATCH(float, bpack, {KC} * {round_up(min(NC, n), NR)});
                     float tile[{MR * NR}] __attribute__((aligned(64)));
                     float *mine = partial + me * {m} * width_;
                     const int64_t blocks = {-(-k // KC)};
@@ -928,10 +923,7 @@ def _depth_split_code(sizes: tuple[int, int, int], open_batch: str, pack_a: str,
                             }}
                         }}
                     }}
-                    free(apack);
-                    free(bpack);
                 }}
 {sums}
             }}
-        }}
-        free(partial);"""
+        }}"""

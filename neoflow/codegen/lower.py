@@ -507,10 +507,9 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
             continue
         helpers.append(_static(Lowering(piece.op).function(f"{name}_p{number}"), f"{name}_p{number}"))
         lines.append(f"""    {{
-        {ctype} *part = ({ctype} *)malloc(sizeof({ctype}) * {piece.op.output.size});
+        NF_SCRATCH({ctype}, part, {piece.op.output.size});
         {name}_p{number}(part{arguments});
 {store_slice(piece, "part[f]")}
-        free(part);
     }}""")
     body = "\n".join(lines)
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
@@ -538,10 +537,9 @@ def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
     ]
     stage_args = ", ".join(arguments[t.name] for t in plan.stage.inputs)
     rest_args = ", ".join(arguments[t.name] for t in plan.rest.inputs)
-    body = f"""    float *sums = (float *)malloc(sizeof(float) * {plan.stage.output.size});
+    body = f"""    NF_SCRATCH(float, sums, {plan.stage.output.size});
     {name}_s(sums, {stage_args});
-    {name}_r(out, {rest_args});
-    free(sums);"""
+    {name}_r(out, {rest_args});"""
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
 
 

@@ -541,10 +541,10 @@ def _depth_runs(
     rows, steps = ("0", "size"), ("lo", "hi")
     if not side_inner:
         rows, steps = ("lo", "hi"), ("0", "kc")
-    lanes = "char *run8 = (char *)malloc(kc + 8); for (int64_t p = 0; p < kc; ++p) { run8[p] = p + 8 <= kc; "
+    lanes = "NF_SCRATCH(char, run8, kc + 8); for (int64_t p = 0; p < kc; ++p) { run8[p] = p + 8 <= kc; "
     lanes += "for (int t = 1; run8[p] && t < 8; ++t) run8[p] = dep[0][pc + p + t] == dep[0][pc + p] + t; } "
     lanes += " ".join(
-        f"int32_t *e{q} = (int32_t *)malloc(sizeof(int32_t) * (kc + 8)); "
+        f"NF_SCRATCH(int32_t, e{q}, kc + 8); "
         f"for (int64_t p = 0; p < kc; ++p) e{q}[p] = (int32_t)(dep[{q}][pc + p] + base{q}_);"
         for q, _ in guards
     )
@@ -562,7 +562,6 @@ def _depth_runs(
         )
     else:
         store = f"_mm256_storeu_ps(strip + (p + t) * {width}, v[t]);"
-    frees = " ".join(["free(run8);", *(f"free(e{q});" for q, _ in guards)])
     clamp_rows = ""
     if operand.clamps:
         clamped_row = vector_clamped("v[g]", operand.clamps)
@@ -607,7 +606,6 @@ def _depth_runs(
         }}
         ++i;
     }}
-    {frees}
 }}"""
 
 
