@@ -30,6 +30,15 @@ def _reference(graph, inputs: dict) -> dict:
     return values
 
 
+def _batches(seed: int, count: int) -> list[dict[str, np.ndarray]]:
+    """``count`` random inputs of ``CHAIN``."""
+    rng = np.random.default_rng(seed)
+    return [
+        {"X": rng.standard_normal((64, 48)).astype(np.float32), "W": rng.standard_normal((48, 32)).astype(np.float32)}
+        for _ in range(count)
+    ]
+
+
 @NEEDS_CC
 def test_a_run_is_one_call_and_computes_what_the_kernels_do_one_by_one() -> None:
     graph = neoflow.graph(CHAIN)
@@ -68,11 +77,7 @@ def test_kept_tensors_of_one_run_are_not_overwritten_by_the_next() -> None:
 def test_runs_reuse_one_arena_and_threads_running_at_once_get_their_own() -> None:
     graph = neoflow.graph(CHAIN)
     executor = CpuExecutor(graph, keep=("T", "L"))
-    rng = np.random.default_rng(2)
-    batches = [
-        {"X": rng.standard_normal((64, 48)).astype(np.float32), "W": rng.standard_normal((48, 32)).astype(np.float32)}
-        for _ in range(8)
-    ]
+    batches = _batches(seed=2, count=8)
     executor.run(batches[0])
     arena = executor._arena
     assert arena is not None and arena.nbytes >= executor.plan.arena_bytes
@@ -110,11 +115,7 @@ def test_kept_tensors_share_one_block_at_aligned_addresses_and_read_only_inputs_
 def test_recycled_runs_write_two_blocks_in_turn_and_compute_what_fresh_runs_do() -> None:
     graph = neoflow.graph(CHAIN)
     executor = CpuExecutor(graph, keep=("T", "L"))
-    rng = np.random.default_rng(4)
-    batches = [
-        {"X": rng.standard_normal((64, 48)).astype(np.float32), "W": rng.standard_normal((48, 32)).astype(np.float32)}
-        for _ in range(3)
-    ]
+    batches = _batches(seed=4, count=3)
     results = [executor.run(batch, recycle=True) for batch in batches[:2]]
     kept = results[0]["T"].copy()
     assert not np.shares_memory(results[0]["T"], results[1]["T"]), "two runs in a row write two blocks"
