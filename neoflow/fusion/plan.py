@@ -248,24 +248,25 @@ def unfused(graph: Graph, keep: Collection[str] = (), policy: str = "none") -> F
     return plan_from_groups(graph, [[op.name] for op in graph.ops], keep, policy)
 
 
-def _sources(graph: Graph, kernels: list[Kernel]) -> list[set[int]]:
-    """For each kernel, the kernels whose materialised tensors it reads."""
+def _sources(graph: Graph, kernels: list[Kernel], memo: dict | None = None) -> list[set[int]]:
+    """For each kernel, the kernels whose materialised tensors it reads (``memo``: ``kernel_ops``')."""
     home = {name: k for k, kernel in enumerate(kernels) for name in kernel.materialized}
     ops = {op.name: op for op in graph.ops}
     needs: list[set[int]] = [set() for _ in kernels]
     for k, kernel in enumerate(kernels):
         members = set(kernel.ops)
-        for op in kernel_ops(graph, kernel):  # what it reads once its recomputed ops are inlined
+        for op in kernel_ops(graph, kernel, memo):  # what it reads once its recomputed ops are inlined
             for tensor in op.input_names:
                 if tensor in ops and tensor not in members and tensor in home:
                     needs[k].add(home[tensor])
     return needs
 
 
-def _kernel_order(graph: Graph, kernels: list[Kernel]) -> list[Kernel]:
+def _kernel_order(graph: Graph, kernels: list[Kernel], needs: list[set[int]] | None = None) -> list[Kernel]:
     """``kernels`` in an order where each follows the kernels whose
-    materialised tensors it reads; a cycle is a ``PlanError``."""
-    needs = _sources(graph, kernels)
+    materialised tensors it reads (``needs``: their ``_sources`` where known);
+    a cycle is a ``PlanError``."""
+    needs = _sources(graph, kernels) if needs is None else needs
     done: list[int] = []
     state = [0] * len(kernels)
 
@@ -294,6 +295,7 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
     tensor a kernel reads from outside is materialised by a kernel that runs
     before it (so there is no cycle)."""
     ops = {op.name: op for op in graph.ops}
+    memo: dict[tuple[str, frozenset[str]], Op] = {}  # each kernel's ops inlined once for every check
     home: dict[str, int] = {}
     for k, kernel in enumerate(plan.kernels):
         for name in kernel.ops:
@@ -334,12 +336,13 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
         for name in kernel.buffered:
             if not any(name in ops[r].input_names for r in kernel.ops):
                 raise PlanError(f"kernel '{kernel.name}' buffers '{name}' but nothing in it reads '{name}'")
-        for op in kernel_ops(graph, kernel):  # what it reads once its recomputed ops are inlined
+        for op in kernel_ops(graph, kernel, memo):  # what it reads once its recomputed ops are inlined
             for tensor in op.input_names:
                 if tensor in ops and tensor not in members and tensor not in home:
                     raise PlanError(f"kernel '{kernel.name}' reads '{tensor}', which no kernel materialises")
-    _kernel_order(graph, list(plan.kernels))  # a cycle is an error of its own
-    for k, needs in enumerate(_sources(graph, list(plan.kernels))):
+    sources = _sources(graph, list(plan.kernels), memo)
+    _kernel_order(graph, list(plan.kernels), sources)  # a cycle is an error of its own
+    for k, needs in enumerate(sources):
         for j in needs:
             if j > k:
                 raise PlanError(

@@ -6,6 +6,7 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -121,22 +122,18 @@ def data_address(array: np.ndarray) -> int:
         return array.ctypes.data
 
 
+@dataclass
 class _RecycledBlock:
     """One of the two blocks of kept tensors a ``CpuExecutor``'s recycled runs write in
     turn: the block, its arrays by name, the slot pointers of a run writing it (the
     arena's and the block's filled in, the inputs' as its last run found them), and
     per input the array that run was given (``seen``) and the one it read (``held``)."""
 
-    def __init__(self, executor: CpuExecutor) -> None:
-        self.memory, start = aligned_buffer(executor._kept_bytes)
-        self.pointers = executor._arena_pointers.copy()
-        self.outputs = {}
-        for (name, slot, shape, dtype), offset in zip(executor._kept_slots, executor._kept_offsets, strict=True):
-            self.outputs[name] = np.ndarray(shape, dtype, buffer=self.memory, offset=offset)
-            self.pointers[slot] = start + offset
-        count = len(executor._input_slots)
-        self.seen: list[np.ndarray | None] = [None] * count
-        self.held: list[np.ndarray | None] = [None] * count
+    memory: np.ndarray
+    outputs: dict[str, np.ndarray]
+    pointers: np.ndarray
+    seen: list[np.ndarray | None]
+    held: list[np.ndarray | None]
 
 
 class CpuExecutor:
@@ -229,21 +226,19 @@ class CpuExecutor:
     def _run_recycled(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``run`` with ``recycle``, the arena lock held."""
         if not self._recycled:
-            self._recycled = [_RecycledBlock(self) for _ in range(2)]
+            self._recycled = [self._recycled_block() for _ in range(2)]
         block = self._recycled[self._recycle_turn]
         self._recycle_turn = 1 - self._recycle_turn
-        pointers, seen = block.pointers, block.seen
-        for k, (name, slot, dtype) in enumerate(self._input_slots):
-            value = inputs[name]
-            if value is seen[k]:
-                continue  # the array this block's run was given last time: its address is known
-            array = np.ascontiguousarray(value, dtype=dtype)
-            pointers[slot] = data_address(array)
-            # a converted copy is not remembered: the caller may change the array it copies
-            seen[k] = value if array is value else None
-            block.held[k] = array
-        self.entry(pointers.ctypes.data)
-        return {name: block.outputs[name] if name in block.outputs else inputs[name] for name in self.keep}
+        self._point_to_inputs(block.pointers, inputs, block.seen, block.held)
+        self.entry(block.pointers.ctypes.data)
+        return self._handed_back(block.outputs, inputs)
+
+    def _recycled_block(self) -> _RecycledBlock:
+        """A block for recycled runs, with its slot pointers (the arena's filled in)."""
+        pointers = self._arena_pointers.copy()
+        memory, outputs = self._kept_block(pointers)
+        count = len(self._input_slots)
+        return _RecycledBlock(memory, outputs, pointers, [None] * count, [None] * count)
 
     def _slot_pointers(self, arena: int) -> np.ndarray:
         """Every tensor slot's pointer, the intermediates' at their offsets in the arena
@@ -254,17 +249,46 @@ class CpuExecutor:
 
     def _run_in(self, pointers: np.ndarray, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``run`` with the intermediates' slots of ``pointers`` filled in."""
-        held = []  # the inputs as the kernels read them, alive until the call returns
-        for name, slot, dtype in self._input_slots:
-            array = np.ascontiguousarray(inputs[name], dtype=dtype)
-            held.append(array)
+        count = len(self._input_slots)
+        held: list[np.ndarray | None] = [None] * count  # the inputs as the kernels read them, alive until it returns
+        self._point_to_inputs(pointers, inputs, [None] * count, held)
+        _block, outputs = self._kept_block(pointers)
+        self.entry(pointers.ctypes.data)
+        return self._handed_back(outputs, inputs)
+
+    def _point_to_inputs(
+        self,
+        pointers: np.ndarray,
+        inputs: Mapping[str, np.ndarray],
+        seen: list[np.ndarray | None],
+        held: list[np.ndarray | None],
+    ) -> None:
+        """Set the input slots of ``pointers`` to ``inputs``, each as a contiguous array of
+        its dtype kept alive in ``held``; an input that is the very array ``seen`` holds for
+        it is skipped (its slot points to it already).  ``seen`` then holds each input that
+        needed no conversion: a converted copy is not remembered, as the caller may change
+        the array it copies."""
+        for k, (name, slot, dtype) in enumerate(self._input_slots):
+            value = inputs[name]
+            if value is seen[k]:
+                continue
+            array = np.ascontiguousarray(value, dtype=dtype)
             pointers[slot] = data_address(array)
+            seen[k] = value if array is value else None
+            held[k] = array
+
+    def _kept_block(self, pointers: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A new block for a run's kept tensors and their arrays in it by name; their
+        slots of ``pointers`` are set to those arrays."""
         block, start = aligned_buffer(self._kept_bytes)
         outputs = {}
         for (name, slot, shape, dtype), offset in zip(self._kept_slots, self._kept_offsets, strict=True):
             outputs[name] = np.ndarray(shape, dtype, buffer=block, offset=offset)
             pointers[slot] = start + offset
-        self.entry(pointers.ctypes.data)
+        return block, outputs
+
+    def _handed_back(self, outputs: Mapping[str, np.ndarray], inputs: Mapping[str, np.ndarray]) -> dict:
+        """What a run returns: each kept tensor by name, computed or (kept inputs) given."""
         return {name: outputs[name] if name in outputs else inputs[name] for name in self.keep}
 
     def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
