@@ -77,6 +77,22 @@ static inline int64_t nf_ipow(int64_t a, int64_t b) {
 #else
 #define NF_SCALAR
 #endif
+/* A choice between two values already computed, without a branch: a data-dependent
+   condition (a ReLU's mask) taken as a branch is mispredicted about every other point. */
+static inline float nf_pickf(int c, float a, float b) {
+    uint32_t ua, ub, mask = -(uint32_t)(c != 0);
+    memcpy(&ua, &a, 4); memcpy(&ub, &b, 4);
+    ua = (ua & mask) | (ub & ~mask);
+    memcpy(&a, &ua, 4);
+    return a;
+}
+static inline double nf_pick(int c, double a, double b) {
+    uint64_t ua, ub, mask = -(uint64_t)(c != 0);
+    memcpy(&ua, &a, 8); memcpy(&ub, &b, 8);
+    ua = (ua & mask) | (ub & ~mask);
+    memcpy(&a, &ua, 8);
+    return a;
+}
 #define NF_FMAX(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
 #define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
 #define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))
@@ -115,6 +131,18 @@ void nf_set_threads(int n) { omp_set_num_threads(n); }
 void nf_set_threads(int n) { (void)n; }
 #endif
 """
+
+#: The prelude's branch-free choice per floating dtype.
+_PICKS = {"float32": "nf_pickf", "float64": "nf_pick"}
+
+
+def _reads(node: Expr) -> bool:
+    """Whether ``node`` reads a tensor or reduces (computing it where a ``Select``
+    does not take it might read out of bounds, or cost a whole reduction)."""
+    return any(
+        isinstance(n, (Read, Reduce)) or (isinstance(n, Index) and n.expr.has(AppliedUndef)) for n in node.walk()
+    )
+
 
 _FLOAT_FUNCS = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "abs": "fabs", "erf": "erf"}
 
@@ -250,6 +278,8 @@ class ValuePrinter:
 
     def __call__(self, node: Expr, target: str | None = None) -> str:
         """``node`` as C, converted to ``target`` (default: the node's dtype)."""
+        if isinstance(node, Select):  # converting each value alike: the choice stays one of two values
+            return self._select(node, node.dtype if target is None else target)
         text = self._value(node)
         return cast(text, node.dtype, target) if target is not None else text
 
@@ -268,17 +298,25 @@ class ValuePrinter:
         if isinstance(node, Cast):
             return cast(self(node.x), node.x.dtype, node.to)
         if isinstance(node, Select):
-            cond = self(node.cond, "bool")
-            with self.on_branch(node.cond, True):
-                a = self(node.a, node.dtype)
-            with self.on_branch(node.cond, False):
-                b = self(node.b, node.dtype)
-            return f"({cond} ? {a} : {b})"
+            return self._select(node, node.dtype)
         if isinstance(node, Unary):
             return self._unary(node)
         if isinstance(node, Binary):
             return self._binary(node)
         raise CompileError(f"no C form for {type(node).__name__}")
+
+    def _select(self, node: Select, dtype: str) -> str:
+        """``node`` with both values in ``dtype``; floating values that are safe
+        to compute whichever way the condition goes are chosen without a branch."""
+        cond = self(node.cond, "bool")
+        with self.on_branch(node.cond, True):
+            a = self(node.a, dtype)
+        with self.on_branch(node.cond, False):
+            b = self(node.b, dtype)
+        pick = _PICKS.get(dt.concrete(dtype))
+        if pick is not None and not _reads(node.a) and not _reads(node.b):
+            return f"{pick}({cond}, {a}, {b})"
+        return f"({cond} ? {a} : {b})"
 
     def _unary(self, node: Unary) -> str:
         if node.op == "!":

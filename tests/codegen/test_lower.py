@@ -93,6 +93,34 @@ def test_epilogues_and_sums_compute_what_the_interpreter_does(text: str, shapes:
     np.testing.assert_allclose(compiled, expected, rtol=1e-4, atol=1e-4)
 
 
+def _statements(code: str) -> str:
+    """The statements' bodies (the ``#define S<k>`` lines) of lowered code."""
+    return "\n".join(line for line in code.splitlines() if line.startswith("#define S"))
+
+
+def test_a_data_dependent_choice_of_values_is_made_without_a_branch() -> None:
+    # a ReLU's mask: taken as a branch, it is mispredicted about every other point
+    mask = _c("Y[i, j] = G[i, j] * Select(X[i, j] >= 0, 1, 0)", {"G": (9, 7), "X": (9, 7)})
+    assert "nf_pickf(" in mask and " ? " not in _statements(mask)
+    # a choice of a read keeps the branch: a guard may keep a read in bounds, and a read not taken costs nothing
+    guard = _c("Y[i] = Select(K[i] > 0, X[i], 0)", {"K": (5,), "X": (5,)})
+    assert "nf_pickf(" not in guard and " ? " in _statements(guard)
+
+
+@NEEDS_CC
+def test_a_choice_made_without_a_branch_computes_what_the_interpreter_does() -> None:
+    op = neoflow.op(
+        "Y[i] = G[i] * Select(X[i] >= 0, 1, 0) + Select(X[i] < 1, 0.5, X[i] * 0 + 2)", shapes={"G": (8,), "X": (8,)}
+    )
+    inputs = {
+        "G": np.array([1.0, np.nan, np.inf, -np.inf, 2.0, -3.0, np.nan, 4.0], np.float32),
+        "X": np.array([1.0, 2.0, -1.0, 0.0, -0.0, np.nan, -5.0, 3.0], np.float32),
+    }
+    compiled = neoflow.compile(op, target="cpu").run(inputs)
+    expected = neoflow.compile(op, target="interp").run(inputs)
+    np.testing.assert_array_equal(compiled, expected)  # NaN * 0 and inf * 0 stay NaN, as multiplying does
+
+
 def test_scatter_is_zeroed_first_and_not_parallel() -> None:
     op = neoflow.op("Out[idx[i]] += X[i]", shapes={"X": (6,), "idx": (6,), "Out": (4,)}, dtypes={"idx": "int64"})
     code = lower_op(op, "kernel")
