@@ -4,7 +4,11 @@ Every operation converts its operands to the dtype the reference interpreter
 computes in (``Binary.operand_dtype``, ``dtypes.compute_dtype``) and its
 result to the node's dtype, so compiled code rounds where the interpreter
 does.  Integer floor division and modulo follow Python (the helpers in
-``PRELUDE``); floating ``max``/``min`` propagate NaN like numpy.
+``PRELUDE``); floating ``max``/``min`` propagate NaN like numpy.  A ``Select``
+between floating values that read nothing (a ReLU mask's 1 or 0) picks one
+without a branch (``nf_pickf``): a data-dependent branch is mispredicted about
+every other point; one whose values read keeps C's ``?:``, which reads only the
+value taken.
 """
 
 from __future__ import annotations
