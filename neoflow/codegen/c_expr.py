@@ -83,20 +83,16 @@ static inline int64_t nf_ipow(int64_t a, int64_t b) {
 #endif
 /* A choice between two values already computed, without a branch: a data-dependent
    condition (a ReLU's mask) taken as a branch is mispredicted about every other point. */
-static inline float nf_pickf(int c, float a, float b) {
-    uint32_t ua, ub, mask = -(uint32_t)(c != 0);
-    memcpy(&ua, &a, 4); memcpy(&ub, &b, 4);
-    ua = (ua & mask) | (ub & ~mask);
-    memcpy(&a, &ua, 4);
-    return a;
-}
-static inline double nf_pick(int c, double a, double b) {
-    uint64_t ua, ub, mask = -(uint64_t)(c != 0);
-    memcpy(&ua, &a, 8); memcpy(&ub, &b, 8);
-    ua = (ua & mask) | (ub & ~mask);
-    memcpy(&a, &ua, 8);
-    return a;
-}
+#define NF_PICK(name, type, bits) \
+    static inline type name(int c, type a, type b) { \
+        bits ua, ub, mask = -(bits)(c != 0); \
+        memcpy(&ua, &a, sizeof a); memcpy(&ub, &b, sizeof b); \
+        ua = (ua & mask) | (ub & ~mask); \
+        memcpy(&a, &ua, sizeof a); \
+        return a; \
+    }
+NF_PICK(nf_pickf, float, uint32_t)
+NF_PICK(nf_pick, double, uint64_t)
 #define NF_FMAX(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
 #define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
 #define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))
