@@ -296,9 +296,7 @@ class ValuePrinter:
         if isinstance(node, Reduce):
             return self.reduction(node)
         if isinstance(node, Cast):
-            return cast(self(node.x), node.x.dtype, node.to)
-        if isinstance(node, Select):
-            return self._select(node, node.dtype)
+            return self(node.x, node.to)
         if isinstance(node, Unary):
             return self._unary(node)
         if isinstance(node, Binary):
