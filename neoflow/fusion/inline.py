@@ -22,6 +22,9 @@ from neoflow.ir.expr import Cast, Expr, Read, Reduce, map_children, map_indices
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.simplify import fold_selects, simplify_index
 
+#: ``inline_all``'s memo: an op's substituted form by its name and the inlined ops it reaches.
+InlineMemo = dict[tuple[str, frozenset[str]], Op]
+
 
 def _rename_axes(node: Expr, names: Mapping[str, str]) -> Expr:
     """``node`` with the reduction axes in ``names`` renamed (binders and uses)."""
@@ -117,9 +120,7 @@ def _inputs(body: Expr, consumer: Op, producer: Op) -> tuple[Tensor, ...]:
     return tuple(found.values())
 
 
-def inline_all(
-    ops: Iterable[Op], inlined: Iterable[str], memo: dict[tuple[str, frozenset[str]], Op] | None = None
-) -> list[Op]:
+def inline_all(ops: Iterable[Op], inlined: Iterable[str], memo: InlineMemo | None = None) -> list[Op]:
     """The ops of a kernel that are not in ``inlined``, each with every
     inlined op it reads (directly or through other inlined ops) substituted.
     ``ops`` are in topological order.  ``memo`` (for ops of one graph) keeps each

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from neoflow.errors import CompileError
-from neoflow.fusion.inline import inline_all, why_not_inlined
+from neoflow.fusion.inline import InlineMemo, inline_all, why_not_inlined
 from neoflow.ir.expr import Select
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
@@ -108,7 +108,7 @@ class Grouping:
         self.nests = nests
         self._buffered: dict[Kernel, Kernel] = {}
         self._reads: dict[Kernel, frozenset[str]] = {}
-        self._inlined: dict[tuple[str, frozenset[str]], Op] = {}  # inline_all's memo
+        self._inlined: InlineMemo = {}
         self.ops = {op.name: op for op in graph.ops}
         self._selecting = {op.name for op in graph.ops if any(isinstance(n, Select) for n in op.body.walk())}
         self.position = {op.name: k for k, op in enumerate(graph.ops)}
@@ -248,7 +248,7 @@ def unfused(graph: Graph, keep: Collection[str] = (), policy: str = "none") -> F
     return plan_from_groups(graph, [[op.name] for op in graph.ops], keep, policy)
 
 
-def _sources(graph: Graph, kernels: list[Kernel], memo: dict | None = None) -> list[set[int]]:
+def _sources(graph: Graph, kernels: list[Kernel], memo: InlineMemo | None = None) -> list[set[int]]:
     """For each kernel, the kernels whose materialised tensors it reads (``memo``: ``kernel_ops``')."""
     home = {name: k for k, kernel in enumerate(kernels) for name in kernel.materialized}
     ops = {op.name: op for op in graph.ops}
@@ -295,7 +295,7 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
     tensor a kernel reads from outside is materialised by a kernel that runs
     before it (so there is no cycle)."""
     ops = {op.name: op for op in graph.ops}
-    memo: dict[tuple[str, frozenset[str]], Op] = {}  # each kernel's ops inlined once for every check
+    memo: InlineMemo = {}  # each kernel's ops inlined once for every check
     home: dict[str, int] = {}
     for k, kernel in enumerate(plan.kernels):
         for name in kernel.ops:
@@ -350,7 +350,7 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
                 )
 
 
-def kernel_ops(graph: Graph, kernel: Kernel, memo: dict[tuple[str, frozenset[str]], Op] | None = None) -> list[Op]:
+def kernel_ops(graph: Graph, kernel: Kernel, memo: InlineMemo | None = None) -> list[Op]:
     """The ops kernel ``kernel`` computes: its materialised and buffered ops,
     in order, with every inlined op substituted into its readers (``memo``:
     ``inline_all``'s, for many kernels of ``graph``)."""
