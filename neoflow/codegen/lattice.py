@@ -198,10 +198,29 @@ def _simplify(state: _State) -> tuple[_State, bool]:
     return replace(state, reduce=Reduce(reduce.kind, reduce.axes, reduce.extents, reduce.body, where)), no_points
 
 
+def _without_unit_axes(reduce: Reduce, extent: dict[str, int]) -> Reduce:
+    """``reduce`` with each axis of extent one replaced by 0 and dropped, as long as
+    another axis remains: a sum over one point is its term.  An inlined producer
+    can leave such an axis indexing only one operand (``x6[b, c, ..]`` with ``c``
+    of extent one read as ``x[b, 0, ..]``), which no intrinsic axis could take."""
+    unit = [a for a in reduce.axes if extent.get(a) == 1]
+    if not unit or len(unit) == len(reduce.axes):
+        return reduce
+    zero = {index.var(a): 0 for a in unit}
+
+    def rewrite(node: Expr | None) -> Expr | None:
+        return None if node is None else map_indices(node, lambda e: e.subs(zero))
+
+    kept = [(a, e) for a, e in zip(reduce.axes, reduce.extents, strict=True) if a not in unit]
+    axes, extents = tuple(a for a, _ in kept), tuple(e for _, e in kept)
+    return Reduce(reduce.kind, axes, extents, rewrite(reduce.body), rewrite(reduce.where))
+
+
 @lru_cache(maxsize=1024)
 def split_lattice(op: Op) -> tuple[Piece, ...] | None:
     """``op``'s domain as dense pieces (one piece, the op itself, when its reduction
-    has no lattice condition); None when a lattice condition has no variable with
+    has no lattice condition; each piece's reduction without its axes of extent
+    one, ``_without_unit_axes``); None when a lattice condition has no variable with
     a coefficient coprime to its modulus to split on, when too many pieces would
     result, or when a max or min has an epilogue where it is empty.
     Cached: the blocked kernel's planner, the lowering and the cost model all ask."""
@@ -252,7 +271,7 @@ def split_lattice(op: Op) -> tuple[Piece, ...] | None:
         shape = tuple(state.extent[v] for v in state.indices)
         if math.prod(shape) == 0:
             continue
-        body = with_reduce(state.epilogue, state.reduce)
+        body = with_reduce(state.epilogue, _without_unit_axes(state.reduce, state.extent))
         if empty and state.epilogue is not None and not _zero(with_reduce(state.epilogue, Const(0.0))):
             if state.reduce.kind != "ReduceAdd":
                 return None  # an empty max or min has no value for the epilogue to finish

@@ -8,6 +8,7 @@ import pytest
 import sympy
 
 import neoflow
+from neoflow.codegen.gemm import gemm_plan
 from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import lower_op
 from neoflow.ir import index
@@ -99,3 +100,23 @@ def test_an_epilogue_not_zero_on_an_empty_sum_makes_element_wise_pieces() -> Non
 def test_element_wise_pieces_compute_what_the_interpreter_does() -> None:
     text, shapes, wrt = CASES["dilated_stride_2"]
     assert_compiled_matches_interpreter(_with_epilogue(neoflow.grad(neoflow.op(text, shapes=shapes))[wrt]), 2)
+
+
+# the capsule network's first layer with its input broadcast inlined: ``c`` and ``t`` (extent one)
+# index only the weights, so no intrinsic axis could take them while they stayed reduction axes
+UNIT_AXES = (
+    "C1[b, k, p, q, j] = ReduceAdd({c, r, s, t}, X[b, 0, p + r, q + s] * K[k, c, r, s, t, j])",
+    {"X": (16, 1, 8, 8), "K": (4, 1, 3, 3, 1, 2)},
+)
+
+
+def test_reduction_axes_of_extent_one_leave_the_piece_and_the_op_takes_the_blocked_kernel() -> None:
+    op = neoflow.op(UNIT_AXES[0], shapes=UNIT_AXES[1])
+    (piece,) = split_lattice(op)
+    assert piece.op.reduce_axes == ("r", "s")
+    assert gemm_plan(op) is not None
+
+
+@NEEDS_CC
+def test_a_piece_without_its_unit_axes_computes_what_the_interpreter_does() -> None:
+    assert_compiled_matches_interpreter(neoflow.op(UNIT_AXES[0], shapes=UNIT_AXES[1]), 3)
