@@ -192,6 +192,15 @@ def test_a_sum_of_a_few_terms_is_not_split_into_vector_lanes() -> None:
     assert "#pragma omp simd reduction(+:acc0)" in long
 
 
+def test_a_sum_over_rows_of_six_terms_is_split_into_vector_lanes() -> None:
+    # the capsule conv's weight gradient: each weight sums batch x 6 x 6 terms, the innermost loop 6
+    # of them; one scalar accumulator made every term wait for the one before (36 against 19 us)
+    text = "W[k, r, s, j] = ReduceAdd({b, p, q}, G[b, k, p, q, j] * X[b, p + r, q + s])"
+    code = _c(text, {"G": (4, 2, 6, 6, 2), "X": (4, 8, 8)})
+    loops = [line.strip() for line in code.splitlines() if "for (" in line or "pragma" in line]
+    assert loops[-2:] == ["#pragma omp simd reduction(+:acc0)", "for (int c7 = 0; c7 <= 5; c7 += 1)"]
+
+
 @NEEDS_CC
 def test_a_short_outer_loop_holding_several_statements_is_not_collapsed() -> None:
     # the channels below 2 and the others are separate loops inside the batch loop
