@@ -109,6 +109,18 @@ def test_neoflow_couples_the_four_op_forward_and_backward_tails_for_the_cpu_targ
     assert moved["neoflow"] <= (0.6 if not keep_prediction else 0.7) * moved["elementwise"]
 
 
+def test_neoflow_recomputes_the_capsule_input_broadcast_in_the_convolutions_that_read_it() -> None:
+    # x6 = Reshape(x) inlined leaves c1 summing over c and t of extent one, which only the weights
+    # index; with those axes dropped c1 runs the blocked kernel, so recomputing x6 costs nothing
+    # and saves its write and reads (machine figures fixed as above)
+    model = neoflow.compile(MODELS / "capsule.onnx", train=neoflow.TrainSpec(labels="y"), target="interp")
+    planned = model._train.planned_graph
+    zen3 = Machine(198e9, 4.2e9, 35e9, 2.3e-6, 25.7e9, 104e9, 32e6, measured=True)
+    plan = plan_for(planned, "neoflow", CostModel(zen3, schedule, nest_buffers))
+    assert "x6" in plan.kernel_of("c1").inlined and "x6" in plan.kernel_of("grad_k1_").inlined
+    assert not any("x6" in kernel.materialized for kernel in plan.kernels)
+
+
 def test_patterns_classify_the_four_op_edges() -> None:
     graph = neoflow.graph((MODELS / "four_op.nf").read_text())
     kinds = {op.name: kind(op) for op in graph.ops}
