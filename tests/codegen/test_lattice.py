@@ -12,7 +12,7 @@ from neoflow.codegen.gemm import gemm_plan
 from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import lower_op
 from neoflow.ir import index
-from neoflow.ir.expr import Binary, Index, Read
+from neoflow.ir.expr import Binary, Index, Read, index_variables
 from neoflow.ir.op import Tensor
 from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter
 
@@ -120,3 +120,13 @@ def test_reduction_axes_of_extent_one_leave_the_piece_and_the_op_takes_the_block
 @NEEDS_CC
 def test_a_piece_without_its_unit_axes_computes_what_the_interpreter_does() -> None:
     assert_compiled_matches_interpreter(neoflow.op(UNIT_AXES[0], shapes=UNIT_AXES[1]), 3)
+
+
+@NEEDS_CC
+@pytest.mark.parametrize("condition", ["u + r < 3", "u + r > 9"])
+def test_a_unit_axis_in_the_condition_is_replaced_there_too(condition: str) -> None:
+    # u (extent one) is 0 in the condition as in the term; "> 9" leaves no point: the sum is zero
+    op = neoflow.op(f"Y[i] = ReduceAdd({{r, u | {condition}}}, X[i, r] * W[u, r])", shapes={"X": (64, 5), "W": (1, 5)})
+    (piece,) = split_lattice(op)
+    assert piece.op.reduce_axes == ("r",) and "u" not in index_variables(piece.op.body)
+    assert_compiled_matches_interpreter(op, 1)
