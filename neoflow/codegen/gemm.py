@@ -431,12 +431,13 @@ def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
     return "\n".join(helpers) + f"\nvoid {name}(float *restrict out{params}) {{\n{body}\n}}\n"
 
 
-def store_slice(piece: Piece, value: str) -> str:
+def store_slice(piece: Piece, value: str, whole: int | None = None) -> str:
     """C storing ``value`` (which may use the piece's flat point index ``f``) at every
-    point of ``piece``'s slice of ``out``, in parallel."""
+    point of ``piece``'s slice of ``out``, in parallel where ``whole`` (the points of
+    the output the piece is a slice of; default the piece's) is large enough."""
     variables = [(v, piece.op.extent[v]) for v in piece.op.indices]
     target = " + ".join([str(piece.base), *(f"v_{v} * {piece.strides[v]}" for v, _ in variables)])
-    size = piece.op.output.size
+    size = piece.op.output.size if whole is None else whole
     if not variables:
         return f"        {{ const int64_t f = 0; out[{target}] = {value}; }}"
     # nested loops (the flat index computed, not divided out per point), all but the

@@ -322,8 +322,11 @@ class Lowering:
         """The loop nest isl generates for the statements (C text calling them)."""
         return isl_loops(self.statements)
 
-    def function(self, name: str) -> str:
-        """The C function computing the op (the output first, then the inputs)."""
+    def function(self, name: str, work: int | None = None) -> str:
+        """The C function computing the op (the output first, then the inputs).
+        ``work``: the points that decide whether threads share the outer loop
+        (``PARALLEL_MIN_POINTS``); default the op's own box, a piece of a larger
+        op passes that op's, so that splitting a domain does not make it serial."""
         self.build()
         op = self.op
         params = [f"{c_type(op.dtype)} *restrict out"]
@@ -335,7 +338,7 @@ class Lowering:
         if op.scatter is not None:
             lines.append(f"    memset(out, 0, sizeof(*out) * {op.output.size});")
         loops = self.loops()
-        work = math.prod(self.extent.values())
+        work = math.prod(self.extent.values()) if work is None else work
         parallel = op.scatter is None and any(self.extent[v] > 1 for v in op.indices) and work >= PARALLEL_MIN_POINTS
         private = f" private({', '.join(a for _, a in self.accumulators)})" if self.accumulators else ""
         outer_dims = {f"c{k}" for k in range(self.parallel_depth)}
@@ -499,19 +502,24 @@ def _constant_bound(text: str, function: str, pick: Callable[[list[int]], int]) 
 def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
     """The C function ``name`` computing ``op`` piece by piece (``lattice.split_lattice``):
     each dense piece is a plain loop nest (``name_p<k>``) into a contiguous buffer,
-    scattered to its strided slice of the output; empty pieces zero theirs."""
+    scattered to its strided slice of the output; empty pieces zero theirs.  Each
+    loop is shared among threads where the whole op's would be: the pieces of a
+    capsule conv's input gradient are a quarter of it each, serial they made the
+    capsule network's training step 6-7 % slower (0.170 against 0.159 ms, 2 threads)."""
     ctype = c_type(op.dtype)
     arguments = "".join(f", in{k}" for k in range(len(op.inputs)))
+    work = math.prod(op.extent.values())
     helpers, lines = [], []
     for number, piece in enumerate(pieces):
         if piece.empty:
-            lines.append(store_slice(piece, "0"))
+            lines.append(store_slice(piece, "0", op.output.size))
             continue
-        helpers.append(_static(Lowering(piece.op).function(f"{name}_p{number}"), f"{name}_p{number}"))
+        function = Lowering(piece.op).function(f"{name}_p{number}", work)
+        helpers.append(_static(function, f"{name}_p{number}"))
         lines.append(f"""    {{
         NF_SCRATCH({ctype}, part, {piece.op.output.size});
         {name}_p{number}(part{arguments});
-{store_slice(piece, "part[f]")}
+{store_slice(piece, "part[f]", op.output.size)}
     }}""")
     body = "\n".join(lines)
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
 import pytest
 
 import neoflow
+from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS
 from neoflow.codegen.inner_split import split_inner
+from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import Lowering, lower_op, most_trips, trip_count
 from tests.targets import NEEDS_CC
 
@@ -190,6 +193,20 @@ def test_a_sum_of_a_few_terms_is_not_split_into_vector_lanes() -> None:
     assert "acc0 = acc0 + " in code and "simd" not in code
     long = _c("Y[i] = ReduceAdd({k}, X[i, k]) / ReduceAdd({k}, X[i, k] * X[i, k])", {"X": (512, 64)})
     assert "#pragma omp simd reduction(+:acc0)" in long
+
+
+def test_the_pieces_of_a_strided_adjoint_share_out_their_loops_where_the_whole_op_would() -> None:
+    # each parity piece of the capsule conv's input gradient is a quarter of the op or less, below the
+    # points that start threads; the op as a whole is not (57600 box points): every piece runs in parallel
+    text = (
+        "T[b, z, w] = ReduceAdd({r, s | (z - r) % 2 == 0 && (z - r) // 2 >= 0 && (z - r) // 2 < 2 && "
+        "(w - s) % 2 == 0 && (w - s) // 2 >= 0 && (w - s) // 2 < 2}, S[b, (z - r) // 2, (w - s) // 2, r, s])"
+    )
+    op = neoflow.op(text, shapes={"S": (256, 2, 2, 3, 3)}, out_shape=(256, 5, 5))
+    assert all(math.prod(piece.op.extent.values()) < PARALLEL_MIN_POINTS for piece in split_lattice(op))
+    code = lower_op(op, "kernel")
+    pieces = [code.split(f"static void kernel_p{k}(")[1].split("\n}\n")[0] for k in range(4)]
+    assert all("#pragma omp parallel for" in piece for piece in pieces)
 
 
 def test_a_sum_over_rows_of_six_terms_is_split_into_vector_lanes() -> None:
