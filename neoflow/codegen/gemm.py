@@ -422,7 +422,7 @@ def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
     helpers, blocks = [], []
     for number, (piece, mapping) in enumerate(plan.pieces):
         if mapping is None:
-            code = store_slice(piece, "0.0f")
+            code = store_slice(piece, "0.0f", op.output.size)
         else:
             packers, code = _piece_code(piece, mapping, f"{name}_p{number}", params)
             helpers.append(packers)
@@ -431,13 +431,12 @@ def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
     return "\n".join(helpers) + f"\nvoid {name}(float *restrict out{params}) {{\n{body}\n}}\n"
 
 
-def store_slice(piece: Piece, value: str, whole: int | None = None) -> str:
+def store_slice(piece: Piece, value: str, whole: int) -> str:
     """C storing ``value`` (which may use the piece's flat point index ``f``) at every
     point of ``piece``'s slice of ``out``, in parallel where ``whole`` (the points of
-    the output the piece is a slice of; default the piece's) is large enough."""
+    the output the piece is a slice of) is large enough, as a store of all of it would be."""
     variables = [(v, piece.op.extent[v]) for v in piece.op.indices]
     target = " + ".join([str(piece.base), *(f"v_{v} * {piece.strides[v]}" for v, _ in variables)])
-    size = piece.op.output.size if whole is None else whole
     if not variables:
         return f"        {{ const int64_t f = 0; out[{target}] = {value}; }}"
     # nested loops (the flat index computed, not divided out per point), all but the
@@ -452,8 +451,9 @@ def store_slice(piece: Piece, value: str, whole: int | None = None) -> str:
     )
     inner = "        " + "    " * len(variables)
     index_line = f"{inner}const int64_t f = {flat};\n" if re.search(r"\bf\b", value) else ""
-    return f"""        #pragma omp parallel for{collapse} if({size} >= {PARALLEL_MIN_POINTS})
-{loops} {{
+    # decided here: an OpenMP region under a false if() still costs a team of one
+    pragma = f"        #pragma omp parallel for{collapse}\n" if whole >= PARALLEL_MIN_POINTS else ""
+    return f"""{pragma}{loops} {{
 {index_line}{inner}out[{target}] = {value};
 {inner[4:]}}}"""
 

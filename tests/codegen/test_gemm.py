@@ -6,6 +6,7 @@ import pytest
 
 import neoflow
 from neoflow.codegen import gemm
+from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS
 from neoflow.codegen.gemm import GATHER_PACK_CYCLES, STEP_CYCLES, VECTOR_PACK_CYCLES, gemm_plan
 from neoflow.codegen.hardware import cpu_flags
 from neoflow.codegen.lower import lower_op
@@ -123,6 +124,26 @@ def test_parity_domains_are_blocked_only_on_their_dense_piece() -> None:
     mapped = [piece for piece, mapping in plan.pieces if mapping is not None]
     assert len(plan.pieces) == 3 and len(mapped) == 1
     assert mapped[0].base == 0 and sorted(mapped[0].strides.values()) == [2, 136, 4624, 13872]
+
+
+@pytest.mark.parametrize(("side", "parallel"), [(68, False), (160, True)])
+def test_zero_filled_pieces_share_out_their_stores_where_the_whole_output_would(side: int, parallel: bool) -> None:
+    # each zero piece is a third of the output at most: at side 160 it is below the points that
+    # start threads (12800) while the output (51200) is not
+    op = neoflow.op(
+        "D[n, k, p, q] = ReduceAdd({r, s}, B[n, c, p*2+r*2, q*2+s*2] * C[k, c, r, s])",
+        shapes={"B": (1, 2, side, side), "C": (32, 2, 3, 3)},
+    )
+    adjoint = neoflow.grad(op)["B"]
+    plan = gemm_plan(adjoint)
+    zeros = [piece for piece, mapping in plan.pieces if mapping is None]
+    assert zeros and all(piece.op.output.size < PARALLEL_MIN_POINTS for piece in zeros)
+    code = gemm.gemm_function(adjoint, plan, "kernel")
+    stores = [block for block in code.split("/* piece at offset")[1:] if "= 0.0f;" in block.split("}")[0]]
+    assert len(stores) == len(zeros)
+    # shared out unconditionally, or not a region at all (under a false if() it is still a team of one)
+    assert all(("#pragma omp parallel for" in block.split("}")[0]) == parallel for block in stores)
+    assert not any("if(" in block.split("}")[0] for block in stores)
 
 
 def test_weight_gradients_share_out_the_reduction() -> None:
