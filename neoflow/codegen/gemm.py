@@ -64,6 +64,12 @@ MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
 STEP_CYCLES = AVX2.intrinsic("outer_product").cycles
 NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
+#: column strips a task of the narrow kernel packs together, at most: its packer reads neighbours in
+#: each row of ``b`` (the four-op input gradient, 64 rows, in the step: 1, 2, 3, 4 strips a task 474,
+#: 418, 455, 401 us; in another run 2, 4, 8 strips 441, 419, 458 us), while at least 8 tasks are left
+#: and the strips (each the micro-kernel's ``b`` down every row strip) stay within ``TASK_PACK_BYTES``
+TASK_STRIPS = 4
+TASK_PACK_BYTES = 32 * 1024
 _THREADS = """#ifdef _OPENMP
         const int64_t threads_ = omp_get_max_threads();
 #else
@@ -610,7 +616,9 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
         a_whole = f"{prefix}_pack_a(apack, 0, {m}, 0, {k}, 0, {k if a_inner else m}, {pack_a_code.arguments}"
         a_whole += "".join(f", in{i}" for i in range(len(op.inputs))) + ", 0" * len(batch) + ");"
         strips = -(-n // NR)
-        b_strip = f"{prefix}_pack_b(bpack, jr, width, 0, {k}, 0, {k if b_inner else 'width'}, {pack_b_code.arguments}"
+        together = max(1, min(TASK_STRIPS, strips // 8, TASK_PACK_BYTES // (k * NR * 4)))
+        tasks = -(-strips // together)
+        b_strip = f"{prefix}_pack_b(bpack, j0, span, 0, {k}, 0, {k if b_inner else 'span'}, {pack_b_code.arguments}"
         b_strip += f"{arguments});"
         return (
             packers,
@@ -623,24 +631,28 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
             for (int64_t p = 0; p < {k}; ++p) apack[(i / {MR}) * {MR} * {k} + p * {MR} + i % {MR}] = 0.0f;
         #pragma omp parallel
         {{
-            NF_SCRATCH(float, bpack, {k} * {NR});
+            NF_SCRATCH(float, bpack, {k} * {NR * together});
             float tile[{MR * NR}] __attribute__((aligned(64)));
             const int64_t ic = 0, jc = 0, mc = {m}, pc = 0, kc = {k};
             const int last_ = 1;
             /* static: each thread a contiguous run of tasks; neighbouring tasks write neighbouring
-               output elements, and handed out in turn they share cache lines between the threads */
+               output elements, and handed out in turn they share cache lines between the threads;
+               a task packs {together} column strip(s) together (neighbours in each row read) */
             #pragma omp for schedule(static)
-            for (int64_t task = 0; task < {batches * strips}; ++task) {{
-                const int64_t batch_ = task / {strips}, jr = task % {strips} * {NR};
+            for (int64_t task = 0; task < {batches * tasks}; ++task) {{
+                const int64_t batch_ = task / {tasks}, j0 = task % {tasks} * {NR * together};
                 {unflatten_index("batch_", batch)}
                 float *restrict to_batch = outp + {offset(batch)};
-                const int64_t width = {n} - jr < {NR} ? {n} - jr : {NR};
+                const int64_t span = {n} - j0 < {NR * together} ? {n} - j0 : {NR * together};
                 {b_strip}
-                for (int64_t j = width; j < {NR}; ++j)
-                    for (int64_t p = 0; p < {k}; ++p) bpack[p * {NR} + j] = 0.0f;
-                int dense = width == {NR};
-                for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
-{row_strips("bpack")}
+                for (int64_t j = span; j < (span + {NR - 1}) / {NR} * {NR}; ++j)
+                    for (int64_t p = 0; p < {k}; ++p) bpack[(j / {NR}) * {NR} * {k} + p * {NR} + j % {NR}] = 0.0f;
+                for (int64_t jr = j0; jr < j0 + span; jr += {NR}) {{
+                    const int64_t width = j0 + span - jr < {NR} ? j0 + span - jr : {NR};
+                    int dense = width == {NR};
+                    for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
+{row_strips(f"bpack + (jr - j0) * {k}")}
+                }}
             }}
         }}""",
         )

@@ -465,10 +465,15 @@ def _side_runs(
     depth_lanes = " ".join(
         f"const __m256i e{q} = _mm256_set1_epi32((int32_t)(dep[{q}][pc + p] + base{q}_));" for q, _ in guards
     )
+    plain, skip_plain = "", ""
+    if not guards and not operand.clamps:
+        plain = _plain_strips(tensor_name, tensor_size)
+        skip_plain = f"""
+        if (plain[s / {VECTOR_WIDTH}]) continue;"""
     return f"""{header}
     {declare("const int64_t *restrict s{q}_ = side[{q}] + start;")}
-    {arrays}
-    for (int64_t s = 0; s < size; s += {VECTOR_WIDTH}) {{
+    {arrays}{plain}
+    for (int64_t s = 0; s < size; s += {VECTOR_WIDTH}) {{{skip_plain}
         float *restrict strip = buffer + s * kc;
         int run = size - s >= {VECTOR_WIDTH};
         const int64_t step_ = run ? s0_[s + 1] - s0_[s] : 0;
@@ -517,6 +522,52 @@ def _side_runs(
         }}
     }}
 }}"""
+
+
+def _plain_strips(tensor_name: str, tensor_size: int) -> str:
+    """C copying the plain strips of an unguarded, unclamped operand first: those whose
+    reads are consecutive (or, on AVX-512, every other element: ``nf_load_pairs``) and
+    inside the tensor at every depth step, one vector a strip, depth step by depth step
+    across all of them.  Strip by strip, each depth step's read lies a row of the tensor
+    away from the last: a wide packer's many rows outrun what the hardware prefetchers
+    follow; a depth step's strips are neighbours in one row.  Leaves
+    ``plain[s / VECTOR_WIDTH]`` (the step, 0 where not plain) for the strip-by-strip
+    loop to skip."""
+    return f"""
+    /* the plain strips: reads 1 (or 2) apart, inside the tensor at every depth step */
+    int64_t dep_low_ = 0, dep_high_ = 0;
+    for (int64_t p = lo; p < hi; ++p) {{
+        const int64_t d = dep[0][pc + p] + base0_;
+        if (p == lo || d < dep_low_) dep_low_ = d;
+        if (p == lo || d > dep_high_) dep_high_ = d;
+    }}
+#if defined(__AVX512F__)
+    const int64_t widest_step_ = 2;
+#else
+    const int64_t widest_step_ = 1;
+#endif
+    char plain[size / {VECTOR_WIDTH} + 1];
+    int any_plain = 0;
+    for (int64_t s = 0; s < size; s += {VECTOR_WIDTH}) {{
+        const int64_t step_ = size - s >= {VECTOR_WIDTH} && hi > lo ? s0_[s + 1] - s0_[s] : 0;
+        int ok = step_ >= 1 && step_ <= widest_step_ && s0_[s] + dep_low_ >= 0
+                 && s0_[s] + dep_high_ + {VECTOR_WIDTH - 1} * step_ <= {tensor_size - 1};
+        for (int64_t ii = 2; ok && ii < {VECTOR_WIDTH}; ++ii) ok = s0_[s + ii] == s0_[s] + ii * step_;
+        plain[s / {VECTOR_WIDTH}] = ok ? (char)step_ : 0;
+        any_plain |= ok;
+    }}
+    for (int64_t p = lo; any_plain && p < hi; ++p) {{
+        const float *restrict from = {tensor_name} + dep[0][pc + p] + base0_;
+        for (int64_t s = 0; s < size; s += {VECTOR_WIDTH}) {{
+            float *restrict to = buffer + s * kc + p * {VECTOR_WIDTH};
+            if (plain[s / {VECTOR_WIDTH}] == 1)
+                memcpy(to, from + s0_[s], sizeof(float) * {VECTOR_WIDTH});
+#if defined(__AVX512F__)
+            else if (plain[s / {VECTOR_WIDTH}] == 2)
+                _mm512_storeu_ps(to, nf_load_pairs(from + s0_[s]));
+#endif
+        }}
+    }}"""
 
 
 def _depth_runs(

@@ -264,9 +264,18 @@ def _sources(graph: Graph, kernels: list[Kernel], memo: InlineMemo | None = None
 
 def _kernel_order(graph: Graph, kernels: list[Kernel], needs: list[set[int]] | None = None) -> list[Kernel]:
     """``kernels`` in an order where each follows the kernels whose
-    materialised tensors it reads (``needs``: their ``_sources`` where known);
-    a cycle is a ``PlanError``."""
+    materialised tensors it reads (``needs``: their ``_sources`` where known),
+    otherwise in the graph's order of each one's first op that no other kernel
+    computes too (whatever order a policy listed them in: the backward pass's
+    input gradients before its weight gradients, as autodiff wrote them); a
+    cycle is a ``PlanError``."""
     needs = _sources(graph, kernels) if needs is None else needs
+    position = {op.name: k for k, op in enumerate(graph.ops)}
+    where = holders(kernel.ops for kernel in kernels)
+    first_own = [
+        min((position[name] for name in kernel.ops if len(where[name]) == 1), default=position[kernel.ops[0]])
+        for kernel in kernels
+    ]
     done: list[int] = []
     state = [0] * len(kernels)
 
@@ -277,12 +286,12 @@ def _kernel_order(graph: Graph, kernels: list[Kernel], needs: list[set[int]] | N
             cycle = [kernels[j].name for j in path[path.index(k) :]] + [kernels[k].name]
             raise PlanError(f"kernels depend on each other: {' -> '.join(cycle)}")
         state[k] = 1
-        for j in sorted(needs[k]):
+        for j in sorted(needs[k], key=first_own.__getitem__):
             visit(j, [*path, k])
         state[k] = 2
         done.append(k)
 
-    for k in range(len(kernels)):
+    for k in sorted(range(len(kernels)), key=first_own.__getitem__):
         visit(k, [])
     return [kernels[k] for k in done]
 

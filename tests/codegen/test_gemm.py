@@ -240,6 +240,26 @@ def test_few_rows_pack_all_of_a_once_and_each_task_a_column_strip() -> None:
         assert_compiled_matches_interpreter(op, 4)
 
 
+@pytest.mark.parametrize(
+    ("columns", "depth", "together"),
+    [
+        (549, 64, 4),  # 35 strips: 8 tasks of four, the last of three, its last strip 5 wide
+        (200, 64, 1),  # 13 strips: too few to share out in fours
+        (549, 600, 1),  # four strips of depth 600 would not stay in the core's first cache
+    ],
+)
+def test_a_task_of_the_narrow_kernel_packs_neighbouring_column_strips_together(
+    columns: int, depth: int, together: int
+) -> None:
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (20, depth), "B": (depth, columns)})
+    source = lower_op(op, "kernel")
+    assert "the whole of a (rows x depth) packed once" in source
+    assert f"a task packs {together} column strip(s) together" in source
+    # the packer copies the plain strips depth step by depth step, all of a task's strips in each
+    assert "the plain strips" in source
+    assert_compiled_matches_interpreter(op, 5)
+
+
 def test_the_cost_model_counts_the_micro_kernel_the_build_runs() -> None:
     # the kernels are built for this machine: with AVX-512 the micro-kernel's zmm branch runs and a
     # depth step costs 3 cycles in the model, else 6 (the AVX2 or portable branch; elsewhere than

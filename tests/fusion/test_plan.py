@@ -163,3 +163,22 @@ def test_kernels_are_ordered_by_what_they_read_once_their_recomputed_ops_are_inl
     inputs = {"A": rng.standard_normal((3, 5)).astype(np.float32), "D": rng.standard_normal((4, 5)).astype(np.float32)}
     expected = neoflow.evaluate(graph, inputs)
     np.testing.assert_allclose(neoflow.evaluate(fused, inputs)["L"], expected["L"], rtol=1e-6)
+
+
+def test_independent_kernels_run_in_the_graph_order_of_their_own_first_op() -> None:
+    # the capsule network's backward pass: an input gradient (a contraction with its mask fused
+    # after it) and a weight gradient, both reading dY; the policy lists the weight gradient first
+    text = """
+    X2[i, k] = X[i, k] * 2
+    dA[i, j] = ReduceAdd({k}, dY[i, k] * X2[i, k] * W[j, k])
+    dX[i, j] = Select(A[i, j] > 0, dA[i, j], 0)
+    dW[k, m] = ReduceAdd({i}, dY[i, k] * X2[i, m])
+    """
+    graph = neoflow.graph(text, shapes={"X": (4, 3), "dY": (4, 3), "W": (5, 3), "A": (4, 5)})
+    assert [op.name for op in graph.ops] == ["X2", "dA", "dX", "dW"]
+    # X2, recomputed in both kernels, places neither
+    plan = plan_from_groups(graph, [["X2", "dW"], ["X2", "dA", "dX"]])
+    assert [k.materialized for k in plan.kernels] == [("dX",), ("dW",)]
+    # a kernel still follows the kernels it reads: here both read X2, stored
+    plan = plan_from_groups(graph, [["dW"], ["dA", "dX"], ["X2"]])
+    assert [k.materialized for k in plan.kernels] == [("X2",), ("dX",), ("dW",)]
