@@ -528,9 +528,10 @@ def _plain_strips(tensor_name: str, tensor_size: int) -> str:
     """C copying the plain strips of an unguarded, unclamped operand first: those whose
     reads are consecutive (or, on AVX-512, every other element: ``nf_load_pairs``) and
     inside the tensor at every depth step, one vector a strip, depth step by depth step
-    across all of them.  Strip by strip, each depth step's read lies a row of the tensor
-    away from the last: a wide packer's many rows outrun what the hardware prefetchers
-    follow; a depth step's strips are neighbours in one row.  Leaves
+    across all of them: a depth step's strips are neighbours in one row of the tensor,
+    where strip by strip each read lies a row away from the last (the four-op input
+    gradient, 64 depth steps of 16 to 64 floats: 511 -> 453 us with ``gemm.TASK_STRIPS``,
+    in the step).  Leaves
     ``plain[s / VECTOR_WIDTH]`` (the step, 0 where not plain) for the strip-by-strip
     loop to skip."""
     return f"""
