@@ -518,11 +518,12 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     packer_tables = [table for side in sides for table in side.tables]
     b_outer = "kc" if b_inner else "nc"
 
+    zero_b = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"  # column j, depth p of the packed b
+
     def pack_b(lo: str, hi: str) -> str:
-        zero = f"bpack[(j / {NR}) * {NR} * kc + p * {NR} + j % {NR}]"
         return f"""{prefix}_pack_b(bpack, jc, nc, pc, kc, {lo}, {hi}, {pack_b_code.arguments}{arguments});
                     for (int64_t j = nc; j < strips * {NR}; ++j)
-                        for (int64_t p = 0; p < kc; ++p) {zero} = 0.0f;"""
+                        for (int64_t p = 0; p < kc; ++p) {zero_b} = 0.0f;"""
 
     zero_a = f"apack[(i / {MR}) * {MR} * kc + p * {MR} + i % {MR}]"
     a_outer = "kc" if a_inner else "mc"
@@ -646,7 +647,7 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
                 const int64_t span = {n} - j0 < {NR * together} ? {n} - j0 : {NR * together};
                 {b_strip}
                 for (int64_t j = span; j < (span + {NR - 1}) / {NR} * {NR}; ++j)
-                    for (int64_t p = 0; p < {k}; ++p) bpack[(j / {NR}) * {NR} * {k} + p * {NR} + j % {NR}] = 0.0f;
+                    for (int64_t p = 0; p < kc; ++p) {zero_b} = 0.0f;
                 for (int64_t jr = j0; jr < j0 + span; jr += {NR}) {{
                     const int64_t width = j0 + span - jr < {NR} ? j0 + span - jr : {NR};
                     int dense = width == {NR};

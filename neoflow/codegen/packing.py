@@ -531,9 +531,10 @@ def _plain_strips(tensor_name: str, tensor_size: int) -> str:
     across all of them: a depth step's strips are neighbours in one row of the tensor,
     where strip by strip each read lies a row away from the last (the four-op input
     gradient, 64 depth steps of 16 to 64 floats: 511 -> 453 us with ``gemm.TASK_STRIPS``,
-    in the step).  Leaves
-    ``plain[s / VECTOR_WIDTH]`` (the step, 0 where not plain) for the strip-by-strip
-    loop to skip."""
+    in the step).  Leaves ``plain[s / VECTOR_WIDTH]`` (the step, 0 where not plain) for
+    the strip-by-strip loop to skip.  The range check is kept although an unguarded
+    read is in bounds wherever the op reads: it costs one pass over the depth table a
+    call and keeps a vector load from reaching past the tensor should that ever fail."""
     return f"""
     /* the plain strips: reads 1 (or 2) apart, inside the tensor at every depth step */
     int64_t dep_low_ = 0, dep_high_ = 0;
