@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.run import _set_threads, machine
-from benchmarks.timing import interleaved_medians
+from benchmarks.timing import interleaved_medians, interleaved_rounds, round_ratios
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 POLICIES = ("none", "elementwise", "neoflow", "chimera")
@@ -57,10 +58,11 @@ def capsule(policy: str):
     return neoflow.compile(MODELS / "capsule.onnx", target="cpu", train=spec, fusion=policy)
 
 
-def compare_training(build, runs: int, block: int) -> tuple[list, dict[str, float]]:
+def compare_training(build, runs: int, block: int) -> tuple[list, dict[str, float], list[float]]:
     """Per policy: its report (kernels, bytes, per-kernel times) with the step
     time measured in blocks of ``block`` consecutive steps, interleaved with the
-    other policies'; and each policy's median step timed one step a round."""
+    other policies'; each policy's median step timed one step a round; and, round
+    by round, how many times faster ``neoflow``'s block ran than ``elementwise``'s."""
     from neoflow.runtime.fusion_report import fusion_report
 
     models = {policy: build(policy) for policy in POLICIES}
@@ -69,9 +71,11 @@ def compare_training(build, runs: int, block: int) -> tuple[list, dict[str, floa
     steps = {
         policy: (lambda model=model, batch=batches[policy]: model.train_step(batch)) for policy, model in models.items()
     }
-    times = interleaved_medians(steps, runs, block=block)
+    rounds = interleaved_rounds(steps, runs, block=block)
+    times = {policy: statistics.median(t for calls in values for t in calls) for policy, values in rounds.items()}
     single = interleaved_medians(steps, runs)
-    return [dataclasses.replace(reports[p], step_seconds=times[p]) for p in models], single
+    measured = [dataclasses.replace(reports[p], step_seconds=times[p]) for p in models]
+    return measured, single, round_ratios(rounds, "elementwise", "neoflow")
 
 
 def gemm_chain(runs: int, m: int = 1024, width: int = 1024, k: int = 64, n: int = 64) -> dict:
@@ -132,10 +136,10 @@ def ranking(repeats: int) -> tuple[float, int]:
     return spearman(predicted, measured), len(predicted)
 
 
-def _training_section(title: str, measured: tuple[list, dict[str, float]]) -> list[str]:
+def _training_section(title: str, measured: tuple[list, dict[str, float], list[float]]) -> list[str]:
     from neoflow.runtime.fusion_report import COMPARE_COLUMNS, compare_table, markdown
 
-    reports, single = measured
+    reports, single, ratios = measured
     by_policy = {r.policy: r for r in reports}
     base, ours = by_policy["elementwise"], by_policy["neoflow"]
     lines = [f"## {title}", "", markdown(COMPARE_COLUMNS, compare_table(reports)), ""]
@@ -145,6 +149,14 @@ def _training_section(title: str, measured: tuple[list, dict[str, float]]) -> li
         f"{base.step_seconds / ours.step_seconds:.2f}x ({ours.step_seconds * 1e3:.3f} ms against "
         f"{base.step_seconds * 1e3:.3f} ms); goal: at least 30 % fewer bytes and 1.3x."
     )
+    quartiles = np.percentile(ratios, [25, 50, 75])
+    lines += [
+        "",
+        f"Round by round (neoflow's {len(ratios)} blocks against elementwise's in the same round): "
+        f"{quartiles[1]:.2f}x median, {quartiles[0]:.2f}x-{quartiles[2]:.2f}x between the quartiles, "
+        f"{min(ratios):.2f}x-{max(ratios):.2f}x in all; {np.mean(np.array(ratios) >= 1.3):.0%} of the rounds "
+        "at least 1.3x.",
+    ]
     lines += [
         "",
         "One step a round (each step right after the other policies' steps, caches theirs): "
@@ -158,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=41)
+    parser.add_argument("--runs", type=int, default=101)
     parser.add_argument("--block", type=int, default=5, help="consecutive training steps of a policy per round")
     parser.add_argument("--out", default="benchmarks/fusion_results", help="output prefix (.md)")
     parser.add_argument("--plot", default="docs/fusion-capsule.png", help="the capsule network's comparison plot")

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable, Mapping
 
 
-def interleaved_medians(
+def interleaved_rounds(
     systems: Mapping[str, Callable[[], object]], runs: int, warmup: int = 2, block: int = 1
-) -> dict[str, float]:
-    """Median wall time of each of ``systems`` over ``runs`` rounds, after ``warmup``
-    untimed rounds; each round runs every system ``block`` times in a row (each call
+) -> dict[str, list[list[float]]]:
+    """Wall times of each of ``systems`` round by round: ``runs`` rounds after ``warmup``
+    untimed ones, each round running every system ``block`` times in a row (each call
     timed), in turn, so that a slow spell of a shared machine falls on all of them alike
     rather than on whichever ran then.  A block of several calls is what a training
     loop does (step after step of one model); one call a round measures every call
@@ -19,11 +19,27 @@ def interleaved_medians(
     for _ in range(warmup):
         for fn in systems.values():
             fn()
-    times: dict[str, list[float]] = {name: [] for name in systems}
+    times: dict[str, list[list[float]]] = {name: [] for name in systems}
     for _ in range(runs):
         for name, fn in systems.items():
+            calls = []
             for _ in range(block):
                 start = time.perf_counter()
                 fn()
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+                calls.append(time.perf_counter() - start)
+            times[name].append(calls)
+    return times
+
+
+def interleaved_medians(
+    systems: Mapping[str, Callable[[], object]], runs: int, warmup: int = 2, block: int = 1
+) -> dict[str, float]:
+    """Median wall time of each of ``systems`` over every call of ``interleaved_rounds``."""
+    rounds = interleaved_rounds(systems, runs, warmup, block)
+    return {name: statistics.median(t for calls in values for t in calls) for name, values in rounds.items()}
+
+
+def round_ratios(rounds: Mapping[str, list[list[float]]], base: str, other: str) -> list[float]:
+    """Per round of ``interleaved_rounds``: the median call of ``base`` over that of
+    ``other`` (how many times faster ``other`` ran in that round)."""
+    return [statistics.median(b) / statistics.median(o) for b, o in zip(rounds[base], rounds[other], strict=True)]

@@ -15,6 +15,7 @@ empty reduction: its slice of the output is zero.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -53,6 +54,30 @@ class Piece:
     strides: dict[str, int] = field(hash=False)
     base: int
     empty: bool = False
+
+
+def piece_target(piece: Piece, shape: Sequence[int]) -> tuple[sympy.Expr, ...] | None:
+    """Where each point of ``piece`` goes in the whole output of ``shape``: one index
+    expression per dimension in the piece's variables (``2*h_ + 1`` for the odd rows);
+    None when a variable's stride is not a multiple of one dimension's, or its points
+    would run past that dimension."""
+    dims = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    target: list[sympy.Expr] = []
+    rest = piece.base
+    for stride in dims:
+        target.append(sympy.Integer(rest // stride))
+        rest %= stride
+    for v, stride in piece.strides.items():
+        d = next((d for d, size in enumerate(dims) if stride % size == 0), None)
+        if d is None or (d > 0 and stride >= dims[d - 1]):
+            return None
+        target[d] += stride // dims[d] * index.var(v)
+    extent = piece.op.extent
+    for d, expr in enumerate(target):
+        last = expr.subs({index.var(v): extent[v] - 1 for v in piece.strides})
+        if not 0 <= int(last) < shape[d]:
+            return None
+    return tuple(target)
 
 
 def split_epilogue(body: Expr, op: Op | None = None) -> tuple[Reduce, Expr | None] | None:

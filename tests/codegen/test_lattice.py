@@ -9,7 +9,7 @@ import sympy
 
 import neoflow
 from neoflow.codegen.gemm import gemm_plan
-from neoflow.codegen.lattice import split_lattice
+from neoflow.codegen.lattice import Piece, piece_target, split_lattice
 from neoflow.codegen.lower import lower_op
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Index, Read, index_variables
@@ -100,6 +100,28 @@ def test_an_epilogue_not_zero_on_an_empty_sum_makes_element_wise_pieces() -> Non
 def test_element_wise_pieces_compute_what_the_interpreter_does() -> None:
     text, shapes, wrt = CASES["dilated_stride_2"]
     assert_compiled_matches_interpreter(_with_epilogue(neoflow.grad(neoflow.op(text, shapes=shapes))[wrt]), 2)
+
+
+def test_element_wise_pieces_store_each_point_where_it_goes_and_summed_ones_go_through_a_buffer() -> None:
+    text, shapes, wrt = CASES["dilated_stride_2"]
+    op = _with_epilogue(neoflow.grad(neoflow.op(text, shapes=shapes))[wrt])
+    pieces = split_lattice(op)
+    n, c, h, w, z4 = (index.var(v) for v in ("n", "c", "z3_", "z4_", "z4"))
+    assert [piece_target(p, op.shape) for p in pieces] == [
+        (n, c, 2 * h, 2 * w),  # the even rows and columns: the sum
+        (n, c, 2 * h, 2 * w + 1),  # the odd columns of the even rows
+        (n, c, 2 * h + 1, z4),  # the odd rows
+    ]
+    source = lower_op(op, "kernel")
+    assert "kernel_p0(part" in source  # summed densely, then scattered
+    assert "kernel_p1(out" in source and "kernel_p2(out" in source  # no buffer, no second pass
+
+
+def test_a_piece_whose_stride_fits_no_dimension_has_no_target() -> None:
+    op = neoflow.op("Y[i] = X[i]", shapes={"X": (2,)})
+    assert piece_target(Piece(op, {"i": 4}, 1), (4, 6)) == (0, 4 * index.var("i") + 1)
+    assert piece_target(Piece(op, {"i": 8}, 0), (4, 6)) is None  # 8 is no multiple of a row, longer than one
+    assert piece_target(Piece(op, {"i": 4}, 3), (4, 6)) is None  # its second point runs past the row
 
 
 # the capsule network's first layer with its input broadcast inlined: ``c`` and ``t`` (extent one)
