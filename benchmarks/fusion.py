@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.run import _set_threads, machine
-from benchmarks.timing import interleaved_medians, interleaved_rounds, round_ratios
+from benchmarks.timing import interleaved_medians, interleaved_rounds, pooled_medians, round_ratios
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 POLICIES = ("none", "elementwise", "neoflow", "chimera")
@@ -72,7 +71,7 @@ def compare_training(build, runs: int, block: int) -> tuple[list, dict[str, floa
         policy: (lambda model=model, batch=batches[policy]: model.train_step(batch)) for policy, model in models.items()
     }
     rounds = interleaved_rounds(steps, runs, block=block)
-    times = {policy: statistics.median(t for calls in values for t in calls) for policy, values in rounds.items()}
+    times = pooled_medians(rounds)
     single = interleaved_medians(steps, runs)
     measured = [dataclasses.replace(reports[p], step_seconds=times[p]) for p in models]
     return measured, single, round_ratios(rounds, "elementwise", "neoflow")

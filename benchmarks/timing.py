@@ -35,7 +35,11 @@ def interleaved_medians(
     systems: Mapping[str, Callable[[], object]], runs: int, warmup: int = 2, block: int = 1
 ) -> dict[str, float]:
     """Median wall time of each of ``systems`` over every call of ``interleaved_rounds``."""
-    rounds = interleaved_rounds(systems, runs, warmup, block)
+    return pooled_medians(interleaved_rounds(systems, runs, warmup, block))
+
+
+def pooled_medians(rounds: Mapping[str, list[list[float]]]) -> dict[str, float]:
+    """Each system's median call over all the rounds of ``interleaved_rounds``."""
     return {name: statistics.median(t for calls in values for t in calls) for name, values in rounds.items()}
 
 

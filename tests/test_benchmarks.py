@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.timing import interleaved_medians, interleaved_rounds, round_ratios
+from benchmarks.timing import interleaved_medians, interleaved_rounds, pooled_medians, round_ratios
 
 
 def test_systems_take_turns_run_by_run_after_the_warm_up() -> None:
@@ -25,3 +25,4 @@ def test_rounds_keep_each_block_and_ratios_compare_round_by_round() -> None:
     assert [len(calls) for calls in rounds["slow"]] == [3] * 4 and len(rounds["fast"]) == 4
     fake = {"slow": [[4.0, 6.0, 5.0], [9.0, 8.0, 10.0]], "fast": [[2.0, 2.5, 3.0], [4.0, 5.0, 6.0]]}
     assert round_ratios(fake, "slow", "fast") == [2.0, 1.8]
+    assert pooled_medians(fake) == {"slow": 7.0, "fast": 3.5}  # over every call of every round

@@ -58,9 +58,10 @@ class Piece:
 
 def piece_target(piece: Piece, shape: Sequence[int]) -> tuple[sympy.Expr, ...] | None:
     """Where each point of ``piece`` goes in the whole output of ``shape``: one index
-    expression per dimension in the piece's variables (``2*h_ + 1`` for the odd rows);
-    None when a variable's stride is not a multiple of one dimension's, or its points
-    would run past that dimension."""
+    expression per dimension in the piece's variables (``2*h_ + 1`` for the odd rows),
+    each variable on the outermost dimension whose size divides its stride; None when
+    the piece's last point would then run past a dimension (a stride that is no
+    multiple of a dimension's size but longer than it, a base too near the end)."""
     dims = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     target: list[sympy.Expr] = []
     rest = piece.base
@@ -68,9 +69,7 @@ def piece_target(piece: Piece, shape: Sequence[int]) -> tuple[sympy.Expr, ...] |
         target.append(sympy.Integer(rest // stride))
         rest %= stride
     for v, stride in piece.strides.items():
-        d = next((d for d, size in enumerate(dims) if stride % size == 0), None)
-        if d is None or (d > 0 and stride >= dims[d - 1]):
-            return None
+        d = next(d for d, size in enumerate(dims) if stride % size == 0)  # the innermost size is 1
         target[d] += stride // dims[d] * index.var(v)
     extent = piece.op.extent
     for d, expr in enumerate(target):

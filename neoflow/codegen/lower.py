@@ -519,19 +519,18 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
             continue
         target = None if piece.op.reductions else piece_target(piece, op.shape)
         if target is not None:  # an element-wise piece stores each point where it goes
-            box = bounds.box_constraint(piece.op.extent)
-            whole = replace(piece.op, output=op.output)
-            function = Lowering(whole, written=Written(target, (), box)).function(f"{name}_p{number}", work)
-            helpers.append(_static(function, f"{name}_p{number}"))
-            lines.append(f"    {name}_p{number}(out{arguments});")
-            continue
-        function = Lowering(piece.op).function(f"{name}_p{number}", work)
-        helpers.append(_static(function, f"{name}_p{number}"))
-        lines.append(f"""    {{
+            written = Written(target, (), bounds.box_constraint(piece.op.extent))
+            lowering = Lowering(replace(piece.op, output=op.output), written=written)
+            call = f"    {name}_p{number}(out{arguments});"
+        else:
+            lowering = Lowering(piece.op)
+            call = f"""    {{
         NF_SCRATCH({ctype}, part, {piece.op.output.size});
         {name}_p{number}(part{arguments});
 {store_slice(piece, "part[f]", op.output.size)}
-    }}""")
+    }}"""
+        helpers.append(_static(lowering.function(f"{name}_p{number}", work), f"{name}_p{number}"))
+        lines.append(call)
     body = "\n".join(lines)
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
 
