@@ -183,6 +183,35 @@ def conv2d() -> Workload:
     )
 
 
+def conv2d_bias_relu() -> Workload:
+    """Inference of a padded 3x3 conv with its bias and ReLU applied in the blocked kernel's epilogue."""
+    import torch
+    import torch.nn.functional as F
+
+    import neoflow
+
+    text = (
+        "Y[n, k, p, q] = max(ReduceAdd({c, r, s}, Select(p + r - 1 >= 0 && p + r - 1 < 56 && q + s - 1 >= 0 && "
+        "q + s - 1 < 56, X[n, c, p + r - 1, q + s - 1], 0) * W[k, c, r, s]) + Bias[k], 0)"
+    )
+    shapes = {"X": (8, 64, 56, 56), "W": (64, 64, 3, 3), "Bias": (64,)}
+    layer = neoflow.compile(neoflow.op(text, shapes=shapes, out_shape=(8, 64, 56, 56)), target="cpu")
+    rng = np.random.default_rng(0)
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    tx, tw, tb = (torch.tensor(v) for v in inputs.values())
+
+    def torch_forward() -> None:
+        with torch.no_grad():
+            F.relu(F.conv2d(tx, tw, tb, padding=1))
+
+    return Workload(
+        "conv2d 3x3 + bias + ReLU N8 C=K=64 56x56 fwd",
+        2.0 * 8 * 64 * 56 * 56 * 64 * 9,
+        {"neoflow": lambda: layer.run(inputs), "torch eager": torch_forward},
+        ">= 0.8x torch eager",
+    )
+
+
 def four_op() -> Workload:
     import torch
     import torch.nn.functional as F
@@ -298,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     builders: list[Callable[[], Workload]] = [lambda: sgemm(1024)]
     if not args.quick:
         builders.append(lambda: sgemm(2048))
-    builders += [lambda: capsule(1), lambda: capsule(2), four_op, conv2d]
+    builders += [lambda: capsule(1), lambda: capsule(2), four_op, conv2d, conv2d_bias_relu]
     builders += [
         lambda: training_step("mlp"),
         lambda: training_step("cnn"),

@@ -422,6 +422,53 @@ def _lookup(name: str, flat: str, variables: list[tuple[str, int]]) -> str:
     return f"const int32_t *{name}_t = {name}_tab + ({flat}) * {len(variables)}; const int64_t {loads};"
 
 
+def _epilogue_loop(value: str, rows: list[tuple[str, int]], cols: list[tuple[str, int]], inner_step: int) -> str:
+    """C applying the epilogue ``value`` (C over ``acc_``, the finished sum, and the
+    point's ``v_<variable>``s) to a tile just stored, in the last depth block.  The
+    tile's columns in a run of the innermost column variable (the others fixed) are
+    finished in vector lanes, their variables read from the tables once a strip and
+    once a row and the innermost counted up with the lane: where that variable steps
+    the output by one (``inner_step``), any run; otherwise a full strip whose columns
+    are contiguous in the output (and a run, where the epilogue reads a column
+    variable).  Any other tile is finished element by element through the tables."""
+    inner, inner_extent = cols[-1]
+    in_run = f"col_tab[(jc + jr) * {len(cols)} + {len(cols) - 1}] + width <= {inner_extent}"
+    uses_columns = any(re.search(rf"\bv_{v}\b", value) for v, _ in cols)
+    if inner_step == 1:
+        lanes, condition = "width", in_run
+    else:
+        lanes, condition = str(NR), f"dense && width == {NR}" + (f" && {in_run}" if uses_columns else "")
+    strip_variables, lane_variable = "", ""
+    if uses_columns:
+        strip_variables = f"{_lookup('col', 'jc + jr', cols)} const int64_t first_ = v_{inner};"
+        lane_variable = f"const int64_t v_{inner} = first_ + jj;"
+    return f"""
+                                    if (last_) {{
+                                        if ({condition}) {{
+                                            {strip_variables}
+                                            for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
+                                                float *to = to_batch + row_off[ic + ir + ii] + col_off[jc + jr];
+                                                {_lookup("row", "ic + ir + ii", rows)}
+                                                #pragma omp simd
+                                                for (int64_t jj = 0; jj < {lanes}; ++jj) {{
+                                                    {lane_variable}
+                                                    const float acc_ = to[jj];
+                                                    to[jj] = (float)({value});
+                                                }}
+                                            }}
+                                        }} else
+                                            for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
+                                                float *to = to_batch + row_off[ic + ir + ii];
+                                                {_lookup("row", "ic + ir + ii", rows)}
+                                                for (int64_t jj = 0; jj < width; ++jj) {{
+                                                    {_lookup("col", "jc + jr + jj", cols)}
+                                                    const float acc_ = to[col_off[jc + jr + jj]];
+                                                    to[col_off[jc + jr + jj]] = (float)({value});
+                                                }}
+                                            }}
+                                    }}"""
+
+
 def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
     """The C function ``name`` computing ``op`` with the blocked outer-product kernel, piece by piece."""
     params = "".join(f", const float *restrict in{i}" for i in range(len(op.inputs)))
@@ -490,17 +537,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
 
     epilogue_loop = ""
     if epilogue is not None:
-        epilogue_loop = f"""
-                                    if (last_)
-                                        for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
-                                            float *to = to_batch + row_off[ic + ir + ii];
-                                            {_lookup("row", "ic + ir + ii", rows)}
-                                            for (int64_t jj = 0; jj < width; ++jj) {{
-                                                {_lookup("col", "jc + jr + jj", cols)}
-                                                const float acc_ = to[col_off[jc + jr + jj]];
-                                                to[col_off[jc + jr + jj]] = (float)({finish(epilogue, "float32")});
-                                            }}
-                                        }}"""
+        epilogue_loop = _epilogue_loop(finish(epilogue, "float32"), rows, cols, piece.strides[cols[-1][0]])
     # the packers take the inputs and the batch variables' values
     params += "".join(f", int64_t v_{v}" for v, _ in batch)
     arguments = "".join(f", in{i}" for i in range(len(op.inputs))) + "".join(f", v_{v}" for v, _ in batch)

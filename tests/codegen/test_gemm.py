@@ -80,6 +80,22 @@ CASES = {
         "C[i, j] = P[i, j] - 0.1 * ReduceAdd({k}, A[k, i] * B[k, j])",
         {"A": (3000, 30), "B": (3000, 50), "P": (30, 50)},
     ),
+    # an epilogue reading a column variable: in vector lanes along runs of the innermost column
+    # (16 and a tail of 4 a row of 20; rows of 6 that strips cross, finished element by element)
+    "conv_residual_epilogue": (
+        "Y[n, k, p, q] = ReduceAdd({c, r, s}, X[n, c, p + r, q + s] * W[k, c, r, s]) + R[n, k, p, q]",
+        {"X": (2, 8, 22, 22), "W": (24, 8, 3, 3), "R": (2, 24, 20, 20)},
+    ),
+    "conv_residual_epilogue_short_rows": (
+        "Y[n, k, p, q] = ReduceAdd({c, r, s}, Select(p + r - 1 >= 0 && p + r - 1 < 9 && q + s - 1 >= 0 && "
+        "q + s - 1 < 9, X[n, c, p + r - 1, q + s - 1], 0) * W[k, c, r, s]) + R[n, k, p, q] * q",
+        {"X": (2, 16, 9, 9), "W": (32, 16, 3, 3), "R": (2, 32, 9, 9), "Y": (2, 32, 9, 9)},
+    ),
+    # the output transposed: the columns step it by more than one, every tile element by element
+    "transposed_output_epilogue": (
+        "C[j, i] = ReduceAdd({k}, A[i, k] * B[k, j]) + R[j, i]",
+        {"A": (40, 70), "B": (70, 35), "R": (35, 40)},
+    ),
     "guarded_epilogue_crop": (
         "C[i, j] = Select(i > 2 && j > 0, ReduceAdd({k}, A[i, k] * B[k, j]), 0)",
         {"A": (40, 70), "B": (70, 35)},
@@ -92,13 +108,37 @@ CASES = {
 }
 
 
+def case_op(case: str):
+    """The op of ``CASES[case]`` (its output's shape given where the case names ``Y``)."""
+    text, shapes = CASES[case]
+    inputs = {name: shape for name, shape in shapes.items() if name != "Y"}
+    return neoflow.op(text, shapes=inputs, out_shape=shapes.get("Y"))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_blocked_kernel_matches_the_interpreter(case: str) -> None:
-    text, shapes = CASES[case]
-    out_shape = shapes.pop("Y", None)
-    op = neoflow.op(text, shapes=shapes, out_shape=out_shape)
+    op = case_op(case)
     assert gemm_plan(op) is not None, "the op should take the blocked kernel"
     assert_compiled_matches_interpreter(op, 0)
+
+
+@pytest.mark.parametrize(
+    ("case", "condition"),
+    [
+        # the columns step the output by one: any run of the innermost column, a short last strip too
+        ("conv_residual_epilogue", "if (col_tab[(jc + jr) * 1 + 0] + width <= 20)"),
+        ("conv_residual_epilogue_short_rows", "if (col_tab[(jc + jr) * 2 + 1] + width <= 9)"),
+        # they step it by 35: only a full strip whose columns the output holds together
+        ("transposed_output_epilogue", "if (dense && width == 16 && col_tab[(jc + jr) * 1 + 0] + width <= 35)"),
+    ],
+)
+def test_epilogues_are_finished_in_vector_lanes_along_runs_of_the_innermost_column(case: str, condition: str) -> None:
+    lanes = lower_op(case_op(case), "kernel").split(condition, 1)[1].split("} else", 1)[0]
+    assert "#pragma omp simd" in lanes and "first_ + jj;" in lanes and "const float acc_ = to[jj];" in lanes
+    # an epilogue reading no column variable (a bias by output channel) counts none up in the lanes
+    code = lower_op(case_op("conv_padded_bias"), "kernel")
+    lanes = code.split("if (col_tab[(jc + jr) * 2 + 1] + width <= 9)", 1)[1].split("} else", 1)[0]
+    assert "#pragma omp simd" in lanes and "first_" not in lanes
 
 
 def test_small_non_float32_and_unfoldable_conditions_use_the_generic_loops() -> None:
@@ -147,10 +187,8 @@ def test_zero_filled_pieces_share_out_their_stores_where_the_whole_output_would(
 
 
 def test_weight_gradients_share_out_the_reduction() -> None:
-    text, shapes = CASES["weight_gradient_split_depth"]
-    assert "partial" in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
-    text, shapes = CASES["gemm_odd"]
-    assert "partial" not in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
+    assert "partial" in lower_op(case_op("weight_gradient_split_depth"), "kernel")
+    assert "partial" not in lower_op(case_op("gemm_odd"), "kernel")
 
 
 DEPTH_VECTOR_CASES = [
@@ -166,8 +204,7 @@ DEPTH_VECTOR_MARK = "16 partial sums an output in lanes"
 
 @pytest.mark.parametrize("case", DEPTH_VECTOR_CASES)
 def test_long_depths_with_runs_of_one_or_two_steps_are_vectorised_along_the_depth(case: str) -> None:
-    text, shapes = CASES[case]
-    assert DEPTH_VECTOR_MARK in lower_op(neoflow.op(text, shapes=dict(shapes)), "kernel")
+    assert DEPTH_VECTOR_MARK in lower_op(case_op(case), "kernel")
 
 
 @pytest.mark.parametrize(
@@ -192,8 +229,7 @@ def test_other_long_depths_keep_the_packed_depth_split(text: str, shapes: dict) 
 def test_on_narrower_vector_units_the_depth_split_computes_the_same(narrower_cc) -> None:
     # without AVX-512 the packed depth split runs instead of the depth-vectorised kernel
     for case in ("weight_gradient_stride_2", "depth_vector_update_epilogue"):
-        text, shapes = CASES[case]
-        assert_compiled_matches_interpreter(neoflow.op(text, shapes=dict(shapes)), 5)
+        assert_compiled_matches_interpreter(case_op(case), 5)
 
 
 def test_a_strided_adjoint_runs_the_blocked_kernel_on_each_dense_piece() -> None:
