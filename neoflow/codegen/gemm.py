@@ -422,15 +422,20 @@ def _lookup(name: str, flat: str, variables: list[tuple[str, int]]) -> str:
     return f"const int32_t *{name}_t = {name}_tab + ({flat}) * {len(variables)}; const int64_t {loads};"
 
 
-def _epilogue_loop(value: str, rows: list[tuple[str, int]], cols: list[tuple[str, int]], inner_step: int) -> str:
+def _epilogue_loop(
+    value: str, rows: list[tuple[str, int]], cols: list[tuple[str, int]], inner_step: int, from_tile: bool = False
+) -> str:
     """C applying the epilogue ``value`` (C over ``acc_``, the finished sum, and the
-    point's ``v_<variable>``s) to a tile just stored, in the last depth block.  The
-    tile's columns in a run of the innermost column variable (the others fixed) are
-    finished in vector lanes, their variables read from the tables once a strip and
-    once a row and the innermost counted up with the lane: where that variable steps
-    the output by one (``inner_step``), any run; otherwise a full strip whose columns
-    are contiguous in the output (and a run, where the epilogue reads a column
-    variable).  Any other tile is finished element by element through the tables."""
+    point's ``v_<variable>``s) to a tile in the last depth block: a tile just stored
+    (``acc_`` read back from the output), or with ``from_tile`` the micro-kernel's
+    ``tile`` (``acc_`` its value plus, after the first depth block, the output's), so
+    that each element is written once, finished.  The tile's columns in a run of the
+    innermost column variable (the others fixed) are finished in vector lanes, their
+    variables read from the tables once a strip and once a row and the innermost
+    counted up with the lane: where that variable steps the output by one
+    (``inner_step``), any run; otherwise a full strip whose columns are contiguous in
+    the output (and a run, where the epilogue reads a column variable).  Any other
+    tile is finished element by element through the tables."""
     inner, inner_extent = cols[-1]
     in_run = f"col_tab[(jc + jr) * {len(cols)} + {len(cols) - 1}] + width <= {inner_extent}"
     uses_columns = any(re.search(rf"\bv_{v}\b", value) for v, _ in cols)
@@ -442,6 +447,10 @@ def _epilogue_loop(value: str, rows: list[tuple[str, int]], cols: list[tuple[str
     if uses_columns:
         strip_variables = f"{_lookup('col', 'jc + jr', cols)} const int64_t first_ = v_{inner};"
         lane_variable = f"const int64_t v_{inner} = first_ + jj;"
+
+    def sum_at(element: str) -> str:
+        return f"(pc == 0 ? 0.0f : {element}) + tile[ii * {NR} + jj]" if from_tile else element
+
     return f"""
                                     if (last_) {{
                                         if ({condition}) {{
@@ -452,7 +461,7 @@ def _epilogue_loop(value: str, rows: list[tuple[str, int]], cols: list[tuple[str
                                                 #pragma omp simd
                                                 for (int64_t jj = 0; jj < {lanes}; ++jj) {{
                                                     {lane_variable}
-                                                    const float acc_ = to[jj];
+                                                    const float acc_ = {sum_at("to[jj]")};
                                                     to[jj] = (float)({value});
                                                 }}
                                             }}
@@ -462,7 +471,7 @@ def _epilogue_loop(value: str, rows: list[tuple[str, int]], cols: list[tuple[str
                                                 {_lookup("row", "ic + ir + ii", rows)}
                                                 for (int64_t jj = 0; jj < width; ++jj) {{
                                                     {_lookup("col", "jc + jr + jj", cols)}
-                                                    const float acc_ = to[col_off[jc + jr + jj]];
+                                                    const float acc_ = {sum_at("to[col_off[jc + jr + jj]]")};
                                                     to[col_off[jc + jr + jj]] = (float)({value});
                                                 }}
                                             }}
@@ -535,9 +544,11 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     def offset(group: list[tuple[str, int]]) -> str:
         return " + ".join(f"v_{v} * {piece.strides[v]}" for v, _ in group) or "0"
 
-    epilogue_loop = ""
+    epilogue_loop = tile_epilogue = ""
     if epilogue is not None:
-        epilogue_loop = _epilogue_loop(finish(epilogue, "float32"), rows, cols, piece.strides[cols[-1][0]])
+        finished = finish(epilogue, "float32"), rows, cols, piece.strides[cols[-1][0]]
+        epilogue_loop = _epilogue_loop(*finished)
+        tile_epilogue = _epilogue_loop(*finished, from_tile=True) + "\n                                    else"
     # the packers take the inputs and the batch variables' values
     params += "".join(f", int64_t v_{v}" for v, _ in batch)
     arguments = "".join(f", in{i}" for i in range(len(op.inputs))) + "".join(f", v_{v}" for v, _ in batch)
@@ -616,12 +627,12 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
         column strip at ``b_strip``, storing (or adding) each tile, then the epilogue."""
         return f"""                                for (int64_t ir = 0; ir < mc; ir += {MR}) {{
                                     const int64_t row_step = row_steps[(ic + ir) / {MR}];
-                                    if (dense && row_step)
+                                    if (dense && row_step) {{
                                         nf_micro_6x16_to(kc, apack + ir * kc, {b_strip},
                                                          to_batch + row_off[ic + ir] + col_off[jc + jr],
-                                                         row_step, pc != 0);
-                                    else {{
-                                        nf_micro_6x16(kc, apack + ir * kc, {b_strip}, tile);
+                                                         row_step, pc != 0);{epilogue_loop}
+                                    }} else {{
+                                        nf_micro_6x16(kc, apack + ir * kc, {b_strip}, tile);{tile_epilogue}
                                         for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
                                             const float *from = tile + ii * {NR};
                                             float *to = to_batch + row_off[ic + ir + ii];
@@ -632,7 +643,7 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
                                                 for (int64_t jj = 0; jj < width; ++jj)
                                                     to[col_off[jc + jr + jj]] += from[jj];
                                         }}
-                                    }}{epilogue_loop}
+                                    }}
                                 }}"""
 
     strips_of_rows = -(-m // MR)

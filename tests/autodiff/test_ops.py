@@ -4,11 +4,15 @@ adjoint a gather with zero waste."""
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as tf
 
-from .gradcheck import check
+import neoflow
+from neoflow.autodiff import grad
+
+from .gradcheck import adjoints, check
 
 
 def conv2d_text(stride: int, pad: int, dilation: int, groups: int, channels: int, kernels: int) -> str:
@@ -203,3 +207,35 @@ def test_repeated_reads_add_up() -> None:
 
 def test_erf() -> None:
     check("Y[i] = erf(X[i]) * X[i]", {"X": (5,)}, lambda X: torch.erf(X) * X)
+
+
+@pytest.mark.parametrize(
+    ("text", "reference"),
+    [
+        ("Y[i, j] = max(X[i, j], 0)", lambda X: torch.relu(X)),
+        ("Y[i, j] = max(0.5, X[i, j])", lambda X: torch.clamp(X, min=0.5)),
+        ("Y[i, j] = min(X[i, j], 0.5)", lambda X: torch.clamp(X, max=0.5)),
+        ("Y[i, j] = tanh(X[i, j])", lambda X: torch.tanh(X)),
+        ("Y[i, j] = sigmoid(X[i, j])", lambda X: torch.sigmoid(X)),
+        ("Y[i, j] = exp(X[i, j])", lambda X: torch.exp(X)),
+    ],
+)
+def test_an_activations_adjoint_reads_its_output_not_its_input(text: str, reference) -> None:
+    # as frameworks save an activation's output for its backward: the input is left one reader (the
+    # activation itself), which a fusion plan can then finish in the producing conv's epilogue
+    op = neoflow.op(text, shapes={"X": (3, 4)})
+    assert [t.name for t in grad(op)["X"].inputs] == ["dY", "Y"]
+    check(text, {"X": (3, 4)}, reference)
+
+
+def test_a_clamp_gives_its_ties_to_the_constant() -> None:
+    # relu'(0) = 0 as in PyTorch and JAX (where the output is read: max(x, 0) > 0 exactly where x > 0),
+    # and inside a larger expression too
+    x = np.array([[-1.0, 0.0, 2.0], [0.5, 0.0, -0.5]])
+    for text in ("Y[i, j] = max(X[i, j], 0)", "Y[i, j] = 3 * max(X[i, j], 0) + X[i, j]"):
+        op = neoflow.op(text, shapes={"X": (2, 3)})
+        got = adjoints(op, {"X": x}, np.ones((2, 3)))["X"]
+        ones = torch.tensor(x, requires_grad=True)
+        expected = torch.relu(ones) if "3 *" not in text else 3 * torch.relu(ones) + ones
+        expected.sum().backward()
+        np.testing.assert_array_equal(got, ones.grad.numpy())

@@ -96,6 +96,12 @@ CASES = {
         "C[j, i] = ReduceAdd({k}, A[i, k] * B[k, j]) + R[j, i]",
         {"A": (40, 70), "B": (70, 35), "R": (35, 40)},
     ),
+    # two depth blocks (600 > KC) into tiles stored element by element: the last one adds the first's
+    # sums and finishes the element from the micro-kernel's tile
+    "transposed_output_relu_long_depth": (
+        "C[j, i] = max(ReduceAdd({k}, A[i, k] * B[k, j]) + R[j, i], 0)",
+        {"A": (100, 600), "B": (600, 35), "R": (35, 100)},
+    ),
     "guarded_epilogue_crop": (
         "C[i, j] = Select(i > 2 && j > 0, ReduceAdd({k}, A[i, k] * B[k, j]), 0)",
         {"A": (40, 70), "B": (70, 35)},
@@ -135,6 +141,17 @@ def test_blocked_kernel_matches_the_interpreter(case: str) -> None:
 def test_epilogues_are_finished_in_vector_lanes_along_runs_of_the_innermost_column(case: str, condition: str) -> None:
     lanes = lower_op(case_op(case), "kernel").split(condition, 1)[1].split("} else", 1)[0]
     assert "#pragma omp simd" in lanes and "first_ + jj;" in lanes and "const float acc_ = to[jj];" in lanes
+
+
+@pytest.mark.parametrize("case", ["transposed_output_epilogue", "transposed_output_relu_long_depth"])
+def test_a_tile_stored_element_by_element_is_finished_as_it_is_stored(case: str) -> None:
+    # the epilogue reads the micro-kernel's tile (and the earlier depth blocks' sums), not the output back
+    code = lower_op(case_op(case), "kernel")
+    tile_branch = code.split("nf_micro_6x16(kc,", 1)[1]
+    finishing, storing = tile_branch.split("if (pc == 0)", 1)
+    assert "const float acc_ = (pc == 0 ? 0.0f : to[col_off[jc + jr + jj]]) + tile[ii * 16 + jj];" in finishing
+    assert "const float acc_ = (pc == 0 ? 0.0f : to[jj]) + tile[ii * 16 + jj];" in finishing
+    assert "acc_" not in storing.split("nf_micro_6x16", 1)[0]
 
 
 def test_an_epilogue_reading_no_column_variable_counts_none_up_in_its_lanes() -> None:

@@ -121,6 +121,21 @@ def test_neoflow_recomputes_the_capsule_input_broadcast_in_the_convolutions_that
     assert not any("x6" in kernel.materialized for kernel in plan.kernels)
 
 
+@pytest.mark.parametrize(("name", "product", "activation"), [("capsule", "c1", "a1"), ("mlp", "h", "a")])
+def test_fusing_policies_finish_a_training_steps_relu_in_the_kernel_producing_its_input(
+    name: str, product: str, activation: str
+) -> None:
+    # the ReLU's adjoint reads its output, so the conv's (matmul's) result has one reader, the ReLU:
+    # an epilogue; the pre-activation is never stored (machine figures fixed as above)
+    model = neoflow.compile(MODELS / f"{name}.onnx", train=neoflow.TrainSpec(labels="y"), target="interp")
+    planned = model._train.planned_graph
+    assert [op.name for op in planned.ops if product in op.input_names] == [activation]
+    zen3 = Machine(198e9, 4.2e9, 35e9, 2.3e-6, 25.7e9, 104e9, 32e6, measured=True)
+    for policy in ("elementwise", "neoflow"):
+        kernel = plan_for(planned, policy, CostModel(zen3, schedule, nest_buffers)).kernel_of(activation)
+        assert product in kernel.inlined and activation in kernel.materialized, policy
+
+
 def test_patterns_classify_the_four_op_edges() -> None:
     graph = neoflow.graph((MODELS / "four_op.nf").read_text())
     kinds = {op.name: kind(op) for op in graph.ops}
