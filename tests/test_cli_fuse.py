@@ -71,3 +71,11 @@ def test_bad_requests_are_one_line_errors_and_write_nothing(
 def test_a_missing_model_is_a_one_line_error(capsys) -> None:
     assert main(["fuse", "no_such_model.onnx", "--target", "interp"]) == 1
     assert "no_such_model.onnx" in capsys.readouterr().err
+
+
+def test_a_training_step_whose_output_is_no_logits_names_the_other_losses(capsys) -> None:
+    # the four-op graph's output is an image: cross-entropy (the default) cannot read it
+    assert main(["fuse", str(MODELS / "four_op.onnx"), "--train", "--target", "interp"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()  # a progress line, then the error
+    assert "'F' has shape [1, 19, 224, 224] (another loss: mse, or the name of a scalar output)" in err[-1]
+    assert len(err) == 2 and err[0].startswith("policy neoflow:")

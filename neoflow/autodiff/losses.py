@@ -34,6 +34,7 @@ def cross_entropy(output: Tensor, labels: str, fresh: Callable[[str], str]) -> L
     if len(output.shape) != 2:
         raise ShapeError(
             f"cross-entropy needs logits of shape [batch, classes]; '{output.name}' has shape {list(output.shape)}"
+            " (another loss: mse, or the name of a scalar output)"
         )
     n, _ = output.shape
     y = Tensor(labels, (n,), "int64")
