@@ -9,7 +9,7 @@ factor ``dOut[x] / dA[f(v)]`` at that point, built from local partials
 
 Where an element-wise op's derivative is a function of its own value, the
 factor reads the op's output instead of recomputing it from the inputs
-(``_from_output``), as frameworks save an activation's output for its
+(``_local``), as frameworks save an activation's output for its
 backward: ``tanh``'s ``1 - Out^2``, ``sigmoid``'s ``Out * (1 - Out)``,
 ``exp``'s ``Out``, and a ReLU's ``[Out > 0]``.  The backward then need not
 read the activation's input, which leaves that input one reader: the
@@ -108,7 +108,7 @@ def _local(node: Expr, child: int, output: Read | None) -> Expr | None:
 def occurrences(op: Op, tensor: str) -> list[Occurrence]:
     """Every read of ``tensor`` in ``op`` that the output depends on differentiably."""
     top_value = Read(op.name, tuple(var(v) for v in op.indices), op.dtype)
-    elementwise = not reductions(op.body)
+    elementwise = op.scatter is None and not reductions(op.body)  # its output at its indices is its body
 
     def walk(node: Expr, factor: Expr | None, guards: tuple[Expr, ...], scope: tuple[str, ...]) -> Iterator[Occurrence]:
         if isinstance(node, Read):

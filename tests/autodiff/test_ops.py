@@ -235,7 +235,7 @@ def test_a_clamp_gives_its_ties_to_the_constant() -> None:
     for text in ("Y[i, j] = max(X[i, j], 0)", "Y[i, j] = 3 * max(X[i, j], 0) + X[i, j]"):
         op = neoflow.op(text, shapes={"X": (2, 3)})
         got = adjoints(op, {"X": x}, np.ones((2, 3)))["X"]
-        ones = torch.tensor(x, requires_grad=True)
-        expected = torch.relu(ones) if "3 *" not in text else 3 * torch.relu(ones) + ones
+        xt = torch.tensor(x, requires_grad=True)
+        expected = torch.relu(xt) if "3 *" not in text else 3 * torch.relu(xt) + xt
         expected.sum().backward()
-        np.testing.assert_array_equal(got, ones.grad.numpy())
+        np.testing.assert_array_equal(got, xt.grad.numpy())
