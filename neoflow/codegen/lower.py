@@ -33,6 +33,7 @@ from neoflow.codegen.chain import chain_function, chain_plan
 from neoflow.codegen.gemm import gemm_function, gemm_plan, store_slice
 from neoflow.codegen.inner_split import Written, split_inner
 from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice, with_reduce
+from neoflow.codegen.merged import merged_inner
 from neoflow.codegen.staging import StagedPlan, staged_plan
 from neoflow.errors import CompileError
 from neoflow.ir import bounds, index
@@ -568,7 +569,8 @@ def lower_op(op: Op, name: str) -> str:
     together (``chain``), a contraction in two stages (``staging``), the blocked
     kernel for contractions worth it, dense pieces for other lattice domains, an
     element-wise op of the depth-to-space family over its split inner index
-    (``inner_split``), else the plain loop nest."""
+    (``inner_split``), else the plain loop nest (over merged trailing dimensions
+    where the op is point-wise and its innermost extent short: ``merged``)."""
     try:
         chain = chain_plan(op)
         if chain is not None:
@@ -585,6 +587,6 @@ def lower_op(op: Op, name: str) -> str:
         split = split_inner(op, None) if op.scatter is None and not op.reductions else None
         if split is not None:  # the depth-to-space family: unit-stride inner loops
             return Lowering(split[0], written=split[1]).function(name)
-        return Lowering(op).function(name)
+        return Lowering(merged_inner(op) or op).function(name)
     except CompileError as err:
         raise err.with_context(op=op.name) from None

@@ -55,6 +55,7 @@ from neoflow.codegen.lower import (
     statement_macros,
     with_pragmas,
 )
+from neoflow.codegen.merged import merged_group
 from neoflow.ir import bounds, index
 from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Const, Expr, Index, Read, Reduce, Select, map_children, map_indices
@@ -129,6 +130,8 @@ def shared_nest(ops: Sequence[Op], private: Collection[str] = ()) -> Nest | None
     are kept in row buffers where the main domain allows (``row_buffered``)."""
     if len(ops) < 2:
         return None
+    tensors = {t.name: t for op in ops for t in (op.output, *op.inputs)}  # as the graph shapes them
+    ops = merged_group(ops) or ops
     main = max((op for op in ops if op.shape), key=lambda op: math.prod(op.shape), default=None)
     if main is None:
         return None
@@ -172,8 +175,9 @@ def shared_nest(ops: Sequence[Op], private: Collection[str] = ()) -> Nest | None
         members = [_on_rows(member, buffered, indices, extents) for member in members]
         box = bounds.box_constraint(dict(zip(indices, extents, strict=True)))
         writes.update({name: Written((index.var(indices[-1]),), (), box) for name in buffered})
-    outputs = tuple(op.output for op in ops if op.name not in buffered)
-    return Nest(indices, extents, tuple(members), sums, tuple(inputs.values()), outputs, writes, tuple(buffered))
+    outputs = tuple(tensors[op.name] for op in ops if op.name not in buffered)
+    inputs_read = tuple(tensors[name] for name in inputs)
+    return Nest(indices, extents, tuple(members), sums, inputs_read, outputs, writes, tuple(buffered))
 
 
 def nest_buffers(ops: Sequence[Op], private: Collection[str] = ()) -> tuple[str, ...] | None:
