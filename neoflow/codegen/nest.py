@@ -21,7 +21,10 @@ member is computed at the main point and *written through* the inverse
 (the main indices, then the member, then its own statement order), so isl
 prints one loop nest; its outer loops are shared out among threads and its
 inner loops run in vector lanes (``#pragma omp simd``: members carry no
-dependence between points, the sums are reductions).
+dependence between points, the sums are reductions).  Where every member is
+point-wise over one shape whose innermost extent is short (an optimizer's
+updates of a conv weight), the nest runs over that shape's trailing dimensions
+merged (``neoflow.codegen.merged``); its arguments keep the graph's shapes.
 
 An element-wise member nothing outside the nest reads (``private``: an
 intermediate the fusion plan keeps in a tile buffer) is not stored at all: it

@@ -13,6 +13,14 @@ from neoflow.runtime.cpu import CpuExecutor
 from tests.targets import NEEDS_CC
 
 WEIGHT = (64, 64, 3, 3)
+# an optimizer's moment and parameter updates of a capsule weight: one nest
+MOMENTUM_STEP = """
+P = tensor([4, 4, 3, 3, 2, 2])
+G = tensor([4, 4, 3, 3, 2, 2])
+M = tensor([4, 4, 3, 3, 2, 2])
+M2[a, b, c, d, e, f] = 0.9 * M[a, b, c, d, e, f] + 0.1 * G[a, b, c, d, e, f]
+P2[a, b, c, d, e, f] = P[a, b, c, d, e, f] - 0.01 * M2[a, b, c, d, e, f]
+"""
 
 
 def _update(shape: tuple[int, ...] = WEIGHT):
@@ -70,16 +78,7 @@ def test_a_merged_op_computes_what_the_interpreter_does(shape: tuple[int, ...]) 
 
 
 def test_a_nest_of_point_wise_ops_runs_over_their_merged_shape_and_keeps_the_graph_shapes() -> None:
-    # an optimizer's moment and parameter updates of a capsule weight, one nest
-    graph = neoflow.graph(
-        """
-        P = tensor([4, 4, 3, 3, 2, 2])
-        G = tensor([4, 4, 3, 3, 2, 2])
-        M = tensor([4, 4, 3, 3, 2, 2])
-        M2[a, b, c, d, e, f] = 0.9 * M[a, b, c, d, e, f] + 0.1 * G[a, b, c, d, e, f]
-        P2[a, b, c, d, e, f] = P[a, b, c, d, e, f] - 0.01 * M2[a, b, c, d, e, f]
-        """
-    )
+    graph = neoflow.graph(MOMENTUM_STEP)
     nest = shared_nest(list(graph.ops))
     assert nest.extents == (4, 144)
     assert {t.name: t.shape for t in (*nest.inputs, *nest.outputs)} == {
@@ -89,15 +88,7 @@ def test_a_nest_of_point_wise_ops_runs_over_their_merged_shape_and_keeps_the_gra
 
 @NEEDS_CC
 def test_a_merged_nest_computes_what_the_interpreter_does() -> None:
-    graph = neoflow.graph(
-        """
-        P = tensor([4, 4, 3, 3, 2, 2])
-        G = tensor([4, 4, 3, 3, 2, 2])
-        M = tensor([4, 4, 3, 3, 2, 2])
-        M2[a, b, c, d, e, f] = 0.9 * M[a, b, c, d, e, f] + 0.1 * G[a, b, c, d, e, f]
-        P2[a, b, c, d, e, f] = P[a, b, c, d, e, f] - 0.01 * M2[a, b, c, d, e, f]
-        """
-    )
+    graph = neoflow.graph(MOMENTUM_STEP)
     rng = np.random.default_rng(2)
     inputs = {name: rng.standard_normal((4, 4, 3, 3, 2, 2)).astype(np.float32) for name in ("P", "G", "M")}
     executor = CpuExecutor(graph, keep=("M2", "P2"), groups=[("M2", "P2")])
