@@ -14,7 +14,6 @@ indices the kernel computes change.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -29,8 +28,8 @@ MIN_INNER = 64
 def merged_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """``shape`` with its trailing dimensions merged into one of at least
     ``MIN_INNER`` elements (all of them where the whole is smaller); None where
-    the innermost is long enough already or nothing would merge."""
-    if len(shape) < 2 or shape[-1] >= MIN_INNER:
+    the innermost is long enough already, nothing would merge or it is empty."""
+    if len(shape) < 2 or shape[-1] >= MIN_INNER or 0 in shape:
         return None
     first, inner = len(shape) - 1, shape[-1]
     while first > 0 and inner < MIN_INNER:
@@ -60,9 +59,9 @@ def merged_inner(op: Op) -> Op | None:
     new_point = tuple(index.var(v) for v in indices)
 
     def regrouped(node: Expr) -> Expr:
-        if isinstance(node, Read) and node.indices:
-            return Read(node.tensor, new_point, node.tensor_dtype)
-        return node if isinstance(node, Read) else map_children(node, regrouped)
+        if isinstance(node, Read):  # at the op's point (a scalar keeps its empty index)
+            return Read(node.tensor, new_point, node.tensor_dtype) if node.indices else node
+        return map_children(node, regrouped)
 
     inputs = tuple(Tensor(t.name, shape, t.dtype) if t.name in pointwise else t for t in op.inputs)
     return replace(
@@ -79,8 +78,7 @@ def merged_inner(op: Op) -> Op | None:
 def merged_group(ops: Sequence[Op]) -> list[Op] | None:
     """Every op of ``ops`` over merged trailing dimensions where all have one
     shape and ``merged_inner`` applies to each; None otherwise."""
-    shapes = {op.shape for op in ops}
-    if len(shapes) != 1 or math.prod(next(iter(shapes))) == 0:
+    if len({op.shape for op in ops}) != 1:
         return None
     merged = [merged_inner(op) for op in ops]
     return None if any(op is None for op in merged) else merged

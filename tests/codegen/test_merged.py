@@ -39,6 +39,7 @@ def _update(shape: tuple[int, ...] = WEIGHT):
         ((3, 5), (15,)),  # all of it is shorter than one inner loop: one loop
         ((1, 19, 224, 224), None),  # inner loops long enough already
         ((100,), None),
+        ((0, 3), None),  # nothing to loop over
     ],
 )
 def test_trailing_dimensions_merge_into_an_inner_extent_of_at_least_64(shape, merged) -> None:
