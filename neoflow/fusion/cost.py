@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from neoflow.fusion.plan import FusionPlan, Kernel, Nests, kernel_ops
+from neoflow.fusion.slicing import roles_in_kernel
 from neoflow.fusion.work import op_work
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
@@ -33,8 +34,8 @@ from neoflow.ir.op import Op
 class Machine:
     """What the roofline needs: FMA peak, a plain loop's and a vectorised loop's
     arithmetic rates (flop/s), memory and last-level cache bandwidths (bytes/s),
-    that cache's size (bytes) and the fixed cost of one kernel call (s).
-    ``measured`` says whether the figures come from this machine."""
+    that cache's size (bytes) and the fixed cost of one kernel call (s), for
+    ``threads`` threads.  ``measured`` says whether the figures come from this machine."""
 
     peak_flops: float = 100e9
     loop_flops: float = 4e9
@@ -44,6 +45,7 @@ class Machine:
     cache_bandwidth: float = 60e9
     cache_bytes: float = 8e6
     measured: bool = False
+    threads: int = 1
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,38 @@ class CostModel:
             moved += min(reads[name], tensor.size) * _itemsize(tensor.dtype)
         return self._roofline(flops, moved, Scheduled(vector=True))
 
+    def sliced_cost(self, ops: list[Op], kernel: Kernel) -> Cost:
+        """The cost of ``ops``, ``kernel``'s fused ops, run slice by slice: each op at
+        its rate, moving only the tensors it reads from outside the kernel and its
+        output where the kernel materialises it (the others stay in slice buffers),
+        every tensor from outside counted once in the kernel's bytes; one call.
+        With fewer slices than threads the threads left idle slow it in proportion."""
+        produced = {op.name for op in ops}
+        flops, seconds, moved, reads = 0.0, 0.0, 0.0, {}
+        for op in ops:
+            work = op_work(op)
+            own = math.prod(op.shape) * _itemsize(op.dtype) if op.name in kernel.materialized else 0.0
+            outside = {
+                t.name: min(work.reads.get(t.name, 0.0), t.size) * _itemsize(t.dtype)
+                for t in op.inputs
+                if t.name not in produced
+            }
+            for name, count in outside.items():
+                reads[name] = max(reads.get(name, 0.0), count)
+            how = self.schedule(op) if self.schedule is not None else Scheduled()
+            op_flops = work.flops if how.flops is None else how.flops
+            op_bytes = own + sum(outside.values())
+            seconds += self._roofline(op_flops, op_bytes, how).seconds - self.machine.call_seconds
+            flops += op_flops
+            moved += own
+        moved += sum(reads.values())
+        roles = roles_in_kernel(ops, kernel.buffered)
+        batch = next(iter(roles.values())).batch if isinstance(roles, dict) and roles else 1
+        slices = max(1, batch // max(1, kernel.sliced))
+        threads = max(1, self.machine.threads)
+        seconds *= threads / min(threads, slices)
+        return Cost(flops, moved, seconds + self.machine.call_seconds)
+
     def _roofline(self, flops: float, moved: float, how: Scheduled) -> Cost:
         """``max(flops / rate, bytes / bandwidth) + call`` for a kernel the target runs as ``how``."""
         machine = self.machine
@@ -155,7 +189,9 @@ class CostModel:
         cached = self._kernels.get(kernel)
         if cached is None:
             ops = kernel_ops(graph, kernel)
-            if len(ops) > 1 and self.nests is not None and self.nests(ops, kernel.buffered) is not None:
+            if kernel.sliced:
+                cached = self.sliced_cost(ops, kernel)
+            elif len(ops) > 1 and self.nests is not None and self.nests(ops, kernel.buffered) is not None:
                 cached = self.nest_cost(ops, kernel.buffered)
             else:  # a buffered op where the target runs no loop nest is stored like any other
                 cached = ZERO

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from neoflow.errors import CompileError
 from neoflow.fusion.inline import InlineMemo, inline_all, why_not_inlined
+from neoflow.fusion.slicing import roles_in_kernel
 from neoflow.ir.expr import Select
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
@@ -32,11 +33,15 @@ class PlanError(CompileError):
 class Kernel:
     """One kernel: ``ops`` in graph order; ``materialized`` are written to
     memory, ``buffered`` are computed once into a tile buffer of the kernel's,
-    every other op of the kernel is inlined into its readers."""
+    every other op of the kernel is inlined into its readers.  A kernel with
+    ``sliced`` set runs its ops slice by slice along their leading axis,
+    ``sliced`` rows a slice (``neoflow.fusion.slicing``); its buffers then hold
+    one slice."""
 
     ops: tuple[str, ...]
     materialized: tuple[str, ...]
     buffered: tuple[str, ...] = ()
+    sliced: int = 0
 
     @property
     def inlined(self) -> tuple[str, ...]:
@@ -243,6 +248,16 @@ def plan_from_groups(
     return plan
 
 
+def plan_from_kernels(
+    graph: Graph, kernels: Iterable[Kernel], policy: str = "", notes: Mapping[str, str] | None = None
+) -> FusionPlan:
+    """A plan of ``kernels`` as they are, ordered so that each runs after the
+    kernels it reads from, checked with ``validate``."""
+    plan = FusionPlan(tuple(_kernel_order(graph, list(kernels))), policy, dict(notes or {}))
+    validate(plan, graph)
+    return plan
+
+
 def unfused(graph: Graph, keep: Collection[str] = (), policy: str = "none") -> FusionPlan:
     """One kernel per op, every op materialised."""
     return plan_from_groups(graph, [[op.name] for op in graph.ops], keep, policy)
@@ -349,6 +364,8 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
             for tensor in op.input_names:
                 if tensor in ops and tensor not in members and tensor not in home:
                     raise PlanError(f"kernel '{kernel.name}' reads '{tensor}', which no kernel materialises")
+        if kernel.sliced:
+            _check_sliced(kernel, kernel_ops(graph, kernel, memo))
     sources = _sources(graph, list(plan.kernels), memo)
     _kernel_order(graph, list(plan.kernels), sources)  # a cycle is an error of its own
     for k, needs in enumerate(sources):
@@ -357,6 +374,17 @@ def validate(plan: FusionPlan, graph: Graph, keep: Collection[str] = ()) -> None
                 raise PlanError(
                     f"kernel '{plan.kernels[k].name}' runs before kernel '{plan.kernels[j].name}', which it reads"
                 )
+
+
+def _check_sliced(kernel: Kernel, ops: list[Op]) -> None:
+    """Raise ``PlanError`` unless ``ops``, ``kernel``'s fused ops, run slice by
+    slice in slices of ``kernel.sliced`` rows."""
+    roles = roles_in_kernel(ops, kernel.buffered)
+    if isinstance(roles, str):
+        raise PlanError(f"kernel '{kernel.name}' cannot run slice by slice: {roles}")
+    batch = next(iter(roles.values())).batch
+    if kernel.sliced < 1 or batch % kernel.sliced:
+        raise PlanError(f"kernel '{kernel.name}': slices of {kernel.sliced} rows do not split its {batch} rows")
 
 
 def kernel_ops(graph: Graph, kernel: Kernel, memo: InlineMemo | None = None) -> list[Op]:

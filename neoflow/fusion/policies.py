@@ -18,7 +18,18 @@ from neoflow.errors import CompileError
 from neoflow.fusion.cost import CostModel
 from neoflow.fusion.inline import inline, why_not_inlined
 from neoflow.fusion.patterns import HEAVY, LIGHT, is_epilogue, kind
-from neoflow.fusion.plan import FusionPlan, Grouping, Kernel, holders, must_store, plan_from_groups, unfused
+from neoflow.fusion.plan import (
+    FusionPlan,
+    Grouping,
+    Kernel,
+    PlanError,
+    holders,
+    must_store,
+    plan_from_groups,
+    plan_from_kernels,
+    unfused,
+)
+from neoflow.fusion.slicing import slice_length, slice_role, sliced_ops
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 
@@ -142,7 +153,48 @@ class NeoFlow(FusionPolicy):
             # each group as the kernel it makes: an op recomputed where nothing reads it any more
             # leaves the group, so later merges see the kernels the plan really has
             groups = [frozenset(kernel.ops) for kernel in search.grouping.kernels(_apply(groups, taken))]
-        return plan_from_groups(graph, groups, policy=self.name, nests=cost_model.nests)
+        plan = plan_from_groups(graph, groups, policy=self.name, nests=cost_model.nests)
+        sliced = _sliced(graph, plan, search.grouping, cost_model)
+        if sliced is None:
+            return plan
+        faster = cost_model.plan_cost(graph, sliced).seconds < cost_model.plan_cost(graph, plan).seconds
+        return sliced if faster else plan
+
+
+def _sliced(graph: Graph, plan: FusionPlan, grouping: Grouping, cost_model: CostModel) -> FusionPlan | None:
+    """``plan`` with the ops that can run slice by slice along their batch
+    (``fusion.slicing``) taken out of its kernels into one sliced kernel: what
+    another kernel reads from it is stored; what ``plan`` stored, and every heavy
+    op, stays in a slice buffer where nothing outside reads it; the light ops
+    ``plan`` recomputed are recomputed there too.  None where fewer than two ops
+    slice or the kernel would not run."""
+    names = sliced_ops(graph.ops, [op.name for op in graph.ops])
+    if len(names) < 2:
+        return None
+    inside = frozenset(names)
+    groups = [group for group in (frozenset(kernel.ops) - inside for kernel in plan.kernels) if group]
+    groups.append(inside)
+    kernels = grouping.kernels(groups, range(len(groups) - 1))
+    whole = grouping.kernels(groups, [len(groups) - 1])[0]
+    # computed once a slice: what plan stored, and every heavy op (its output never reaches memory, so an
+    # epilogue reads it from the slice buffer in cache: recomputing it inside the epilogue's loops is slower)
+    stored = {name for kernel in plan.kernels for name in (*kernel.materialized, *kernel.buffered)}
+    buffered = tuple(
+        name
+        for name in whole.ops
+        if (name in stored or kind(grouping.ops[name]) == HEAVY) and name not in whole.materialized
+    )
+    batch = slice_role(grouping.ops[names[0]]).batch
+    length = slice_length(batch, cost_model.machine.threads)
+    sliced = Kernel(whole.ops, whole.materialized, buffered, length)
+    note = (
+        f"{len(whole.ops)} ops run in {batch // length} slice(s) of {length} rows along their batch, "
+        f"{len(buffered)} intermediates in slice buffers"
+    )
+    try:
+        return plan_from_kernels(graph, [*kernels, sliced], plan.policy, {**plan.notes, sliced.name: note})
+    except PlanError:
+        return None
 
 
 class _Search:

@@ -15,6 +15,7 @@ from neoflow.codegen.compiler import build_library
 from neoflow.codegen.gemm import MICROKERNEL
 from neoflow.codegen.lower import lower_op
 from neoflow.codegen.nest import Nest, nest_function, shared_nest
+from neoflow.codegen.slices import SliceRun, sliced_function
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
@@ -30,16 +31,18 @@ def threads() -> int:
     return max(1, int(value)) if value and value.isdigit() else os.cpu_count() or 1
 
 
-def module_source(graph: Graph) -> tuple[str, dict[str, str], dict[str, str]]:
-    """The C source of every op of ``graph`` that has a C lowering: returns the
-    source, the function name of each lowered op, and the ops left to the
-    interpreter with the reason.  Ops that lower to the same code share one
-    function (buffers are passed by position)."""
+def module_source(graph: Graph, skip: Collection[str] = ()) -> tuple[str, dict[str, str], dict[str, str]]:
+    """The C source of every op of ``graph`` that has a C lowering (but those in
+    ``skip``, which run otherwise): returns the source, the function name of each
+    lowered op, and the ops left to the interpreter with the reason.  Ops that
+    lower to the same code share one function (buffers are passed by position)."""
     parts = [PRELUDE, MICROKERNEL]
     functions: dict[str, str] = {}
     interpreted: dict[str, str] = {}
     by_code: dict[str, str] = {}
     for op in graph.ops:
+        if op.name in skip:
+            continue
         try:
             code = lower_op(op, "KERNEL")
         except CompileError as err:
@@ -90,16 +93,44 @@ def tensor_slots(graph: Graph) -> dict[str, int]:
     return {name: k for k, name in enumerate(graph.tensors)}
 
 
-def graph_entry(graph: Graph, functions: Mapping[str, str], nests: Mapping[str, tuple[Nest, str]] | None = None) -> str:
+def sliced_source(graph: Graph, runs: Collection[SliceRun]) -> tuple[str, dict[str, tuple[SliceRun, str]]]:
+    """The C functions of the sliced kernels ``runs`` of ``graph`` (``nf_sliced<k>(b)``,
+    ``codegen.slices``) and, by first op, each run with its function's name; a run
+    whose ops cannot run slice by slice is left out (its ops run one by one)."""
+    ops = {op.name: op for op in graph.ops}
+    slot = tensor_slots(graph)
+    parts, named = [], {}
+    for run in runs:
+        function = f"nf_sliced{len(named)}"
+        try:
+            parts.append(sliced_function([ops[n] for n in run.ops], run.length, run.private, slot, function))
+        except CompileError:
+            continue
+        named[run.ops[0]] = (run, function)
+    return "\n\n".join(parts) + "\n", named
+
+
+def graph_entry(
+    graph: Graph,
+    functions: Mapping[str, str],
+    nests: Mapping[str, tuple[Nest, str]] | None = None,
+    sliced: Mapping[str, tuple[SliceRun, str]] | None = None,
+) -> str:
     """C function ``nf_run_graph(b)`` calling the kernel of every op of ``graph`` in
     order, tensor ``name`` at ``b[tensor_slots(graph)[name]]``: a whole run in one call.
     The ops of a nest are one call of its function (``nests``: by the nest's first op,
-    the nest and its function's name)."""
+    the nest and its function's name), so are those of a sliced kernel (``sliced``:
+    by its first op, the run and its function's name)."""
     slot = tensor_slots(graph)
     nests = nests or {}
+    sliced = sliced or {}
     in_nests = {member.name for nest, _ in nests.values() for member in nest.members}
+    in_nests |= {name for run, _ in sliced.values() for name in run.ops}
     calls = []
     for op in graph.ops:
+        if op.name in sliced:
+            calls.append(f"    {sliced[op.name][1]}(b);")
+            continue
         if op.name in nests:
             nest, function = nests[op.name]
             arguments = ", ".join(f"b[{slot[t.name]}]" for t in (*nest.outputs, *nest.inputs))
@@ -145,18 +176,34 @@ class CpuExecutor:
 
     target = "cpu"
 
-    def __init__(self, graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = ()) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        keep: Collection[str],
+        groups: Collection[Collection[str]] = (),
+        sliced: Collection[SliceRun] = (),
+    ) -> None:
         self.graph = graph
         self.keep = tuple(dict.fromkeys(keep))
-        self.source, names, self.interpreted = module_source(graph)
+        # a fusion plan's sliced kernels run slice by slice, each one call
+        sliced_c, self._sliced_functions = sliced_source(graph, sliced)
+        in_slices = {name for run, _ in self._sliced_functions.values() for name in run.ops}
+        self.source, names, self.interpreted = module_source(graph, in_slices)
+        if self.interpreted:  # a run op by op: every op its own kernel
+            self._sliced_functions, in_slices = {}, set()
+            self.source, names, self.interpreted = module_source(graph)
         # a fusion plan's kernel of several ops runs as one loop nest where they make one
-        self.nests = graph_nests(graph, groups, self.keep) if not self.interpreted else {}
-        nest_groups = [[member.name for member in nest.members] for nest in self.nests.values()]
-        buffered = [name for nest in self.nests.values() for name in nest.buffered]
-        self.plan: MemoryPlan = plan_memory(graph, self.keep, nest_groups, buffered)
+        unsliced = [group for group in groups if in_slices.isdisjoint(group)]
+        self.nests = graph_nests(graph, unsliced, self.keep) if not self.interpreted else {}
+        together = [[member.name for member in nest.members] for nest in self.nests.values()]
+        together += [run.ops for run, _ in self._sliced_functions.values()]
+        unstored = [name for nest in self.nests.values() for name in nest.buffered]
+        unstored += [name for run, _ in self._sliced_functions.values() for name in run.private]
+        self.plan: MemoryPlan = plan_memory(graph, self.keep, together, unstored)
         if not self.interpreted:
             nests_c, self._nest_functions = nest_source(self.nests)
-            self.source += "\n" + nests_c + "\n" + graph_entry(graph, names, self._nest_functions)
+            self.source += "\n" + nests_c + "\n" + sliced_c + "\n"
+            self.source += graph_entry(graph, names, self._nest_functions, self._sliced_functions)
         self.library_path = build_library(self.source)
         self.library = ctypes.CDLL(str(self.library_path))
         self.library.nf_set_threads(ctypes.c_int(threads()))
@@ -312,12 +359,39 @@ class CpuExecutor:
 
         return call
 
+    def _sliced_call(self, run: SliceRun, function_name: str, values: Mapping[str, np.ndarray]) -> Callable[[], dict]:
+        """``kernel_call`` for a sliced kernel: one call of its function, returning what it stores."""
+        function = getattr(self.library, function_name)
+        function.argtypes = [ctypes.c_void_p]
+        function.restype = None
+        slots = tensor_slots(self.graph)
+        ops = [self.graph.op(name) for name in run.ops]
+        args = {
+            t.name: np.ascontiguousarray(values[t.name], dtype=dt.numpy_dtype(t.dtype))
+            for op in ops
+            for t in op.inputs
+            if t.name not in run.ops
+        }
+        outs = {op.name: np.empty(op.shape, dt.numpy_dtype(op.dtype)) for op in ops if op.name not in run.private}
+        pointers = np.zeros(self._slot_count, dtype=np.uintp)
+        for name, array in (*args.items(), *outs.items()):
+            pointers[slots[name]] = array.ctypes.data
+
+        def call(converted: dict = args) -> dict:  # holds the converted inputs the pointers point into
+            function(pointers.ctypes.data)
+            return outs
+
+        return call
+
     def kernel_call(self, names: Collection[str], values: Mapping[str, np.ndarray]) -> Callable[[], dict]:
         """A call computing the ops ``names`` (one kernel of the fusion plan, in
         order) from ``values`` again and again, returning their values by name: one
-        call of the nest's function where they run as one loop nest, else each
-        op's ``op_call`` in turn."""
+        call of the sliced kernel's or the nest's function where they run as one,
+        else each op's ``op_call`` in turn."""
         names = list(names)
+        sliced = self._sliced_functions.get(names[0]) if names else None
+        if sliced is not None and list(sliced[0].ops) == names:
+            return self._sliced_call(*sliced, values)
         nest = self.nests.get(names[0]) if names else None
         if nest is None or [member.name for member in nest.members] != names:
             return sequential_call(self, names, values)

@@ -44,7 +44,9 @@ class InterpreterExecutor:
 
     target = "interp"
 
-    def __init__(self, graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = ()) -> None:
+    def __init__(
+        self, graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = (), sliced: Collection = ()
+    ) -> None:
         self.graph = graph
         self.keep = tuple(dict.fromkeys(keep))
         self.plan: MemoryPlan = plan_memory(graph, self.keep)
@@ -67,10 +69,10 @@ class InterpreterExecutor:
         return run_graph(self, inputs)
 
 
-def _cpu(graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = ()):
+def _cpu(graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = (), sliced: Collection = ()):
     from neoflow.runtime.cpu import CpuExecutor
 
-    return CpuExecutor(graph, keep, groups)
+    return CpuExecutor(graph, keep, groups, sliced)
 
 
 EXECUTORS = {"interp": InterpreterExecutor, "cpu": _cpu}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
+from neoflow.codegen.slices import SliceRun
 from neoflow.fusion.cost import CostModel, Machine
 from neoflow.fusion.plan import FusionPlan, apply_plan, validate
 from neoflow.fusion.policies import FusionPolicy, load_policy
@@ -56,7 +57,12 @@ def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str
     planned = planning_graph(graph, keep)
     plan = plan_for(planned, fusion, model)
     fused, groups = apply_plan(planned, plan)
-    executor = EXECUTORS[target](fused, keep, groups)
+    sliced = [
+        SliceRun(group, kernel.sliced, kernel.buffered)
+        for kernel, group in zip(plan.kernels, groups, strict=True)
+        if kernel.sliced
+    ]
+    executor = EXECUTORS[target](fused, keep, groups, sliced)
     executor.fusion_plan = plan
     executor.kernel_groups = groups
     executor.planned_graph = planned

@@ -110,7 +110,7 @@ def measure_machine(threads: int) -> Machine:
     record = cache_dir() / "machine" / f"{key}.json"
     if record.is_file():
         try:
-            return Machine(**json.loads(record.read_text()), measured=True)
+            return Machine(**json.loads(record.read_text()), measured=True, threads=threads)
         except (TypeError, ValueError):
             pass  # a damaged record: measure again and rewrite it
     library = ctypes.CDLL(str(path))
@@ -155,4 +155,4 @@ def measure_machine(threads: int) -> Machine:
     }
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(figures))
-    return Machine(**figures, measured=True)
+    return Machine(**figures, measured=True, threads=threads)
