@@ -22,8 +22,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
-import sympy
-
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Expr, Index, Read, Reduce, bound_variables
 from neoflow.ir.op import Op, Tensor
@@ -76,9 +74,7 @@ def _sliced_reads(op: Op, variable: str) -> frozenset[str] | None:
         if node.indices[0] != symbol or any(uses[1:]) or shapes[node.tensor][0] != extent:
             return None
         sliced.add(node.tensor)
-    if sliced & whole or any(isinstance(a, sympy.Basic) and symbol in a.free_symbols for a in op.scatter or ()):
-        return None
-    return frozenset(sliced)
+    return None if sliced & whole else frozenset(sliced)
 
 
 def slice_role(op: Op) -> Role | None:
