@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from neoflow.codegen.c_expr import c_type
 from neoflow.codegen.lower import lower_op
 from neoflow.errors import CompileError
-from neoflow.fusion.slicing import ROWS, Role, roles_in_kernel, slice_shapes
+from neoflow.fusion.slicing import ROWS, Role, roles_in_kernel, slice_shapes, slice_tensor
 from neoflow.ir import dtypes as dt
-from neoflow.ir.op import Op
+from neoflow.ir.op import Op, Tensor
 
 ALIGN = 64
 
@@ -40,8 +40,8 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def _bytes(shape: Sequence[int], dtype: str) -> int:
-    return math.prod(shape) * dt.numpy_dtype(dtype).itemsize
+def _bytes(tensor: Tensor | Op) -> int:
+    return math.prod(tensor.shape) * dt.numpy_dtype(tensor.dtype).itemsize
 
 
 def sliced_function(
@@ -57,52 +57,44 @@ def sliced_function(
     batch = next(iter(roles.values())).batch
     if batch % length:
         raise CompileError(f"slices of {length} rows do not split {batch} rows")
-    helpers, calls = [], []
+    helpers, calls, totals = [], [], []
     buffer_at: dict[str, int] = {}  # offset of each slice buffer (and sum scratch) in the thread's block
-    sum_at: dict[str, int] = {}  # offset of each sum's partials in the thread's block of them
-    block = sums = 0
+    block = sums = 0  # bytes of a thread's block, and of its partial sums
     for k, op in enumerate(ops):
         role = roles[op.name]
         piece = slice_shapes(op, role, length)
         function = f"{name}_op{k}"
         # not inlined: gcc 12, inlining the ops' functions into the slice loop, moved a load through one
-        # op's restrict pointer above the store through the op before's (a max-pool read the ReLU's
-        # buffer before the ReLU wrote it: tests/fusion/test_slicing.py, the CNN's training step)
+        # op's restrict pointer above the store through the op before's (the CNN step's max-pool read the
+        # ReLU's output before the ReLU wrote it: tests/fusion/test_policies.py, the CNN training step)
         helpers.append(
             lower_op(piece, function).replace(
                 f"void {function}(", f"__attribute__((noinline)) static void {function}(", 1
             )
         )
-        arguments = [_pointer(t.name, t.shape, t.dtype, role, private, buffer_at, slot, length) for t in op.inputs]
-        if role.kind == ROWS and op.name in private:
-            buffer_at[op.name] = block
-            block += _aligned(_bytes(piece.shape, op.dtype))
-            output = f"slice_ + {buffer_at[op.name]}"
-        elif role.kind == ROWS:
-            output = _moved(f"b[{slot[op.name]}]", _bytes(piece.shape, op.dtype))
-        else:
-            buffer_at[op.name], sum_at[op.name] = block, sums
-            block += _aligned(_bytes(op.shape, op.dtype))
-            sums += _aligned(_bytes(op.shape, op.dtype))
-            output = f"slice_ + {buffer_at[op.name]}"
-        calls.append(f"            {function}((void *)({output}), {', '.join(arguments)});")
-        if role.kind != ROWS:
-            ctype = c_type(op.dtype)
-            calls.append(
-                f"            for (int64_t i = 0; i < {math.prod(op.shape)}; ++i) "
-                f"(({ctype} *)(mine_ + {sum_at[op.name]}))[i] += (({ctype} *)(slice_ + {buffer_at[op.name]}))[i];"
-            )
-    totals = []
-    for op in ops:
-        if op.name in sum_at:
-            ctype = c_type(op.dtype)
-            totals.append(
-                f"""    for (int64_t i = 0; i < {math.prod(op.shape)}; ++i) {{
+        arguments = [_pointer(t, role, private, buffer_at, slot, length) for t in op.inputs]
+        if role.kind == ROWS and op.name not in private:
+            calls.append(f"            {function}((void *)({_moved(slot[op.name], piece)}), {', '.join(arguments)});")
+            continue
+        buffer_at[op.name] = block
+        block += _aligned(_bytes(piece))
+        calls.append(f"            {function}((void *)(slice_ + {buffer_at[op.name]}), {', '.join(arguments)});")
+        if role.kind == ROWS:
+            continue
+        # a sum: the slice's partial added to the thread's, the threads' added into the output at the end
+        ctype, size = c_type(op.dtype), math.prod(op.shape)
+        calls.append(
+            f"            for (int64_t i = 0; i < {size}; ++i) "
+            f"(({ctype} *)(mine_ + {sums}))[i] += (({ctype} *)(slice_ + {buffer_at[op.name]}))[i];"
+        )
+        totals.append(
+            f"""    for (int64_t i = 0; i < {size}; ++i) {{
         {ctype} total = 0;
-        for (int64_t t = 0; t < threads_; ++t) total += (({ctype} *)(sums_ + t * {sums} + {sum_at[op.name]}))[i];
+        for (int64_t t = 0; t < threads_; ++t) total += (({ctype} *)(sums_ + t * sum_bytes_ + {sums}))[i];
         (({ctype} *)b[{slot[op.name]}])[i] = total;
     }}"""
-            )
+        )
+        sums += _aligned(_bytes(piece))
     body = "\n".join(calls)
     return (
         "\n\n".join(helpers)
@@ -114,8 +106,9 @@ void {name}(void *const *b) {{
 #else
     const int64_t threads_ = 1;
 #endif
-    NF_SCRATCH(char, sums_, threads_ * {max(sums, ALIGN)});
-    memset(sums_, 0, threads_ * {max(sums, ALIGN)});
+    const int64_t sum_bytes_ = {max(sums, ALIGN)};  /* a thread's partial sums */
+    NF_SCRATCH(char, sums_, threads_ * sum_bytes_);
+    memset(sums_, 0, threads_ * sum_bytes_);
     #pragma omp parallel
     {{
 #ifdef _OPENMP
@@ -125,7 +118,7 @@ void {name}(void *const *b) {{
         const int64_t me_ = 0;
 #endif
         NF_SCRATCH(char, slice_, {max(block, ALIGN)});
-        char *const mine_ = sums_ + me_ * {max(sums, ALIGN)};
+        char *const mine_ = sums_ + me_ * sum_bytes_;
         (void)mine_;
         #pragma omp for schedule(static)
         for (int64_t s_ = 0; s_ < {batch // length}; ++s_) {{
@@ -138,15 +131,13 @@ void {name}(void *const *b) {{
     )
 
 
-def _moved(pointer: str, slice_bytes: int) -> str:
-    """``pointer`` moved to slice ``s_``'s rows, a slice being ``slice_bytes`` long."""
-    return f"(char *){pointer} + s_ * {slice_bytes}"
+def _moved(slot: int, piece: Tensor | Op) -> str:
+    """Tensor ``b[slot]`` moved to slice ``s_``'s rows, a slice being ``piece`` (its shape over one slice)."""
+    return f"(char *)b[{slot}] + s_ * {_bytes(piece)}"
 
 
 def _pointer(
-    tensor: str,
-    shape: Sequence[int],
-    dtype: str,
+    tensor: Tensor,
     role: Role,
     private: Collection[str],
     buffer_at: Mapping[str, int],
@@ -156,8 +147,8 @@ def _pointer(
     """The argument an op of the loop gets for its input ``tensor``: the slice
     buffer of a private op, the slice's rows of a tensor read slice by slice,
     the whole tensor otherwise."""
-    if tensor in private:
-        return f"(const void *)(slice_ + {buffer_at[tensor]})"
-    if tensor in role.sliced:
-        return f"(const void *)({_moved(f'b[{slot[tensor]}]', _bytes((length, *shape[1:]), dtype))})"
-    return f"(const void *)b[{slot[tensor]}]"
+    if tensor.name in private:
+        return f"(const void *)(slice_ + {buffer_at[tensor.name]})"
+    if tensor.name in role.sliced:
+        return f"(const void *)({_moved(slot[tensor.name], slice_tensor(tensor, length))})"
+    return f"(const void *)b[{slot[tensor.name]}]"

@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from neoflow.fusion.plan import FusionPlan, Kernel, Nests, kernel_ops
-from neoflow.fusion.slicing import roles_in_kernel
+from neoflow.fusion.slicing import slice_role
 from neoflow.fusion.work import op_work
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
@@ -166,9 +166,8 @@ class CostModel:
             flops += op_flops
             moved += own
         moved += sum(reads.values())
-        roles = roles_in_kernel(ops, kernel.buffered)
-        batch = next(iter(roles.values())).batch if isinstance(roles, dict) and roles else 1
-        slices = max(1, batch // max(1, kernel.sliced))
+        role = slice_role(ops[0])  # a valid sliced kernel's ops share one batch
+        slices = role.batch // kernel.sliced if role is not None else 1
         threads = max(1, self.machine.threads)
         seconds *= threads / min(threads, slices)
         return Cost(flops, moved, seconds + self.machine.call_seconds)

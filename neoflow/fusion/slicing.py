@@ -167,15 +167,16 @@ def sliced_ops(ops: Sequence[Op], candidates: Collection[str]) -> tuple[str, ...
     return tuple(chosen)
 
 
+def slice_tensor(tensor: Tensor, length: int) -> Tensor:
+    """``tensor``'s slice of ``length`` rows: its leading axis cut to ``length``."""
+    return Tensor(tensor.name, (length, *tensor.shape[1:]), tensor.dtype)
+
+
 def slice_shapes(op: Op, role: Role, length: int) -> Op:
     """``op`` over one slice of ``length`` rows: its sliced variable's extent, and
     the leading axis of its output (``rows``) and of the tensors it reads slice
     by slice, cut to ``length``."""
-
-    def cut(tensor: Tensor) -> Tensor:
-        return Tensor(tensor.name, (length, *tensor.shape[1:]), tensor.dtype)
-
     ranges = tuple((name, length if name == role.variable else extent) for name, extent in op.ranges)
-    output = cut(op.output) if role.kind == ROWS else op.output
-    inputs = tuple(cut(t) if t.name in role.sliced else t for t in op.inputs)
+    output = slice_tensor(op.output, length) if role.kind == ROWS else op.output
+    inputs = tuple(slice_tensor(t, length) if t.name in role.sliced else t for t in op.inputs)
     return replace(op, output=output, inputs=inputs, ranges=ranges)

@@ -40,7 +40,9 @@ def sequential_call(executor, names: Collection[str], values: Mapping[str, np.nd
 
 class InterpreterExecutor:
     """Runs ``graph`` with the reference interpreter, handing back the tensors in
-    ``keep`` and dropping every other tensor after its last reader (``plan``)."""
+    ``keep`` and dropping every other tensor after its last reader (``plan``).
+    A plan's kernel ``groups`` and ``sliced`` kernels change nothing here: every op
+    runs alone, in order."""
 
     target = "interp"
 
