@@ -7,6 +7,7 @@ import math
 import sympy
 
 from neoflow.codegen.chain import chain_cycles, chain_plan
+from neoflow.codegen.flat_depth import flat_depth_plan
 from neoflow.codegen.gemm import MR, NR, STEP_CYCLES, domain_points, gemm_plan, plan_cycles
 from neoflow.codegen.lattice import split_lattice
 from neoflow.codegen.lower import in_place_reduction
@@ -38,7 +39,8 @@ def blocked_schedule(op: Op) -> Scheduled | None:
 
 def schedule(op: Op) -> Scheduled:
     """How ``op`` runs: a chain of contractions tiled together (its own
-    arithmetic and share of peak), a contraction in two stages (likewise), the
+    arithmetic and share of peak), a contraction copied flat along its depth or
+    one in two stages (likewise), the
     blocked kernel (share of peak), or a loop nest, vectorised when its innermost
     loop (over the output's last index, when it has no reduction or accumulates
     in place; over the sum's last axis for one floating-point sum) moves every
@@ -48,6 +50,10 @@ def schedule(op: Op) -> Scheduled:
         m, n, middle, k = chain.extents
         macs = m * middle * (k + n)
         return Scheduled(min(1.0, macs / MACS_PER_CYCLE / chain_cycles(chain)), flops=2.0 * macs)
+    flat = flat_depth_plan(op)
+    if flat is not None:
+        macs = math.prod(flat.product.extent.values())
+        return Scheduled(min(1.0, macs / MACS_PER_CYCLE / flat.cycles), flops=2.0 * macs)
     staged = staged_plan(op)
     if staged is not None:
         macs = math.prod(staged.stage.extent.values()) + domain_points(staged.rest)

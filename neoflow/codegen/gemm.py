@@ -327,6 +327,13 @@ def gemm_plan(op: Op) -> GemmPlan | None:
     return plan
 
 
+def unsplit_cycles(op: Op) -> float:
+    """Estimated cycles of ``op`` run as it is: on the blocked kernel where ``gemm_plan``
+    takes it, else as the loop nest (``GENERIC_CYCLES_PER_POINT`` a domain point)."""
+    plan = gemm_plan(op)
+    return GENERIC_CYCLES_PER_POINT * domain_points(op) if plan is None else plan_cycles(plan)
+
+
 def plan_cycles(plan: GemmPlan) -> float:
     """Estimated cycles of ``plan``: its pieces' kernels, half a cycle per element zeroed."""
     return sum(

@@ -29,6 +29,7 @@ from neoflow.ir.expr import (
     Cast,
     Const,
     Expr,
+    Read,
     Reduce,
     Select,
     conjuncts,
@@ -137,6 +138,24 @@ def _reads_in_bounds(reduce: Reduce, op: Op) -> bool:
         return bounds.first_violation(bounds.accesses(reduce), op.extent, shapes) is None
     except isl.Error:  # a condition isl cannot read: do not assume the reads are safe
         return False
+
+
+def sum_of_product(op: Op) -> tuple[Reduce, Expr | None, Read, Read] | None:
+    """``(sum, epilogue, left, right)`` for a float32 op (not a scatter) whose body is a
+    ``ReduceAdd`` of ``left * right``, two reads, under an optional epilogue
+    (``split_epilogue``); None for any other op."""
+    if op.scatter is not None or op.dtype != "float32":
+        return None
+    parts = split_epilogue(op.body, op)
+    if parts is None:
+        return None
+    reduce, epilogue = parts
+    product = reduce.body
+    if reduce.kind != "ReduceAdd" or not isinstance(product, Binary) or product.op != "*":
+        return None
+    if not (isinstance(product.a, Read) and isinstance(product.b, Read)):
+        return None
+    return reduce, epilogue, product.a, product.b
 
 
 def with_reduce(epilogue: Expr | None, value: Expr) -> Expr:

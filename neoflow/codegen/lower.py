@@ -30,6 +30,7 @@ import islpy as isl
 
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, c_type, cast, linear_index
 from neoflow.codegen.chain import chain_function, chain_plan
+from neoflow.codegen.flat_depth import FlatDepthPlan, flat_depth_calls, flat_depth_plan
 from neoflow.codegen.gemm import gemm_function, gemm_plan, store_slice
 from neoflow.codegen.inner_split import Written, split_inner
 from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice, with_reduce
@@ -124,18 +125,27 @@ class Lowering:
     function taking the output buffer, then the input buffers in ``op.inputs`` order."""
 
     def __init__(
-        self, op: Op, buffers: Mapping[str, str] | None = None, tag: str = "", written: Written | None = None
+        self,
+        op: Op,
+        buffers: Mapping[str, str] | None = None,
+        tag: str = "",
+        written: Written | None = None,
+        in_place: bool = True,
     ) -> None:
         """``buffers``: the C name of each tensor the op reads and of its output
         (default ``in<k>`` by position and ``out``); ``tag`` prefixes the names
         of its statements and accumulators (ops lowered into one loop nest);
         ``written``: the points of its indices it is computed at and where each
-        is stored, when that is not its own output index (an element-wise op)."""
+        is stored, when that is not its own output index (an element-wise op);
+        ``in_place``: whether a sum may accumulate in its output with its loops
+        outside the output's last (``in_place_reduction``), or must sum each output
+        point in its own innermost loop (a dot product along a contiguous depth)."""
         if op.scatter is not None and op.reductions:
             raise CompileError("a scatter op with reductions has no C lowering", op=op.name)
         self.op = op
         self.tag = tag
         self.written = written
+        self.in_place = in_place
         self.statements: list[Statement] = []
         self.accumulators: list[tuple[str, str]] = []  # (C type, name)
         self.extent = op.extent
@@ -252,7 +262,7 @@ class Lowering:
         outer = [*op.indices]
         box = bounds.box_constraint({v: self.extent[v] for v in outer})
         constraints = [box] if self.written is None else [box, self.written.where]
-        if self.written is None and self._accumulate_in_place(box):
+        if self.written is None and self.in_place and self._accumulate_in_place(box):
             return
         self._store_split(_Scope(outer, [PREFIX + v for v in outer], constraints, []), op.body)
 
@@ -564,9 +574,23 @@ def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
 
 
+def flat_function(op: Op, plan: FlatDepthPlan, name: str) -> str:
+    """The C function ``name`` computing ``op`` from its operands copied flat along the
+    depth (``flat_depth``): the copies, then one dot product a point."""
+    arguments = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
+    helpers = [
+        _static(lower_op(pack, f"{name}_{side}"), f"{name}_{side}") for side, pack in zip("ab", plan.packs, strict=True)
+    ]
+    product = Lowering(plan.product, in_place=False).function(f"{name}_p")
+    helpers.append(_static(product, f"{name}_p"))
+    body = flat_depth_calls(plan, name, arguments)
+    return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
+
+
 def lower_op(op: Op, name: str) -> str:
     """The C function ``name`` computing ``op``: a chain of two contractions tiled
-    together (``chain``), a contraction in two stages (``staging``), the blocked
+    together (``chain``), a contraction over a depth of short runs from its operands
+    copied flat (``flat_depth``), a contraction in two stages (``staging``), the blocked
     kernel for contractions worth it, dense pieces for other lattice domains, an
     element-wise op of the depth-to-space family over its split inner index
     (``inner_split``), else the plain loop nest (over merged trailing dimensions
@@ -575,6 +599,9 @@ def lower_op(op: Op, name: str) -> str:
         chain = chain_plan(op)
         if chain is not None:
             return chain_function(op, chain, name)
+        flat = flat_depth_plan(op)
+        if flat is not None:
+            return flat_function(op, flat, name)
         staged = staged_plan(op)
         if staged is not None:
             return staged_function(op, staged, name)

@@ -25,8 +25,8 @@ from functools import lru_cache
 
 import sympy
 
-from neoflow.codegen.gemm import GENERIC_CYCLES_PER_POINT, domain_points, gemm_plan, plan_cycles
-from neoflow.codegen.lattice import split_epilogue, with_reduce
+from neoflow.codegen.gemm import GENERIC_CYCLES_PER_POINT, domain_points, gemm_plan, plan_cycles, unsplit_cycles
+from neoflow.codegen.lattice import sum_of_product, with_reduce
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Read, Reduce, index_variables
 from neoflow.ir.op import Op, Tensor
@@ -66,17 +66,11 @@ def split_contraction(op: Op) -> tuple[Op, Op] | None:
     optional epilogue) with both plain and combined reduction axes; None otherwise.
     ``T``'s dimensions are the operands' other indices, an index both operands
     share (a batch variable) counted once."""
-    if op.scatter is not None or op.dtype != "float32":
-        return None
-    parts = split_epilogue(op.body, op)
+    parts = sum_of_product(op)
     if parts is None:
         return None
-    reduce, epilogue = parts
-    product = reduce.body
-    if reduce.kind != "ReduceAdd" or not isinstance(product, Binary) or product.op != "*":
-        return None
-    left, right = product.a, product.b
-    if not (isinstance(left, Read) and isinstance(right, Read)) or left.tensor == right.tensor:
+    reduce, epilogue, left, right = parts
+    if left.tensor == right.tensor:
         return None
     tensors = {t.name: t for t in op.inputs}
     if tensors[left.tensor].dtype != "float32" or tensors[right.tensor].dtype != "float32":
@@ -146,12 +140,6 @@ def split_contraction(op: Op) -> tuple[Op, Op] | None:
     return stage, rest
 
 
-def _current_cycles(op: Op) -> float:
-    """Estimated cycles of the way ``op`` runs without the split."""
-    plan = gemm_plan(op)  # taken only where it beats the loop nest's estimate
-    return GENERIC_CYCLES_PER_POINT * domain_points(op) if plan is None else plan_cycles(plan)
-
-
 @lru_cache(maxsize=1024)
 def staged_plan(op: Op) -> StagedPlan | None:
     """The two-stage form of ``op`` when it pays: the stage runs on the blocked
@@ -173,6 +161,6 @@ def staged_plan(op: Op) -> StagedPlan | None:
     if stage.output.size > moved:
         return None
     cycles = plan_cycles(stage_plan) + GENERIC_CYCLES_PER_POINT * domain_points(rest)
-    if cycles >= GAIN * _current_cycles(op):
+    if cycles >= GAIN * unsplit_cycles(op):
         return None
     return StagedPlan(stage, rest, cycles)

@@ -10,8 +10,9 @@ import pytest
 
 import neoflow
 from neoflow.codegen.estimate import schedule
+from neoflow.codegen.lower import lower_op
 from neoflow.codegen.nest import nest_buffers
-from neoflow.codegen.slices import SliceRun
+from neoflow.codegen.slices import SliceRun, one_thread, sliced_function
 from neoflow.fusion import Kernel, PlanError, apply_plan
 from neoflow.fusion.cost import CostModel, Machine
 from neoflow.fusion.plan import plan_from_kernels
@@ -118,6 +119,34 @@ def test_a_sliced_kernel_computes_what_the_interpreter_does(length: int, threads
     assert set(alone) == {"A", "E", "G", "L"}
     for name, value in alone.items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@NEEDS_CC
+def test_the_ops_in_a_slice_open_no_parallel_region_of_their_own(monkeypatch) -> None:
+    from neoflow.runtime.cpu import CpuExecutor
+
+    # wide enough that each op's own C shares its loops out among threads (a region each)
+    shapes = {"X": (6, 512), "W": (64, 512), "Y": (6, 64)}
+    graph = neoflow.graph(LAYER, shapes=shapes)
+    ops = [op for op in graph.ops if op.name in ("H", "A", "D", "E", "G", "L")]
+    slot = {name: k for k, name in enumerate(graph.tensors)}
+    assert sum(lower_op(op, "f").count("#pragma omp parallel") for op in ops) >= 3
+    source = sliced_function(ops, 3, ("H", "D"), slot, "nf_sliced0")
+    # the slice loop's own region and loop, nothing more; the ops' vector loops kept
+    assert source.count("#pragma omp parallel") == 1 and source.count("#pragma omp for") == 1
+    assert "#pragma omp simd" in source and "omp_get_num_threads" not in source
+    assert one_thread("#pragma omp parallel for collapse(2)\nfor (;;) me = omp_get_thread_num();") == "for (;;) me = 0;"
+    monkeypatch.setenv("NEOFLOW_NUM_THREADS", "2")
+    kernels = [Kernel(("H", "A", "D", "E", "G", "L"), ("A", "E", "G", "L"), ("H", "D"), 3)]
+    kernels += [Kernel((name,), (name,)) for name in ("T", "S", "R", "U")]
+    fused, groups = apply_plan(graph, plan_from_kernels(graph, kernels))
+    executor = CpuExecutor(fused, graph.outputs, groups, [SliceRun(groups[0], 3, ("H", "D"))])
+    rng = np.random.default_rng(4)
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    expected = evaluate_graph(graph, inputs, keep=True)
+    got = executor.run(inputs)
+    for name in graph.outputs:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 def test_the_cost_of_a_sliced_kernel_counts_only_what_reaches_memory() -> None:
