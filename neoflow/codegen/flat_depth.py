@@ -28,7 +28,7 @@ from functools import lru_cache
 
 from neoflow.codegen.c_expr import c_type
 from neoflow.codegen.gemm import unsplit_cycles
-from neoflow.codegen.lattice import split_epilogue, sum_of_product, with_reduce
+from neoflow.codegen.lattice import sum_of_product, with_reduce
 from neoflow.codegen.staging import staged_plan
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Read, Reduce
@@ -52,17 +52,15 @@ GAIN = 0.8
 class FlatDepthPlan:
     """``packs``: the two copies (ops over ``[side..., depth...]``, operand ``a``'s then
     ``b``'s); ``product``: the op's output from them, one sum over the flat depth
-    variable, reading each copy as ``[side..., depth]``; ``cycles``: the estimate."""
+    variable, reading each copy as ``[side..., depth]``; ``depth``: its terms; ``run``:
+    the original depth's innermost run (its last axis longer than one); ``cycles``:
+    the estimate."""
 
     packs: tuple[Op, Op]
     product: Op
+    depth: int
+    run: int
     cycles: float
-
-
-def _short_run(reduce: Reduce, extent: dict[str, int]) -> bool:
-    """Whether the depth's innermost run (its last axis longer than one) is shorter than a vector."""
-    runs = [extent[axis] for axis in reduce.axes if extent[axis] > 1]
-    return bool(runs) and runs[-1] < LANES
 
 
 def flat_form(op: Op) -> FlatDepthPlan | None:
@@ -111,7 +109,8 @@ def flat_form(op: Op) -> FlatDepthPlan | None:
     points = math.prod(extent[v] for v in op.indices)
     copies = sum(pack.output.size for pack in packs)
     cycles = copies * COPY_CYCLES + points * (-(-depth // LANES) * DOT_STEP_CYCLES + CLOSE_CYCLES)
-    return FlatDepthPlan((packs[0], packs[1]), flat_op, cycles)
+    run = [extent[axis] for axis in reduce.axes if extent[axis] > 1][-1:] or [1]
+    return FlatDepthPlan((packs[0], packs[1]), flat_op, depth, run[0], cycles)
 
 
 @lru_cache(maxsize=1024)
@@ -124,10 +123,7 @@ def flat_depth_plan(op: Op) -> FlatDepthPlan | None:
     plan = flat_form(op)
     if plan is None:
         return None
-    (reduce,) = (node for node in plan.product.body.walk() if isinstance(node, Reduce))
-    original = split_epilogue(op.body, op)
-    assert original is not None
-    if not _short_run(original[0], op.extent) or reduce.extents[0] < MIN_DEPTH_VECTORS * LANES:
+    if plan.run >= LANES or plan.depth < MIN_DEPTH_VECTORS * LANES:
         return None
     if sum(pack.output.size for pack in plan.packs) * 4 > MAX_PACK_BYTES:
         return None

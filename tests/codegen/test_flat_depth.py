@@ -21,7 +21,7 @@ def _weight_gradient(batch: int = 4, channels: int = 4):
 def test_a_weight_gradient_is_copied_flat_along_its_depth() -> None:
     gradient = _weight_gradient()
     plan = flat_depth_plan(gradient)
-    assert plan is not None
+    assert plan is not None and (plan.depth, plan.run) == (144, 6)
     pack_a, pack_b = plan.packs
     # each copy: the output indices its read uses, then the depth (n, p, q), the depth last
     assert pack_a.indices[-3:] == pack_b.indices[-3:] == gradient.reduce_axes
