@@ -409,23 +409,26 @@ class CpuExecutor:
         return call
 
 
-def sanitizer_program(graph: Graph, groups: Collection[Collection[str]] = ()) -> str:
+def sanitizer_program(graph: Graph, groups: Collection[Collection[str]] = (), sliced: Collection[SliceRun] = ()) -> str:
     """A standalone C program running ``graph`` through ``nf_run_graph`` (every
-    kernel in order, the ``groups`` that make loop nests as nests) on buffers of
-    exactly each tensor's size (inputs filled with small deterministic values,
-    integer inputs with 0), for building with
-    ``-fsanitize=address,undefined``: any out-of-bounds access or undefined
+    kernel in order, the ``groups`` that make loop nests as nests, the ``sliced``
+    kernels slice by slice) on buffers of exactly each tensor's size (inputs
+    filled with small deterministic values, integer inputs with 0), for building
+    with ``-fsanitize=address,undefined``: any out-of-bounds access or undefined
     behaviour in generated code shows up when it runs."""
-    source, functions, interpreted = module_source(graph)
+    sliced_c, sliced_functions = sliced_source(graph, sliced)
+    in_slices = {name for run in sliced for name in run.ops}
+    source, functions, interpreted = module_source(graph, in_slices)
     if interpreted:
         raise CompileError(f"ops without a C lowering: {', '.join(interpreted)}")
     from neoflow.codegen.c_expr import c_type
 
-    nests_c, nests = nest_source(graph_nests(graph, groups))
+    nests_c, nests = nest_source(graph_nests(graph, [group for group in groups if in_slices.isdisjoint(group)]))
     lines = [
         source,
         nests_c,
-        graph_entry(graph, functions, nests),
+        sliced_c,
+        graph_entry(graph, functions, nests, sliced_functions),
         "#include <stdio.h>",
         "int main(void) {",
         "    uint64_t seed = 1;",

@@ -7,7 +7,7 @@ for whoever reports on them."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from neoflow.codegen.slices import SliceRun
 from neoflow.fusion.cost import CostModel, Machine
@@ -49,6 +49,16 @@ def plan_for(graph: Graph, fusion: str | FusionPolicy, model: CostModel) -> Fusi
     return plan
 
 
+def slice_runs(plan: FusionPlan, groups: Sequence[Sequence[str]]) -> list[SliceRun]:
+    """The sliced kernels of ``plan`` as an executor runs them, ``groups`` the fused
+    graph's op names of each kernel (``apply_plan``)."""
+    return [
+        SliceRun(tuple(group), kernel.sliced, kernel.buffered)
+        for kernel, group in zip(plan.kernels, groups, strict=True)
+        if kernel.sliced
+    ]
+
+
 def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str | FusionPolicy = DEFAULT_POLICY):
     """An executor of ``target`` running ``graph`` fused by policy ``fusion``;
     it carries ``fusion_plan``, the ``planned_graph`` it was made for (``graph``
@@ -57,12 +67,7 @@ def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str
     planned = planning_graph(graph, keep)
     plan = plan_for(planned, fusion, model)
     fused, groups = apply_plan(planned, plan)
-    sliced = [
-        SliceRun(group, kernel.sliced, kernel.buffered)
-        for kernel, group in zip(plan.kernels, groups, strict=True)
-        if kernel.sliced
-    ]
-    executor = EXECUTORS[target](fused, keep, groups, sliced)
+    executor = EXECUTORS[target](fused, keep, groups, slice_runs(plan, groups))
     executor.fusion_plan = plan
     executor.kernel_groups = groups
     executor.planned_graph = planned

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 import neoflow
+from neoflow.fusion import apply_plan
 from neoflow.runtime.cpu import sanitizer_program
+from neoflow.runtime.fusing import slice_runs
 from tests.codegen.test_nest import TAIL
+from tests.fusion.test_slicing import capsule_step_plans
 from tests.targets import NEEDS_CC
 
 pytestmark = NEEDS_CC
@@ -21,24 +24,32 @@ FOUR_OP_SMALL = FOUR_OP_SMALL.replace("112", "8")
 
 
 def _graphs():
-    yield "mlp-train", neoflow.compile(MODELS / "mlp.onnx", train=neoflow.TrainSpec(labels="y")).training.graph
+    """(name, graph, kernel groups, sliced kernels) of each program built."""
+    yield "mlp-train", neoflow.compile(MODELS / "mlp.onnx", train=neoflow.TrainSpec(labels="y")).training.graph, (), ()
     spec = neoflow.TrainSpec(labels="y", optimizer="adam")
-    yield "cnn-train", neoflow.compile(MODELS / "cnn.onnx", train=spec).training.graph
-    yield "capsule-train", neoflow.compile(MODELS / "capsule.onnx", train=spec).training.graph
-    yield "upsampler", neoflow.load_onnx(MODELS / "upsampler.onnx")
+    yield "cnn-train", neoflow.compile(MODELS / "cnn.onnx", train=spec).training.graph, (), ()
+    yield "capsule-train", neoflow.compile(MODELS / "capsule.onnx", train=spec).training.graph, (), ()
+    # neoflow's plan of it: forward and backward slice by slice, intermediates in slice buffers
+    planned, plans, _ = capsule_step_plans(spec)
+    fused, groups = apply_plan(planned, plans["neoflow"])
+    yield "capsule-train-sliced", fused, groups, slice_runs(plans["neoflow"], groups)
+    yield "upsampler", neoflow.load_onnx(MODELS / "upsampler.onnx"), (), ()
     four = neoflow.graph(FOUR_OP_SMALL)
     weights = {"C": np.full(four.tensors["C"].shape, 0.1, np.float32)}
     spec = neoflow.TrainSpec(loss="mse", labels="T")
-    yield "four-op-train", neoflow.compile(four, train=spec, parameters=weights).training.graph
-    yield "loss-tail-nest", neoflow.graph(TAIL)  # F, the loss over it and its gradient as one loop nest
+    yield "four-op-train", neoflow.compile(four, train=spec, parameters=weights).training.graph, (), ()
+    # F, the loss over it and its gradient as one loop nest
+    yield "loss-tail-nest", neoflow.graph(TAIL), [("F", "loss", "G")], ()
 
 
-@pytest.mark.parametrize(("name", "graph"), list(_graphs()), ids=lambda v: v if isinstance(v, str) else "")
-def test_generated_code_is_clean_under_asan_and_ubsan(name, graph, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("name", "graph", "groups", "sliced"), list(_graphs()), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_generated_code_is_clean_under_asan_and_ubsan(name, graph, groups, sliced, tmp_path) -> None:
     source = tmp_path / f"{name}.c"
-    groups = [("F", "loss", "G")] if name == "loss-tail-nest" else ()
-    program = sanitizer_program(graph, groups)
+    program = sanitizer_program(graph, groups, sliced)
     assert ("nf_nest0(" in program) == bool(groups)
+    assert ("nf_sliced0(b);" in program) == bool(sliced)
     source.write_text(program)
     binary = tmp_path / name
     # -march=native as the kernels are built: the AVX2 packers (vector loads, masked loads, gathers) run

@@ -13,10 +13,11 @@ from neoflow.codegen.estimate import schedule
 from neoflow.codegen.lower import lower_op
 from neoflow.codegen.nest import nest_buffers
 from neoflow.codegen.slices import SliceRun, one_thread, sliced_function
-from neoflow.fusion import Kernel, PlanError, apply_plan
+from neoflow.fusion import FusionPlan, Kernel, PlanError, apply_plan
 from neoflow.fusion.cost import CostModel, Machine
 from neoflow.fusion.plan import plan_from_kernels
 from neoflow.fusion.slicing import ROWS, SUM, roles_in_kernel, slice_length, slice_role, sliced_ops
+from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_graph
 from neoflow.runtime.fusing import plan_for
 from tests.targets import NEEDS_CC
@@ -161,14 +162,20 @@ def test_the_cost_of_a_sliced_kernel_counts_only_what_reaches_memory() -> None:
     assert one_slice.seconds - two.call_seconds == pytest.approx(2 * (sliced.seconds - two.call_seconds))
 
 
-def test_neoflow_runs_the_capsule_training_step_slice_by_slice() -> None:
-    # forward and backward, every op but the optimizer's, in one kernel: the activations, the
-    # logits and every gradient but the weights' stay in slice buffers (machine figures fixed)
-    model = neoflow.compile(MODELS / "capsule.onnx", train=neoflow.TrainSpec(labels="y"), target="interp")
+def capsule_step_plans(spec: neoflow.TrainSpec) -> tuple[Graph, dict[str, FusionPlan], CostModel]:
+    """The capsule network's training step (before fusion), its ``elementwise`` and
+    ``neoflow`` plans for fixed figures of a 2-thread machine, and that cost model."""
+    model = neoflow.compile(MODELS / "capsule.onnx", train=spec, target="interp")
     planned = model._train.planned_graph
     two = Machine(198e9, 4.2e9, 35e9, 2.3e-6, 25.7e9, 104e9, 32e6, measured=True, threads=2)
     costs = CostModel(two, schedule, nest_buffers)
-    plans = {policy: plan_for(planned, policy, costs) for policy in ("elementwise", "neoflow")}
+    return planned, {policy: plan_for(planned, policy, costs) for policy in ("elementwise", "neoflow")}, costs
+
+
+def test_neoflow_runs_the_capsule_training_step_slice_by_slice() -> None:
+    # forward and backward, every op but the optimizer's, in one kernel: the activations, the
+    # logits and every gradient but the weights' stay in slice buffers (machine figures fixed)
+    planned, plans, costs = capsule_step_plans(neoflow.TrainSpec(labels="y"))
     kernel = plans["neoflow"].kernel_of("c2")
     assert kernel.sliced == 16 and {"c1", "logits", "grad_c1", "grad_k1_"} <= set(kernel.ops)
     assert {"a1", "c2", "logits", "grad_c1"} <= set(kernel.buffered)
