@@ -208,6 +208,7 @@ def conv2d_bias_relu() -> Workload:
         "conv2d 3x3 + bias + ReLU N8 C=K=64 56x56 fwd",
         2.0 * 8 * 64 * 56 * 56 * 64 * 9,
         {"neoflow": lambda: layer.run(inputs), "torch eager": torch_forward},
+        ">= 0.8x torch eager",
     )
 
 

@@ -17,7 +17,7 @@ a loop nest, 3.5 µs packed flat (1.3 µs of it the copies).
 
 ``flat_depth_plan`` takes the form where the depth's innermost run (its last axis longer
 than one) is shorter than a vector, the depth holds several vectors, the copies are small
-and the cycle estimate beats the op's other schedules; ``flat_depth_function`` emits it.
+and the cycle estimate beats the op's other schedules; ``lower.flat_function`` emits it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from neoflow.codegen.c_expr import c_type
 from neoflow.codegen.gemm import unsplit_cycles
 from neoflow.codegen.lattice import sum_of_product, with_reduce
 from neoflow.codegen.staging import staged_plan
@@ -130,18 +129,3 @@ def flat_depth_plan(op: Op) -> FlatDepthPlan | None:
     staged = staged_plan(op)
     current = unsplit_cycles(op) if staged is None else min(staged.cycles, unsplit_cycles(op))
     return plan if plan.cycles < GAIN * current else None
-
-
-def flat_depth_calls(plan: FlatDepthPlan, name: str, arguments: dict[str, str]) -> str:
-    """C body of the function ``name``: each copy into a scratch buffer of its own
-    (``name_a``, ``name_b``), then the product (``name_p``) into ``out``; ``arguments``
-    names the C buffer of each tensor the op reads."""
-    lines, names = [], dict(arguments)
-    for side, pack in zip("ab", plan.packs, strict=True):
-        buffer = f"pack_{side}"
-        names[pack.name] = buffer
-        inputs = ", ".join(names[t.name] for t in pack.inputs)
-        lines.append(f"    NF_SCRATCH({c_type(pack.dtype)}, {buffer}, {pack.output.size});")
-        lines.append(f"    {name}_{side}({buffer}, {inputs});")
-    lines.append(f"    {name}_p(out, {', '.join(names[t.name] for t in plan.product.inputs)});")
-    return "\n".join(lines)

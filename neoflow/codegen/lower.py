@@ -30,7 +30,7 @@ import islpy as isl
 
 from neoflow.codegen.c_expr import PARALLEL_MIN_POINTS, IndexPrinter, ValuePrinter, c_type, cast, linear_index
 from neoflow.codegen.chain import chain_function, chain_plan
-from neoflow.codegen.flat_depth import FlatDepthPlan, flat_depth_calls, flat_depth_plan
+from neoflow.codegen.flat_depth import FlatDepthPlan, flat_depth_plan
 from neoflow.codegen.gemm import gemm_function, gemm_plan, store_slice
 from neoflow.codegen.inner_split import Written, split_inner
 from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice, with_reduce
@@ -540,7 +540,7 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
         {name}_p{number}(part{arguments});
 {store_slice(piece, "part[f]", op.output.size)}
     }}"""
-        helpers.append(_static(lowering.function(f"{name}_p{number}", work), f"{name}_p{number}"))
+        helpers.append(file_local(lowering.function(f"{name}_p{number}", work), f"{name}_p{number}"))
         lines.append(call)
     body = "\n".join(lines)
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
@@ -552,9 +552,11 @@ def _parameters(op: Op) -> str:
     return ", ".join([f"{c_type(op.dtype)} *restrict out", *inputs])
 
 
-def _static(source: str, function: str) -> str:
-    """``source`` with its definition of ``function`` made file-local (a helper of another kernel)."""
-    return source.replace(f"void {function}(", f"static void {function}(", 1)
+def file_local(source: str, function: str, attributes: str = "") -> str:
+    """``source`` with its definition of ``function`` made file-local (a helper of
+    another kernel), with the C ``attributes`` given (``__attribute__((noinline))``)."""
+    prefix = f"{attributes} static" if attributes else "static"
+    return source.replace(f"void {function}(", f"{prefix} void {function}(", 1)
 
 
 def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
@@ -563,7 +565,7 @@ def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
     arguments = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
     arguments[plan.stage.name] = "sums"
     helpers = [
-        _static(lower_op(stage, f"{name}_{suffix}"), f"{name}_{suffix}")
+        file_local(lower_op(stage, f"{name}_{suffix}"), f"{name}_{suffix}")
         for suffix, stage in (("s", plan.stage), ("r", plan.rest))
     ]
     stage_args = ", ".join(arguments[t.name] for t in plan.stage.inputs)
@@ -576,14 +578,20 @@ def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
 
 def flat_function(op: Op, plan: FlatDepthPlan, name: str) -> str:
     """The C function ``name`` computing ``op`` from its operands copied flat along the
-    depth (``flat_depth``): the copies, then one dot product a point."""
+    depth (``flat_depth``): each copy into a scratch buffer of its own (``name_a``,
+    ``name_b``), then one dot product a point (``name_p``)."""
     arguments = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
-    helpers = [
-        _static(lower_op(pack, f"{name}_{side}"), f"{name}_{side}") for side, pack in zip("ab", plan.packs, strict=True)
-    ]
+    helpers, lines = [], []
+    for side, pack in zip("ab", plan.packs, strict=True):
+        helpers.append(file_local(lower_op(pack, f"{name}_{side}"), f"{name}_{side}"))
+        inputs = ", ".join(arguments[t.name] for t in pack.inputs)
+        arguments[pack.name] = f"pack_{side}"
+        lines.append(f"    NF_SCRATCH({c_type(pack.dtype)}, pack_{side}, {pack.output.size});")
+        lines.append(f"    {name}_{side}(pack_{side}, {inputs});")
     product = Lowering(plan.product, in_place=False).function(f"{name}_p")
-    helpers.append(_static(product, f"{name}_p"))
-    body = flat_depth_calls(plan, name, arguments)
+    helpers.append(file_local(product, f"{name}_p"))
+    lines.append(f"    {name}_p(out, {', '.join(arguments[t.name] for t in plan.product.inputs)});")
+    body = "\n".join(lines)
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
 
 

@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from neoflow.codegen.c_expr import c_type
-from neoflow.codegen.lower import lower_op
+from neoflow.codegen.lower import file_local, lower_op
 from neoflow.errors import CompileError
 from neoflow.fusion.slicing import ROWS, Role, roles_in_kernel, slice_shapes, slice_tensor
 from neoflow.ir import dtypes as dt
@@ -86,11 +86,7 @@ def sliced_function(
         # not inlined: gcc 12, inlining the ops' functions into the slice loop, moved a load through one
         # op's restrict pointer above the store through the op before's (the CNN step's max-pool read the
         # ReLU's output before the ReLU wrote it: tests/fusion/test_policies.py, the CNN training step)
-        helpers.append(
-            one_thread(lower_op(piece, function)).replace(
-                f"void {function}(", f"__attribute__((noinline)) static void {function}(", 1
-            )
-        )
+        helpers.append(file_local(one_thread(lower_op(piece, function)), function, "__attribute__((noinline))"))
         arguments = [_pointer(t, role, private, buffer_at, slot, length) for t in op.inputs]
         if role.kind == ROWS and op.name not in private:
             calls.append(f"            {function}((void *)({_moved(slot[op.name], piece)}), {', '.join(arguments)});")

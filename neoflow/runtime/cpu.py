@@ -110,6 +110,11 @@ def sliced_source(graph: Graph, runs: Collection[SliceRun]) -> tuple[str, dict[s
     return "\n\n".join(parts) + "\n", named
 
 
+def slice_members(sliced: Mapping[str, tuple[SliceRun, str]]) -> set[str]:
+    """The ops the compiled sliced kernels ``sliced`` (``sliced_source``) compute."""
+    return {name for run, _ in sliced.values() for name in run.ops}
+
+
 def graph_entry(
     graph: Graph,
     functions: Mapping[str, str],
@@ -125,7 +130,7 @@ def graph_entry(
     nests = nests or {}
     sliced = sliced or {}
     in_nests = {member.name for nest, _ in nests.values() for member in nest.members}
-    in_nests |= {name for run, _ in sliced.values() for name in run.ops}
+    in_nests |= slice_members(sliced)
     calls = []
     for op in graph.ops:
         if op.name in sliced:
@@ -187,7 +192,7 @@ class CpuExecutor:
         self.keep = tuple(dict.fromkeys(keep))
         # a fusion plan's sliced kernels run slice by slice, each one call
         sliced_c, self._sliced_functions = sliced_source(graph, sliced)
-        in_slices = {name for run, _ in self._sliced_functions.values() for name in run.ops}
+        in_slices = slice_members(self._sliced_functions)
         self.source, names, self.interpreted = module_source(graph, in_slices)
         if self.interpreted:  # a run op by op: every op its own kernel
             self._sliced_functions, in_slices = {}, set()
@@ -417,7 +422,7 @@ def sanitizer_program(graph: Graph, groups: Collection[Collection[str]] = (), sl
     with ``-fsanitize=address,undefined``: any out-of-bounds access or undefined
     behaviour in generated code shows up when it runs."""
     sliced_c, sliced_functions = sliced_source(graph, sliced)
-    in_slices = {name for run in sliced for name in run.ops}
+    in_slices = slice_members(sliced_functions)  # a run that does not compile runs op by op
     source, functions, interpreted = module_source(graph, in_slices)
     if interpreted:
         raise CompileError(f"ops without a C lowering: {', '.join(interpreted)}")

@@ -126,18 +126,16 @@ def test_fusing_policies_finish_a_training_steps_relu_in_the_kernel_producing_it
     name: str, product: str, activation: str
 ) -> None:
     # the ReLU's adjoint reads its output, so the conv's (matmul's) result has one reader, the ReLU:
-    # an epilogue; the pre-activation is never stored (machine figures fixed as above); where neoflow
-    # runs the step slice by slice, neither is stored
+    # an epilogue; the pre-activation is never stored (machine figures fixed as above); neoflow runs
+    # the step slice by slice, where neither is stored: both are slice buffers (fusion.slicing)
     model = neoflow.compile(MODELS / f"{name}.onnx", train=neoflow.TrainSpec(labels="y"), target="interp")
     planned = model._train.planned_graph
     assert [op.name for op in planned.ops if product in op.input_names] == [activation]
-    zen3 = Machine(198e9, 4.2e9, 35e9, 2.3e-6, 25.7e9, 104e9, 32e6, measured=True)
-    for policy in ("elementwise", "neoflow"):
-        kernel = plan_for(planned, policy, CostModel(zen3, schedule, nest_buffers)).kernel_of(activation)
-        if kernel.sliced:  # batch slicing: both in one kernel, each a slice buffer (fusion.slicing)
-            assert policy == "neoflow" and {product, activation} <= set(kernel.buffered)
-        else:
-            assert product in kernel.inlined and activation in kernel.materialized, policy
+    costs = CostModel(Machine(198e9, 4.2e9, 35e9, 2.3e-6, 25.7e9, 104e9, 32e6, measured=True), schedule, nest_buffers)
+    elementwise = plan_for(planned, "elementwise", costs).kernel_of(activation)
+    assert not elementwise.sliced and product in elementwise.inlined and activation in elementwise.materialized
+    sliced = plan_for(planned, "neoflow", costs).kernel_of(activation)
+    assert sliced.sliced and {product, activation} <= set(sliced.buffered)
 
 
 def test_patterns_classify_the_four_op_edges() -> None:

@@ -19,7 +19,8 @@ from neoflow.fusion.plan import plan_from_kernels
 from neoflow.fusion.slicing import ROWS, SUM, roles_in_kernel, slice_length, slice_role, sliced_ops
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_graph
-from neoflow.runtime.fusing import plan_for
+from neoflow.runtime.cpu import tensor_slots
+from neoflow.runtime.fusing import plan_for, slice_runs
 from tests.targets import NEEDS_CC
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -41,8 +42,14 @@ U[b, c] = X[b, c] * L[]
 """
 
 
-def _layer():
-    return neoflow.graph(LAYER, shapes={"X": (6, 5), "W": (4, 5), "Y": (6, 4)})
+SMALL = {"X": (6, 5), "W": (4, 5), "Y": (6, 4)}
+# wide enough that each op's own C shares its loops out among threads (a parallel region each)
+WIDE = {"X": (6, 512), "W": (64, 512), "Y": (6, 64)}
+SLICED = ("H", "A", "D", "E", "G", "L")
+
+
+def _layer(shapes: dict = SMALL):
+    return neoflow.graph(LAYER, shapes=shapes)
 
 
 def test_roles_say_which_ops_run_row_by_row_and_which_sum_the_batch_away() -> None:
@@ -74,12 +81,24 @@ def test_the_sliced_ops_stop_at_a_read_of_a_sum_and_at_what_waits_on_an_op_outsi
     assert "is a sum" in roles_in_kernel([graph.op("D"), graph.op("G")], private=["G"])
 
 
-def _sliced_plan(length: int):
-    graph = _layer()
-    inside = ("H", "A", "D", "E", "G", "L")
-    kernels = [Kernel(inside, ("A", "E", "G", "L"), ("H", "D"), length)]
+def _sliced_plan(length: int, shapes: dict = SMALL):
+    graph = _layer(shapes)
+    kernels = [Kernel(SLICED, ("A", "E", "G", "L"), ("H", "D"), length)]
     kernels += [Kernel((name,), (name,)) for name in ("T", "S", "R", "U")]
     return graph, plan_from_kernels(graph, kernels)
+
+
+def _sliced_run(length: int, shapes: dict = SMALL):
+    """The layer with ``SLICED`` as one sliced kernel of ``length`` rows a slice,
+    compiled: ``(graph, executor, kernel groups, inputs, the interpreter's values)``."""
+    from neoflow.runtime.cpu import CpuExecutor
+
+    graph, plan = _sliced_plan(length, shapes)
+    fused, groups = apply_plan(graph, plan)
+    executor = CpuExecutor(fused, graph.outputs, groups, slice_runs(plan, groups))
+    rng = np.random.default_rng(3)
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    return graph, executor, groups, inputs, evaluate_graph(graph, inputs, keep=True)
 
 
 @pytest.mark.parametrize(
@@ -99,19 +118,11 @@ def test_a_kernel_that_cannot_run_slice_by_slice_is_refused_with_the_reason(kern
 @NEEDS_CC
 @pytest.mark.parametrize(("length", "threads"), [(2, 2), (3, 2), (6, 1), (1, 4)])
 def test_a_sliced_kernel_computes_what_the_interpreter_does(length: int, threads: int, monkeypatch) -> None:
-    from neoflow.runtime.cpu import CpuExecutor
-
     monkeypatch.setenv("NEOFLOW_NUM_THREADS", str(threads))
-    graph, plan = _sliced_plan(length)
-    fused, groups = apply_plan(graph, plan)
-    run = SliceRun(groups[0], length, plan.kernels[0].buffered)
-    assert run.ops == ("H", "A", "D", "E", "G", "L") and run.private == ("H", "D")
-    executor = CpuExecutor(fused, graph.outputs, groups, [run])
+    graph, executor, groups, inputs, expected = _sliced_run(length)
+    ((run, _),) = executor._sliced_functions.values()
+    assert run == SliceRun(SLICED, length, ("H", "D"))
     assert "nf_sliced0(b);" in executor.source and not {"H", "D"} & set(executor.plan.offsets)
-    rng = np.random.default_rng(3)
-    shapes = {"X": (6, 5), "W": (4, 5), "Y": (6, 4)}
-    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-    expected = evaluate_graph(graph, inputs, keep=True)
     for _ in range(2):  # the partial sums start from zero on every call
         got = executor.run(inputs)
         for name in graph.outputs:
@@ -124,27 +135,16 @@ def test_a_sliced_kernel_computes_what_the_interpreter_does(length: int, threads
 
 @NEEDS_CC
 def test_the_ops_in_a_slice_open_no_parallel_region_of_their_own(monkeypatch) -> None:
-    from neoflow.runtime.cpu import CpuExecutor
-
-    # wide enough that each op's own C shares its loops out among threads (a region each)
-    shapes = {"X": (6, 512), "W": (64, 512), "Y": (6, 64)}
-    graph = neoflow.graph(LAYER, shapes=shapes)
-    ops = [op for op in graph.ops if op.name in ("H", "A", "D", "E", "G", "L")]
-    slot = {name: k for k, name in enumerate(graph.tensors)}
+    graph = _layer(WIDE)
+    ops = [graph.op(name) for name in SLICED]
     assert sum(lower_op(op, "f").count("#pragma omp parallel") for op in ops) >= 3
-    source = sliced_function(ops, 3, ("H", "D"), slot, "nf_sliced0")
+    source = sliced_function(ops, 3, ("H", "D"), tensor_slots(graph), "nf_sliced0")
     # the slice loop's own region and loop, nothing more; the ops' vector loops kept
     assert source.count("#pragma omp parallel") == 1 and source.count("#pragma omp for") == 1
     assert "#pragma omp simd" in source and "omp_get_num_threads" not in source
     assert one_thread("#pragma omp parallel for collapse(2)\nfor (;;) me = omp_get_thread_num();") == "for (;;) me = 0;"
     monkeypatch.setenv("NEOFLOW_NUM_THREADS", "2")
-    kernels = [Kernel(("H", "A", "D", "E", "G", "L"), ("A", "E", "G", "L"), ("H", "D"), 3)]
-    kernels += [Kernel((name,), (name,)) for name in ("T", "S", "R", "U")]
-    fused, groups = apply_plan(graph, plan_from_kernels(graph, kernels))
-    executor = CpuExecutor(fused, graph.outputs, groups, [SliceRun(groups[0], 3, ("H", "D"))])
-    rng = np.random.default_rng(4)
-    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-    expected = evaluate_graph(graph, inputs, keep=True)
+    graph, executor, _, inputs, expected = _sliced_run(3, WIDE)
     got = executor.run(inputs)
     for name in graph.outputs:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-4, err_msg=name)
