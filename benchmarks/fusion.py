@@ -80,7 +80,7 @@ def compare_training(build, runs: int, block: int) -> tuple[list, dict[str, floa
 def gemm_chain(runs: int, m: int = 1024, width: int = 1024, k: int = 64, n: int = 64) -> dict:
     """Two GEMMs against the chained kernel: median milliseconds and the tiles."""
     import neoflow
-    from neoflow.codegen.chain import chain_plan
+    from neoflow.targets.cpu.chain import chain_plan
 
     text = f"""
 A = tensor([{m}, {k}])

@@ -36,8 +36,8 @@ def fma_peak() -> float:
     the same generated loop the fusion cost model measures)."""
     import ctypes
 
-    from neoflow.codegen.compiler import load_library
-    from neoflow.runtime.machine import PROBE_SOURCE
+    from neoflow.targets.cpu.compiler import load_library
+    from neoflow.targets.cpu.machine import PROBE_SOURCE
 
     library = load_library(PROBE_SOURCE)
     library.nf_fma_peak.restype = ctypes.c_double

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import neoflow
 from benchmarks.timing import interleaved_medians
-from neoflow.runtime.memory import MemoryPlan
+from neoflow.targets.memory import MemoryPlan
 from tests.runtime.torch_models import MODELS
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"

@@ -19,11 +19,12 @@ import onnx
 from onnx import helper
 from onnx.backend.base import Backend, BackendRep
 
-from neoflow.errors import CompileError, InputError
+from neoflow import targets
+from neoflow.errors import InputError
 from neoflow.frontend import load_onnx, read_model
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import check_inputs, evaluate_graph
-from neoflow.runtime.executor import EXECUTORS
+from neoflow.targets import check_target
 
 #: Node inputs that shape the graph (scales, bounds, pads): bound as constants when given at run time.
 STATIC_INPUTS = {
@@ -43,8 +44,7 @@ class NeoflowRep(BackendRep):
     """A prepared model: imported graphs by input shapes."""
 
     def __init__(self, model: onnx.ModelProto, check: bool = True, target: str = "interp") -> None:
-        if target not in EXECUTORS:
-            raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
+        check_target(target)
         self.model = model
         self.check = check
         self.target = target
@@ -90,7 +90,7 @@ class NeoflowRep(BackendRep):
             outputs = evaluate_graph(graph, feed)
         else:
             if id(graph) not in self.executors:
-                self.executors[id(graph)] = EXECUTORS[self.target](graph, graph.outputs)
+                self.executors[id(graph)] = targets.target(self.target).executor(graph, graph.outputs)
             outputs = self.executors[id(graph)].run(check_inputs(graph.inputs, {**graph.parameters, **feed}, "graph"))
         return tuple(outputs[names[n]] for n in self.output_names)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.targets import TARGETS
+from tests.on_targets import TARGETS
 
 
 @pytest.fixture(params=TARGETS)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from neoflow.cli import main
-from tests.targets import NEEDS_CC
+from tests.on_targets import NEEDS_CC
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 

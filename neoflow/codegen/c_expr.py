@@ -1,10 +1,10 @@
-"""Tensor-expression values and sympy index expressions as C expressions.
+"""Tensor-expression values and sympy index expressions as C expressions (C and CUDA C++ alike).
 
 Every operation converts its operands to the dtype the reference interpreter
 computes in (``Binary.operand_dtype``, ``dtypes.compute_dtype``) and its
 result to the node's dtype, so compiled code rounds where the interpreter
-does.  Integer floor division and modulo follow Python (the helpers in
-``PRELUDE``); floating ``max``/``min`` propagate NaN like numpy.  A ``Select``
+does.  Integer floor division and modulo follow Python (``nf_fdiv`` and
+``nf_mod``, which each target's prelude defines); floating ``max``/``min`` propagate NaN like numpy.  A ``Select``
 between floating values that read nothing (a ReLU mask's 1 or 0) picks one
 without a branch (``nf_pickf``): a data-dependent branch is mispredicted about
 every other point; one whose values read keeps C's ``?:``, which reads only the
@@ -27,8 +27,6 @@ from neoflow.ir.index import is_power
 from neoflow.ir.op import Tensor
 from neoflow.ir.simplify import read_offset
 
-PARALLEL_MIN_POINTS = 1 << 15  # below this many points, starting threads costs more than the loop
-
 C_TYPES = {
     "float16": "_Float16",
     "float32": "float",
@@ -44,93 +42,6 @@ C_TYPES = {
     "bool": "_Bool",
 }
 
-PRELUDE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <stddef.h>
-#include <string.h>
-#include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#define floord(n, d) (((n) < 0) ? -((-(n) + (d) - 1) / (d)) : (n) / (d))
-#define min(x, y) ((x) < (y) ? (x) : (y))
-#define max(x, y) ((x) > (y) ? (x) : (y))
-static inline int64_t nf_fdiv(int64_t a, int64_t b) {
-    if (b == 0) return 0;
-    int64_t q = a / b;
-    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
-}
-static inline int64_t nf_mod(int64_t a, int64_t b) {
-    if (b == 0) return 0;
-    int64_t r = a % b;
-    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
-}
-static inline double nf_fmod(double a, double b) {
-    double r = fmod(a, b);
-    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
-}
-static inline int64_t nf_ipow(int64_t a, int64_t b) {
-    int64_t r = 1;
-    if (b < 0) return 0;
-    while (b) { if (b & 1) r *= a; a *= a; b >>= 1; }
-    return r;
-}
-#if defined(__GNUC__) && !defined(__clang__)
-#define NF_SCALAR __attribute__((optimize("no-tree-vectorize")))
-#else
-#define NF_SCALAR
-#endif
-/* A choice between two values already computed, without a branch: a data-dependent
-   condition (a ReLU's mask) taken as a branch is mispredicted about every other point. */
-#define NF_PICK(name, type, bits) \
-    static inline type name(int c, type a, type b) { \
-        bits ua, ub, mask = -(bits)(c != 0); \
-        memcpy(&ua, &a, sizeof a); memcpy(&ub, &b, sizeof b); \
-        ua = (ua & mask) | (ub & ~mask); \
-        memcpy(&a, &ua, sizeof a); \
-        return a; \
-    }
-NF_PICK(nf_pickf, float, uint32_t)
-NF_PICK(nf_pick, double, uint64_t)
-#define NF_FMAX(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
-#define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
-#define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))
-#define NF_IMIN(a, b) ((a) < (b) ? (a) : (b))
-/* Scratch memory for a kernel's temporaries (packed operands, partial and staged sums),
-   kept by each calling thread from one call to the next: allocated and freed on every
-   call, glibc hands large blocks back to the system and the next call faults them in
-   again, which costs a small kernel more than its arithmetic.  NF_SCRATCH declares a
-   pointer to at least ``count`` elements, the block of that site and thread (contents
-   undefined); a thread's blocks are freed when it exits. */
-#include <pthread.h>
-typedef struct nf_block { struct nf_block *next; } nf_block;
-static pthread_key_t nf_blocks_key;
-static pthread_once_t nf_blocks_once = PTHREAD_ONCE_INIT;
-static void nf_free_blocks(void *head) {
-    for (nf_block *b = (nf_block *)head; b != NULL;) { nf_block *next = b->next; free(b); b = next; }
-}
-static void nf_blocks_init(void) { pthread_key_create(&nf_blocks_key, nf_free_blocks); }
-static void *nf_scratch(void **kept, size_t *capacity, size_t bytes) {
-    if (*kept == NULL || bytes > *capacity) {  /* a larger block; the smaller one stays listed */
-        pthread_once(&nf_blocks_once, nf_blocks_init);
-        nf_block *block = (nf_block *)aligned_alloc(64, 64 + (bytes + 63) / 64 * 64);
-        block->next = (nf_block *)pthread_getspecific(nf_blocks_key);
-        pthread_setspecific(nf_blocks_key, block);
-        *kept = (char *)block + 64;
-        *capacity = bytes;
-    }
-    return *kept;
-}
-#define NF_SCRATCH(type, name, count) \
-    static __thread void *name##_kept_; static __thread size_t name##_capacity_; \
-    type *restrict name = (type *)nf_scratch(&name##_kept_, &name##_capacity_, sizeof(type) * (size_t)(count))
-#ifdef _OPENMP
-void nf_set_threads(int n) { omp_set_num_threads(n); }
-#else
-void nf_set_threads(int n) { (void)n; }
-#endif
-"""
 
 #: The prelude's branch-free choice per floating dtype.
 _PICKS = {"float32": "nf_pickf", "float64": "nf_pick"}
@@ -147,12 +58,13 @@ def _reads(node: Expr) -> bool:
 _FLOAT_FUNCS = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "abs": "fabs", "erf": "erf"}
 
 
-def c_type(dtype: str) -> str:
-    """The C type holding values of ``dtype``; storage-only types are refused."""
+def c_type(dtype: str, types: Mapping[str, str] = C_TYPES) -> str:
+    """The C type holding values of ``dtype`` (in the type table ``types``: ``C_TYPES`` for C,
+    a CUDA target's for CUDA C++); a dtype the table lacks is refused."""
     name = dt.concrete(dtype)
-    if name not in C_TYPES:
-        raise CompileError(f"dtype {name} has no C type on the cpu target")
-    return C_TYPES[name]
+    if name not in types:
+        raise CompileError(f"dtype {name} has no C type on this target")
+    return types[name]
 
 
 def _compute(dtype: str) -> str:
@@ -182,14 +94,14 @@ def _literal(value: object, dtype: str) -> str:
     return text if dt.concrete(dtype) == "float64" else f"{text}f"
 
 
-def cast(text: str, source: str, target: str) -> str:
-    """``text`` (of dtype ``source``) converted to ``target``."""
+def cast(text: str, source: str, target: str, types: Mapping[str, str] = C_TYPES) -> str:
+    """``text`` (of dtype ``source``) converted to ``target`` (C types from ``types``)."""
     source, target = dt.concrete(source), dt.concrete(target)
     if source == target:
         return text
     if target == "bool":
         return f"(({text}) != 0)"
-    return f"(({c_type(target)})({text}))"
+    return f"(({c_type(target, types)})({text}))"
 
 
 class IndexPrinter:
@@ -247,7 +159,8 @@ class ValuePrinter:
     C name; ``index`` prints index expressions; ``reduction`` names the C
     variable holding a (separately computed) reduction's value.  Given the
     ``extents`` of the index variables, a read through a reshape's divisions
-    whose digits add back up to an affine offset is printed as that offset."""
+    whose digits add back up to an affine offset is printed as that offset.
+    ``types`` is the C type of each dtype (``C_TYPES``; a CUDA target passes its own)."""
 
     def __init__(
         self,
@@ -256,8 +169,10 @@ class ValuePrinter:
         index: IndexPrinter,
         reduction: Callable[[Reduce], str],
         extents: Mapping[str, int] | None = None,
+        types: Mapping[str, str] = C_TYPES,
     ) -> None:
         self.tensors = tensors
+        self.types = types
         self.names = names
         self.index = index
         self.reduction = reduction
@@ -281,7 +196,7 @@ class ValuePrinter:
         if isinstance(node, Select):  # converting each value alike: the choice stays one of two values
             return self._select(node, node.dtype if target is None else target)
         text = self._value(node)
-        return cast(text, node.dtype, target) if target is not None else text
+        return cast(text, node.dtype, target, self.types) if target is not None else text
 
     def _value(self, node: Expr) -> str:
         if isinstance(node, Const):
@@ -355,7 +270,7 @@ class ValuePrinter:
         else:
             raise CompileError(f"operator '{node.op}' has no C form")
         result = "bool" if node.dtype == "bool" else operand
-        return cast(text, result, node.dtype)
+        return cast(text, result, node.dtype, self.types)
 
 
 def unflatten_index(flat: str, variables: list[tuple[str, int]]) -> str:

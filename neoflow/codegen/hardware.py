@@ -165,7 +165,7 @@ def _cpu(name: str, vector_bytes: int, notes: str, step_cycles: float = 6.0) -> 
 AVX512 = "avx512f" in cpu_flags()
 #: The cpu target.  Its kernels are built for the machine they run on (``-march=native``): where
 #: that has AVX-512, the 6 x 16 micro-kernel keeps a row in one zmm register and a depth step
-#: takes half the cycles (``codegen/gemm.py``); the rest of the code is AVX2's.
+#: takes half the cycles (``targets/cpu/gemm.py``); the rest of the code is AVX2's.
 AVX2 = _cpu(
     "avx2",
     32,

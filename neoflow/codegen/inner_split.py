@@ -6,7 +6,7 @@ points and written through an inverse index map, or a member kept in a row
 buffer.  ``split_inner`` rewrites an op whose innermost index ``w`` is read (or
 written) only through ``w // m`` and ``w % m`` to run over ``w = m*q + r`` with
 ``r`` innermost: unit-stride accesses instead of a division and a gather per
-point.  Both are pure index rewriting; ``codegen.lower.Lowering`` prints them.
+point.  Both are pure index rewriting; ``targets.cpu.lower.Lowering`` prints them.
 """
 
 from __future__ import annotations

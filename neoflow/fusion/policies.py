@@ -320,7 +320,7 @@ class Chimera(FusionPolicy):
     reader is heavy joins that reader's kernel when the cost model predicts the
     pair together to be faster than apart.  On the cpu target a GEMM chain so
     fused runs as one kernel holding the intermediate in a tile buffer
-    (``codegen.chain``, tiles by Chimera's data-movement analysis); where the
+    (``targets.cpu.chain``, tiles by Chimera's data-movement analysis); where the
     target has no such kernel the pair costs a recomputation per read, which
     the cost model refuses."""
 

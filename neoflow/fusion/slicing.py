@@ -30,6 +30,16 @@ ROWS, SUM = "rows", "sum"
 
 
 @dataclass(frozen=True)
+class SliceRun:
+    """A fusion plan's sliced kernel as the executor runs it: its fused ``ops`` (in
+    order), ``length`` rows a slice, and the ops kept in slice buffers (``private``)."""
+
+    ops: tuple[str, ...]
+    length: int
+    private: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Role:
     """How an op runs in a sliced kernel: ``kind`` is ``rows`` or ``sum``;
     ``variable`` its index variable over the ``batch`` rows; ``sliced`` the

@@ -24,9 +24,9 @@ from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import print_graph
 from neoflow.ir.text import parse_graph
 from neoflow.runtime.custom_op import CompiledOp
-from neoflow.runtime.executor import EXECUTORS
 from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
 from neoflow.runtime.report import compile_report
+from neoflow.targets import check_target
 
 ModelSource = str | os.PathLike | onnx.ModelProto | Graph
 MANIFEST = "manifest.json"
@@ -53,8 +53,7 @@ def compile(
     ``fusion`` is the fusion policy: a built-in name (``none``, ``elementwise``,
     ``neoflow``, ``chimera``), ``module:Class`` or a policy object.
     Errors are ``neoflow`` errors with one-line messages."""
-    if target not in EXECUTORS:
-        raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
+    check_target(target)
     if isinstance(model, Op):
         return CompiledOp(model, target, grad, fusion)
     proto = None

@@ -17,8 +17,8 @@ from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import check_inputs
 from neoflow.ir.op import Op
-from neoflow.runtime.executor import EXECUTORS
 from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
+from neoflow.targets import check_target
 
 
 class CompiledOp:
@@ -27,8 +27,7 @@ class CompiledOp:
     the fusion policy for the forward and backward graphs."""
 
     def __init__(self, op: Op, target: str, grad: bool, fusion: str | FusionPolicy = DEFAULT_POLICY) -> None:
-        if target not in EXECUTORS:
-            raise CompileError(f"unknown target '{target}' (available: {', '.join(EXECUTORS)})")
+        check_target(target)
         self.op = op
         self.target = target
         self.fusion = load_policy(fusion)

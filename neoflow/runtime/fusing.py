@@ -9,27 +9,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
-from neoflow.codegen.slices import SliceRun
-from neoflow.fusion.cost import CostModel, Machine
+from neoflow import targets
+from neoflow.fusion.cost import CostModel
 from neoflow.fusion.plan import FusionPlan, apply_plan, validate
 from neoflow.fusion.policies import FusionPolicy, load_policy
+from neoflow.fusion.slicing import SliceRun
 from neoflow.ir.graph import Graph
-from neoflow.runtime.executor import EXECUTORS
 
 DEFAULT_POLICY = "none"
 
 
 def cost_model(target: str) -> CostModel:
-    """The cost model for ``target``: this machine's measured figures and the
-    code generator's schedule for ``cpu``; nominal figures otherwise."""
-    if target == "cpu":
-        from neoflow.codegen.estimate import schedule
-        from neoflow.codegen.nest import nest_buffers
-        from neoflow.runtime.cpu import threads
-        from neoflow.runtime.machine import measure_machine
-
-        return CostModel(lambda: measure_machine(threads()), schedule, nest_buffers)
-    return CostModel(Machine())
+    """The cost model ``target`` plans with (its own estimates, handed to fusion)."""
+    return targets.target(target).cost_model()
 
 
 def planning_graph(graph: Graph, keep: Collection[str]) -> Graph:
@@ -67,7 +59,7 @@ def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str
     planned = planning_graph(graph, keep)
     plan = plan_for(planned, fusion, model)
     fused, groups = apply_plan(planned, plan)
-    executor = EXECUTORS[target](fused, keep, groups, slice_runs(plan, groups))
+    executor = targets.target(target).executor(fused, keep, groups, slice_runs(plan, groups))
     executor.fusion_plan = plan
     executor.kernel_groups = groups
     executor.planned_graph = planned

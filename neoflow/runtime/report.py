@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from neoflow.autodiff.adjoint import AdjointInfo
-from neoflow.runtime.memory import nbytes
+from neoflow.targets.memory import nbytes
 
 if TYPE_CHECKING:
     from neoflow.runtime.compiled import CompiledModel

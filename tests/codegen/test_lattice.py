@@ -8,13 +8,13 @@ import pytest
 import sympy
 
 import neoflow
-from neoflow.codegen.gemm import gemm_plan
 from neoflow.codegen.lattice import Piece, piece_target, split_lattice
-from neoflow.codegen.lower import lower_op
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Index, Read, index_variables
 from neoflow.ir.op import Tensor
-from tests.targets import NEEDS_CC, assert_compiled_matches_interpreter
+from neoflow.targets.cpu.gemm import gemm_plan
+from neoflow.targets.cpu.lower import lower_op
+from tests.on_targets import NEEDS_CC, assert_compiled_matches_interpreter
 
 
 def _has_mod(op) -> bool:

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.lower import lower_op
 from neoflow.codegen.merged import merged_inner, merged_shape
-from neoflow.codegen.nest import shared_nest
-from neoflow.runtime.cpu import CpuExecutor
-from tests.targets import NEEDS_CC
+from neoflow.targets.cpu.executor import CpuExecutor
+from neoflow.targets.cpu.lower import lower_op
+from neoflow.targets.cpu.nest import shared_nest
+from tests.on_targets import NEEDS_CC
 
 WEIGHT = (64, 64, 3, 3)
 # an optimizer's moment and parameter updates of a capsule weight: one nest

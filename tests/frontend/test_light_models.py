@@ -10,7 +10,7 @@ from onnx import numpy_helper
 from onnx.backend.test.runner import Runner
 
 import neoflow
-from tests.targets import evaluate_on
+from tests.on_targets import evaluate_on
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 MODELS = [

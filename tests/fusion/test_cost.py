@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import neoflow
-from neoflow.codegen.estimate import schedule
 from neoflow.fusion import CostModel, Kernel, Machine
 from neoflow.fusion.cost import Scheduled
+from neoflow.targets.cpu.estimate import schedule
 
 GRAPH = """
 X = tensor([256, 256])

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.estimate import schedule
-from neoflow.codegen.nest import nest_buffers
 from neoflow.errors import CompileError
 from neoflow.fusion import BUILT_IN, load_policy
 from neoflow.fusion.cost import CostModel, Machine
 from neoflow.fusion.patterns import is_epilogue, kind, recompute_factor
 from neoflow.runtime.fusing import build_executor, plan_for
-from tests.targets import NEEDS_CC, TARGETS
+from neoflow.targets.cpu.estimate import schedule
+from neoflow.targets.cpu.nest import nest_buffers
+from tests.on_targets import NEEDS_CC, TARGETS
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 POLICIES = [*BUILT_IN, "tests.fusion.user_policy:FirstReader"]
@@ -178,8 +178,8 @@ E[i, n] = ReduceAdd({l}, C[i, l] * D[l, n])
 
 
 def test_chimera_tiles_a_gemm_chain_where_the_target_has_the_kernel() -> None:
-    from neoflow.codegen.estimate import schedule
     from neoflow.fusion import CostModel, Machine
+    from neoflow.targets.cpu.estimate import schedule
 
     graph = neoflow.graph(GEMM_CHAIN)
     # the cpu's schedule knows the chain kernel: one kernel, C in a tile buffer, with the reason noted
@@ -196,7 +196,7 @@ def test_neoflow_runs_ops_that_share_their_reads_as_one_loop_nest_on_cpu() -> No
     # F, the loss over it and its gradient are all kept: fused, they would each read F's
     # inputs and F again; as one nest the inputs are read once (the cost model says so,
     # from the cpu target's nests) and the three come out of one kernel
-    from tests.codegen.test_nest import TAIL
+    from tests.targets.cpu.test_nest import TAIL
 
     text = TAIL.replace("[2, 3, 8, 10]", "[2, 3, 64, 64]").replace("[2, 12, 4, 5]", "[2, 12, 32, 32]")
     graph = neoflow.graph(text.replace("[2, 6, 8, 10]", "[2, 6, 64, 64]"))

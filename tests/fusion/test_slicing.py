@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 
 import neoflow
-from neoflow.codegen.estimate import schedule
-from neoflow.codegen.lower import lower_op
-from neoflow.codegen.nest import nest_buffers
-from neoflow.codegen.slices import SliceRun, one_thread, sliced_function
 from neoflow.fusion import FusionPlan, Kernel, PlanError, apply_plan
 from neoflow.fusion.cost import CostModel, Machine
 from neoflow.fusion.plan import plan_from_kernels
-from neoflow.fusion.slicing import ROWS, SUM, roles_in_kernel, slice_length, slice_role, sliced_ops
+from neoflow.fusion.slicing import ROWS, SUM, SliceRun, roles_in_kernel, slice_length, slice_role, sliced_ops
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_graph
-from neoflow.runtime.cpu import tensor_slots
 from neoflow.runtime.fusing import plan_for, slice_runs
-from tests.targets import NEEDS_CC
+from neoflow.targets.cpu.estimate import schedule
+from neoflow.targets.cpu.executor import tensor_slots
+from neoflow.targets.cpu.lower import lower_op
+from neoflow.targets.cpu.nest import nest_buffers
+from neoflow.targets.cpu.slices import one_thread, sliced_function
+from tests.on_targets import NEEDS_CC
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -91,7 +91,7 @@ def _sliced_plan(length: int, shapes: dict = SMALL):
 def _sliced_run(length: int, shapes: dict = SMALL):
     """The layer with ``SLICED`` as one sliced kernel of ``length`` rows a slice,
     compiled: ``(graph, executor, kernel groups, inputs, the interpreter's values)``."""
-    from neoflow.runtime.cpu import CpuExecutor
+    from neoflow.targets.cpu.executor import CpuExecutor
 
     graph, plan = _sliced_plan(length, shapes)
     fused, groups = apply_plan(graph, plan)

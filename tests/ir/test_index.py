@@ -7,7 +7,7 @@ import sympy
 import neoflow
 from neoflow.ir import index
 from neoflow.ir.index import floordiv, mod, var
-from tests.targets import TARGETS, evaluate_on
+from tests.on_targets import TARGETS, evaluate_on
 
 p, q, r, h, w = (var(n) for n in "pqrhw")
 

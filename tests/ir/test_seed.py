@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as tf
 
 import neoflow
-from tests.targets import evaluate_on
+from tests.on_targets import evaluate_on
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 PAD = "B[n, c, h, w] = Select(h>2 && h<226 && w>2 && w<226, A[n, c, h-2, w-2], 0)"

@@ -1,0 +1,25 @@
+"""The cpu target: C with AVX2/FMA (AVX-512 where present) and OpenMP, compiled by the system cc, loaded with ctypes."""
+
+from __future__ import annotations
+
+from neoflow.fusion.cost import CostModel
+from neoflow.targets.base import Target
+
+
+def _executor(graph, keep, groups=(), sliced=()):
+    from neoflow.targets.cpu.executor import CpuExecutor
+
+    return CpuExecutor(graph, keep, groups, sliced)
+
+
+def _cost_model() -> CostModel:
+    """This machine's measured figures and the C code generator's schedule for each op."""
+    from neoflow.targets.cpu.estimate import schedule
+    from neoflow.targets.cpu.executor import threads
+    from neoflow.targets.cpu.machine import measure_machine
+    from neoflow.targets.cpu.nest import nest_buffers
+
+    return CostModel(lambda: measure_machine(threads()), schedule, nest_buffers)
+
+
+TARGET = Target("cpu", "C + OpenMP for this CPU (AVX2/FMA, AVX-512 where present)", _executor, _cost_model)
