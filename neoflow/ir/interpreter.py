@@ -213,6 +213,43 @@ class _OpEvaluator:
         return array[tuple(full)] if full else array[()]
 
 
+class _PointEvaluator(_OpEvaluator):
+    """Evaluates an expression at given points: its index variables bound to arrays that
+    broadcast together, a reduction standing for a value given (``reduction``)."""
+
+    def __init__(self, owner: str, arrays: Mapping[str, np.ndarray], env, reduction) -> None:
+        shape = np.broadcast_shapes(*(np.shape(v) for v in env.values())) if env else ()
+        self.op = Tensor(owner, shape)  # only its name is read, in error messages
+        self.shape = shape
+        self.arrays = arrays
+        self.rank = len(shape)
+        self.env = {name: np.broadcast_to(np.asarray(v, dtype=np.int64), shape) for name, v in env.items()}
+        self.value = reduction
+
+    def reduce(self, node: Reduce, live: Mask, target: np.dtype) -> np.ndarray:
+        if self.value is None:
+            raise TypeError("a reduction cannot be evaluated at points")
+        return np.asarray(self.value).astype(target, copy=False)
+
+
+def evaluate_at(
+    expr: Expr,
+    env: Mapping[str, np.ndarray],
+    arrays: Mapping[str, np.ndarray],
+    owner: str,
+    live: np.ndarray | None = None,
+    reduction: np.ndarray | None = None,
+) -> np.ndarray:
+    """``expr`` at the points ``env`` gives (index variable -> int array; the arrays broadcast
+    together), reading ``arrays``; where ``live`` is false the value is unused and its reads
+    may be out of bounds; any reduction in ``expr`` stands for ``reduction`` (a value per
+    point: a kernel's accumulators, say).  The interpreter's semantics exactly, per point."""
+    evaluator = _PointEvaluator(owner, arrays, env, reduction)
+    with np.errstate(all="ignore"):
+        value = evaluator.eval(expr, None if live is None else np.broadcast_to(live, evaluator.shape))
+    return np.asarray(value, dtype=dt.numpy_dtype(expr.dtype))
+
+
 def _chunks(shape: tuple[int, ...], per_point: int) -> Iterator[tuple[slice, ...]]:
     """Slices covering ``shape`` with at most ``CHUNK_POINTS`` grid points each
     (never less than one output point)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +40,7 @@ def compile(
     parameters: Mapping[str, np.ndarray] | None = None,
     grad: bool = False,
     fusion: str | FusionPolicy = DEFAULT_POLICY,
+    precision: str | None = None,
 ) -> CompiledModel | CompiledOp:
     """Compile an ONNX model (path or ModelProto), a ``.nf`` program, a ``Graph``
     or a single ``Op``.
@@ -52,10 +52,13 @@ def compile(
     adjoints too: ``.run(inputs)``, ``.backward(inputs, {"dOut": ...})``).
     ``fusion`` is the fusion policy: a built-in name (``none``, ``elementwise``,
     ``neoflow``, ``chimera``), ``module:Class`` or a policy object.
+    ``precision`` (``cuda`` and ``tensorcore``) is how float32 contractions use the tensor
+    cores: ``tf32`` (the default), ``fp16``, ``bf16`` (operands rounded, fp32 accumulation) or
+    ``fp32`` (exact, on SIMT cores).
     Errors are ``neoflow`` errors with one-line messages."""
     check_target(target)
     if isinstance(model, Op):
-        return CompiledOp(model, target, grad, fusion)
+        return CompiledOp(model, target, grad, fusion, precision)
     proto = None
     if isinstance(model, Graph):
         inference = model
@@ -73,7 +76,7 @@ def compile(
     if train is not None and proto is not None:
         forward = dataclasses.replace(load_onnx(proto, shapes, training=True), parameters=inference.parameters)
     training = build_training_graph(forward, train) if train is not None else None
-    return CompiledModel(inference, training, train, target, proto, dict(shapes or {}), fusion)
+    return CompiledModel(inference, training, train, target, proto, dict(shapes or {}), fusion, precision)
 
 
 def _random(rng: np.random.Generator, shape: Sequence[int], dtype: str, classes: int) -> np.ndarray:
@@ -114,8 +117,10 @@ class CompiledModel:
         source: onnx.ModelProto | None,
         shapes: dict[str, Sequence[int]],
         fusion: str | FusionPolicy = DEFAULT_POLICY,
+        precision: str | None = None,
     ) -> None:
         self.target = target
+        self.precision = precision
         self.fusion = load_policy(fusion)
         kind = type(self.fusion)
         self.fusion_name = fusion if isinstance(fusion, str) else f"{kind.__module__}:{kind.__qualname__}"
@@ -127,7 +132,7 @@ class CompiledModel:
         self.step = 0
         self.lr = spec.lr if spec is not None else 0.0
         self.last_prediction: np.ndarray | None = None
-        self._run = build_executor(target, inference, inference.outputs, self.fusion)
+        self._run = build_executor(target, inference, inference.outputs, self.fusion, precision)
         self._names = {name: source for source, name in internal_names(inference).items()}
         if source is not None:
             initializers = {t.name for t in source.graph.initializer}
@@ -142,7 +147,7 @@ class CompiledModel:
             keep = [training.loss, *training.updates.values()]
             if spec.keep_prediction:
                 keep.insert(1, training.prediction)
-            self._train = build_executor(target, training.graph, keep, self.fusion)
+            self._train = build_executor(target, training.graph, keep, self.fusion, precision)
 
     # ----------------------------------------------------------------- running
 
@@ -232,7 +237,7 @@ class CompiledModel:
         training = self._require_training()
         if self._gradients is None:  # built on first use: most models never ask
             keep = [training.loss, *training.gradients.values()]
-            self._gradients = build_executor(self.target, training.graph, keep, self.fusion)
+            self._gradients = build_executor(self.target, training.graph, keep, self.fusion, self.precision)
         outputs = self._gradients.run(self._training_feed(batch))
         return {self.public_name(p): outputs[g] for p, g in training.gradients.items()}
 
@@ -338,6 +343,7 @@ class CompiledModel:
             "step": self.step,
             "lr": self.lr,
             "fusion": self.fusion_name,
+            "precision": self.precision,
         }
         with tempfile.TemporaryDirectory(dir=directory, prefix=".saving-") as scratch:
             staging = Path(scratch)
@@ -352,9 +358,9 @@ class CompiledModel:
                 np.savez(staging / "state.npz", **{k: self._values[k] for k in self.training.state})
                 (staging / "train_step.nf").write_text(print_graph(self.training.graph) + "\n")
             for role, executor in (("inference", self._run), ("train_step", self._train)):
-                if getattr(executor, "source", None) is not None:
-                    (staging / f"{role}.c").write_text(executor.source)
-                    shutil.copyfile(executor.library_path, staging / f"{role}.so")
+                # what the target built (C and its library, CUDA and its cubin), by file suffix
+                for suffix, data in getattr(executor, "artifacts", dict)().items():
+                    (staging / f"{role}{suffix}").write_bytes(data)
             (staging / "report.txt").write_text(self.report() + "\n")
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             for item in staging.iterdir():
@@ -414,6 +420,7 @@ def load(directory: str | os.PathLike, target: str | None = None, shapes: Mappin
         shapes if shapes is not None else manifest["shapes"],
         parameters,
         fusion=manifest.get("fusion", DEFAULT_POLICY),
+        precision=manifest.get("precision"),
     )
     state_path = directory / "state.npz"
     if compiled.training is not None and state_path.is_file():

@@ -24,15 +24,24 @@ from neoflow.targets import check_target
 class CompiledOp:
     """``op`` compiled for ``target``; with ``grad``, its adjoints too (``adjoints``
     maps input name → adjoint op; ``backward`` evaluates them); ``fusion`` is
-    the fusion policy for the forward and backward graphs."""
+    the fusion policy for the forward and backward graphs; ``precision`` the tensor cores'
+    (``cuda``, ``tensorcore``)."""
 
-    def __init__(self, op: Op, target: str, grad: bool, fusion: str | FusionPolicy = DEFAULT_POLICY) -> None:
+    def __init__(
+        self,
+        op: Op,
+        target: str,
+        grad: bool,
+        fusion: str | FusionPolicy = DEFAULT_POLICY,
+        precision: str | None = None,
+    ) -> None:
         check_target(target)
         self.op = op
         self.target = target
         self.fusion = load_policy(fusion)
+        self.precision = precision
         self.forward_graph = Graph.from_ops([op])
-        self._forward = build_executor(target, self.forward_graph, [op.name], self.fusion)
+        self._forward = build_executor(target, self.forward_graph, [op.name], self.fusion, precision)
         self.adjoints: dict[str, Op] = derive(op) if grad else {}
         self._backward = None
         self._both = None
@@ -41,7 +50,7 @@ class CompiledOp:
                 [op, *self.adjoints.values()], outputs=[a.name for a in self.adjoints.values()]
             )
             keep = [a.name for a in self.adjoints.values()]
-            self._backward = build_executor(target, self.backward_graph, keep, self.fusion)
+            self._backward = build_executor(target, self.backward_graph, keep, self.fusion, precision)
 
     def _inputs(self, graph: Graph, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return check_inputs(graph.free_inputs, given, self.op.name)
@@ -58,7 +67,7 @@ class CompiledOp:
             raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
         if self._both is None:
             keep = [self.op.name, *(a.name for a in self.adjoints.values())]
-            self._both = build_executor(self.target, self.backward_graph, keep, self.fusion)
+            self._both = build_executor(self.target, self.backward_graph, keep, self.fusion, self.precision)
         outputs = self._both.run(self._inputs(self.backward_graph, {**inputs, **output_grad}))
         return outputs[self.op.name], {name: outputs[a.name] for name, a in self.adjoints.items()}
 

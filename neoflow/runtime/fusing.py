@@ -51,15 +51,23 @@ def slice_runs(plan: FusionPlan, groups: Sequence[Sequence[str]]) -> list[SliceR
     ]
 
 
-def build_executor(target: str, graph: Graph, keep: Collection[str], fusion: str | FusionPolicy = DEFAULT_POLICY):
-    """An executor of ``target`` running ``graph`` fused by policy ``fusion``;
+def build_executor(
+    target: str,
+    graph: Graph,
+    keep: Collection[str],
+    fusion: str | FusionPolicy = DEFAULT_POLICY,
+    precision: str | None = None,
+):
+    """An executor of ``target`` running ``graph`` fused by policy ``fusion`` (contractions in
+    ``precision`` where the target has tensor cores; None: its default);
     it carries ``fusion_plan``, the ``planned_graph`` it was made for (``graph``
     with ``keep`` as its outputs), ``kernel_groups`` and ``cost_model``."""
     model = cost_model(target)
     planned = planning_graph(graph, keep)
     plan = plan_for(planned, fusion, model)
     fused, groups = apply_plan(planned, plan)
-    executor = targets.target(target).executor(fused, keep, groups, slice_runs(plan, groups))
+    options = {} if precision is None else {"precision": precision}
+    executor = targets.target(target).executor(fused, keep, groups, slice_runs(plan, groups), **options)
     executor.fusion_plan = plan
     executor.kernel_groups = groups
     executor.planned_graph = planned

@@ -11,10 +11,12 @@ import importlib
 from neoflow.errors import CompileError
 from neoflow.targets.base import INTERPRETER, Target
 
-#: target name -> the module holding its ``TARGET`` (None: defined in ``targets.base``)
+#: target name -> ``module`` holding its ``TARGET``, or ``module:NAME`` (None: the interpreter, in ``targets.base``)
 REGISTRY: dict[str, str | None] = {
     "interp": None,
     "cpu": "neoflow.targets.cpu",
+    "cuda": "neoflow.targets.cuda:CUDA",
+    "tensorcore": "neoflow.targets.cuda:TENSORCORE",
 }
 
 
@@ -35,7 +37,8 @@ def target(name: str) -> Target:
     module = REGISTRY[check_target(name)]
     if module is None:
         return INTERPRETER
-    return importlib.import_module(module).TARGET
+    module, _, attribute = module.partition(":")
+    return getattr(importlib.import_module(module), attribute or "TARGET")
 
 
 __all__ = ["REGISTRY", "Target", "check_target", "names", "target"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from neoflow.errors import CompileError
 from neoflow.fusion.cost import CostModel, Machine
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
@@ -100,4 +101,15 @@ def nominal_cost_model() -> CostModel:
     return CostModel(Machine())
 
 
-INTERPRETER = Target("interp", "the numpy reference interpreter", InterpreterExecutor, nominal_cost_model)
+def exact_only(target: str, precision: str | None) -> None:
+    """Refuse a tensor-core ``precision`` on ``target``, which computes in the graph's dtypes."""
+    if precision not in (None, "fp32"):
+        raise CompileError(f"precision '{precision}' needs tensor cores (target cuda or tensorcore), not '{target}'")
+
+
+def _interpreter(graph, keep, groups=(), sliced=(), precision=None):
+    exact_only("interp", precision)
+    return InterpreterExecutor(graph, keep, groups, sliced)
+
+
+INTERPRETER = Target("interp", "the numpy reference interpreter", _interpreter, nominal_cost_model)

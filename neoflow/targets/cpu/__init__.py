@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from neoflow.fusion.cost import CostModel
-from neoflow.targets.base import Target
+from neoflow.targets.base import Target, exact_only
 
 
-def _executor(graph, keep, groups=(), sliced=()):
+def _executor(graph, keep, groups=(), sliced=(), precision=None):
     from neoflow.targets.cpu.executor import CpuExecutor
 
+    exact_only("cpu", precision)
     return CpuExecutor(graph, keep, groups, sliced)
 
 

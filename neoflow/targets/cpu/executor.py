@@ -248,6 +248,10 @@ class CpuExecutor:
         self._recycled: list[_RecycledBlock] = []  # the two blocks recycled runs write in turn
         self._recycle_turn = 0
 
+    def artifacts(self) -> dict[str, bytes]:
+        """What a build directory keeps of this executor, by file suffix: the C and its library."""
+        return {".c": self.source.encode(), ".so": self.library_path.read_bytes()}
+
     def run(self, inputs: Mapping[str, np.ndarray], recycle: bool = False) -> dict[str, np.ndarray]:
         """The kept tensors by name, from every graph input by name (checked by the caller).
         The intermediates' arena is allocated once and reused by every run (a fresh one

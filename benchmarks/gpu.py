@@ -1,0 +1,210 @@
+"""neoflow's cuda target against PyTorch eager, torch.compile and cuBLAS on one GPU, in one process.
+
+    python -m benchmarks.gpu [--quick] [--out benchmarks/gpu_results]
+
+Each system's time is the median over ``--rounds`` rounds of a block of ``--block``
+consecutive calls timed with CUDA events (the systems take turns round by round);
+neoflow's call is one replay of the CUDA graph of its kernels, PyTorch's the eager
+(or compiled) forward and backward.  Outputs are checked against PyTorch before any
+timing counts.  Also writes the tensor-core model's predicted time of every kernel
+next to its measured time (``--kernels``) for the model's rank correlation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import neoflow
+from neoflow.ir.graph import Graph
+from neoflow.targets.cuda.executor import CudaExecutor
+from neoflow.targets.cuda.timing import predict_kernel
+
+
+def _torch():
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.gpu needs a CUDA GPU and PyTorch built for it")
+    return torch
+
+
+def torch_block(fn, block: int) -> float:
+    """Seconds a call of ``fn`` takes, from CUDA events around ``block`` calls in a row."""
+    torch = _torch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(block):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / block
+
+
+def neoflow_block(executor: CudaExecutor, block: int) -> float:
+    """Seconds a replay of ``executor``'s CUDA graph takes, from CUDA events around ``block`` replays."""
+    return sum(executor_times(executor, block)) / block
+
+
+def executor_times(executor: CudaExecutor, block: int) -> list[float]:
+    from neoflow.targets.cuda import driver
+
+    return driver.time_replays(executor._graph, block)
+
+
+def medians(systems: dict, rounds: int) -> dict[str, float]:
+    """Each system's median block time over ``rounds`` rounds taking turns (after a warm-up round)."""
+    for fn in systems.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(rounds):
+        for name, fn in systems.items():
+            times[name].append(fn())
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def capsule_case(stride: int, precision: str, rounds: int, block: int) -> dict:
+    """The capsule conv (N=16, C=K=32, 14x14 output, 3x3, 4x4 poses) forward and backward."""
+    torch = _torch()
+    size = 13 * stride + 3
+    op = neoflow.op(
+        f"Out[b, k, p, q, i, j] = ReduceAdd({{c, r, s, t}}, In[b, c, p*{stride} + r, q*{stride} + s, i, t] * "
+        "W[k, c, r, s, t, j])",
+        shapes={"In": (16, 32, size, size, 4, 4), "W": (32, 32, 3, 3, 4, 4)},
+    )
+    adjoints = neoflow.grad(op)
+    graph = Graph.from_ops([op, *adjoints.values()], outputs=[op.name, *(a.name for a in adjoints.values())])
+    rng = np.random.default_rng(0)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
+    executor = CudaExecutor(graph, graph.outputs, precision=precision)
+    outputs = executor.run(inputs)
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    x = torch.tensor(inputs["In"], device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.tensor(inputs["W"], device="cuda", dtype=dtype, requires_grad=True)
+    dout = torch.tensor(inputs["dOut"], device="cuda", dtype=dtype)
+
+    def capsule(x, w):
+        patches = x.unfold(2, 3, stride).unfold(3, 3, stride)  # b c p q i t r s
+        return torch.einsum("bcpqitrs,kcrstj->bkpqij", patches, w)
+
+    def eager():
+        x.grad = w.grad = None
+        capsule(x, w).backward(dout)
+
+    compiled_fn = torch.compile(capsule)
+
+    def compiled():
+        x.grad = w.grad = None
+        compiled_fn(x, w).backward(dout)
+
+    eager()
+    reference = {"Out": capsule(x, w).detach().float().cpu().numpy(), "dIn": x.grad.float().cpu().numpy()}
+    reference["dW"] = w.grad.float().cpu().numpy()
+    errors = {
+        name: float(np.abs(outputs[name] - reference[name]).max() / np.abs(reference[name]).max())
+        for name in reference
+    }
+    m, n, k = 16 * 14 * 14 * 4, 128, 32 * 9 * 4
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
+    c = torch.randn(m, n, device="cuda", dtype=dtype)
+
+    def gemms():  # the same work as three matrix products (implicit GEMM view)
+        a @ b
+        c @ b.T
+        a.T @ c
+
+    systems = {
+        "neoflow": lambda: neoflow_block(executor, block),
+        "torch eager": lambda: torch_block(eager, block),
+        "torch.compile": lambda: torch_block(compiled, block),
+        "3 cuBLAS GEMMs": lambda: torch_block(gemms, block),
+    }
+    times = medians(systems, rounds)
+    kernels = _kernel_rows(executor, inputs)
+    return {"case": f"capsule stride {stride} {precision}", "times": times, "errors": errors, "kernels": kernels}
+
+
+def _kernel_rows(executor: CudaExecutor, inputs) -> list[tuple[str, float, float]]:
+    """Per kernel of ``executor``: name, predicted and measured seconds (each kernel alone in a graph)."""
+    rows = []
+    for plan in executor.plans:
+        single = Graph.from_ops([plan.op])
+        alone = CudaExecutor(single, [plan.op.name], precision=executor.precision)
+        feed = {t.name: inputs[t.name] for t in single.inputs}
+        measured = statistics.median(alone.time(feed, 20))
+        predicted = sum(predict_kernel(k) for k in plan.kernels)
+        rows.append((plan.op.name, predicted, measured))
+    return rows
+
+
+def hgemm_case(size: int, rounds: int, block: int) -> dict:
+    """hgemm ``size``^3 (fp16 in, fp32 accumulate) against ``torch.matmul``."""
+    torch = _torch()
+    op = neoflow.op(
+        "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (size, size), "B": (size, size)}, dtype="float16"
+    )
+    graph = Graph.from_ops([op])
+    rng = np.random.default_rng(0)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float16) for t in graph.inputs}
+    executor = CudaExecutor(graph, [op.name], precision="fp16")
+    out = executor.run(inputs)[op.name]
+    a = torch.tensor(inputs["A"], device="cuda")
+    b = torch.tensor(inputs["B"], device="cuda")
+    ref = (a.float() @ b.float()).cpu().numpy()
+    error = float(np.abs(out.astype(np.float32) - ref).max() / np.abs(ref).max())
+    times = medians(
+        {"neoflow": lambda: neoflow_block(executor, block), "torch.matmul": lambda: torch_block(lambda: a @ b, block)},
+        rounds,
+    )
+    return {"case": f"hgemm {size}^3", "times": times, "errors": {"C": error}, "kernels": []}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--block", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="capsule stride 1 fp16 and hgemm 4096 only")
+    parser.add_argument("--out", default=None, help="write <out>.md")
+    args = parser.parse_args(argv)
+    torch = _torch()
+    results = []
+    cases = [(1, "fp16")] if args.quick else [(s, p) for s in (1, 2) for p in ("fp16", "tf32")]
+    for stride, precision in cases:
+        results.append(capsule_case(stride, precision, args.rounds, args.block))
+    for size in (4096,) if args.quick else (4096, 8192):
+        results.append(hgemm_case(size, args.rounds, max(2, args.block // 4)))
+    lines = [f"# neoflow cuda on {torch.cuda.get_device_name()} (torch {torch.__version__})", ""]
+    for result in results:
+        times = result["times"]
+        ours = times["neoflow"]
+        lines.append(f"## {result['case']}")
+        lines.append("errors against PyTorch (max |diff| / max |ref|): " + ", ".join(
+            f"{k} {v:.1e}" for k, v in result["errors"].items()))
+        lines.append("")
+        lines.append("| system | median ms | neoflow speed-up |")
+        lines.append("| --- | --- | --- |")
+        for name, seconds in times.items():
+            lines.append(f"| {name} | {seconds * 1e3:.3f} | {seconds / ours:.2f}x |")
+        if result["kernels"]:
+            lines.append("")
+            lines.append("| op | predicted ms | measured ms |")
+            lines.append("| --- | --- | --- |")
+            for name, predicted, measured in result["kernels"]:
+                lines.append(f"| {name} | {predicted * 1e3:.3f} | {measured * 1e3:.3f} |")
+        lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(f"{args.out}.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

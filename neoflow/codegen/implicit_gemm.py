@@ -1,0 +1,168 @@
+"""A contraction as implicit matrix products: rows, columns, depth and batch from the intrinsic mapper.
+
+An op ``Out[x] = epilogue(ReduceAdd({r | where}, A(x, r) * B(x, r)))`` is first
+cut into the dense pieces of its domain (``lattice.split_lattice``: a strided
+adjoint's parity classes); each piece is then a matrix product
+
+    C[m, n] = Σ_k a[m, k] · b[k, n]      (per batch point)
+
+whose row index ``m`` is the fused output variables that only ``A`` reads, the
+column index ``n`` those only ``B`` reads, the depth ``k`` the reduction axes both
+read, and the batch the output variables both read.  Which variables fuse onto
+which axis is the AMOS mapper's answer for a matrix intrinsic (``mapping``); the
+operands ``a`` and ``b`` stay expressions of the op (reads through its own index
+maps, under its padding guards, with the piece's remaining domain condition on
+``a``), so a kernel gathers its operand tiles from the tensors as they are — no
+``im2col`` copy.  Output element ``(m, n)`` of a piece goes to flat offset
+``out_offset`` of the whole output.  Target independent: the CUDA emitter, the
+tensor-core model and (later) the NPU compiler all read a ``GemmView``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import sympy
+
+from neoflow.codegen.hardware import Hardware
+from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice
+from neoflow.codegen.mapping import Mapping, mappings
+from neoflow.ir import index
+from neoflow.ir.expr import Binary, Const, Expr, Reduce, Select, index_variables
+from neoflow.ir.op import Op
+
+Axis = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class GemmView:
+    """One dense piece of a contraction as a matrix product: ``batch``, ``m``, ``n`` and
+    ``k`` are the op variables (with extents) fused onto each axis, outermost first;
+    ``a`` (of batch, m and k variables) and ``b`` (of batch, k and n variables) are the
+    operand expressions; ``epilogue`` is the piece's body with ``reduce`` in it (None: the
+    sum alone); ``out_offset`` the flat output offset of a point (in the op's variables)."""
+
+    op: Op
+    batch: Axis
+    m: Axis
+    n: Axis
+    k: Axis
+    a: Expr
+    b: Expr
+    reduce: Reduce
+    epilogue: Expr | None
+    out_offset: sympy.Expr
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """``(batch, M, N, K)``: the points of each axis."""
+        return tuple(math.prod(e for _, e in axis) for axis in (self.batch, self.m, self.n, self.k))  # type: ignore[return-value]
+
+    @property
+    def macs(self) -> int:
+        """Multiply-adds of the unpadded product."""
+        return math.prod(self.sizes)
+
+
+def _factors(product: Expr) -> tuple[Expr, Expr] | None:
+    """The two factors of a product, ``Select(c, x * y, 0)`` read as ``Select(c, x, 0) * y``."""
+    if isinstance(product, Binary) and product.op == "*":
+        return product.a, product.b
+    if isinstance(product, Select) and isinstance(product.b, Const) and product.b.value == 0:
+        inner = _factors(product.a)
+        if inner is not None:
+            return Select(product.cond, inner[0], Const(0.0)), inner[1]
+    return None
+
+
+def _ordered(variables: tuple[str, ...], order: tuple[str, ...], extent: dict[str, int]) -> Axis:
+    return tuple((v, extent[v]) for v in order if v in variables)
+
+
+def _best(found: list[Mapping], batch_ok: set[str]) -> Mapping | None:
+    """The mapping that leaves only batch variables outside the intrinsic, fusing the most."""
+    usable = [m for m in found if set(m.outer) <= batch_ok]
+    if not usable:
+        return None
+    return min(usable, key=lambda m: (len(m.outer), m.cycles))
+
+
+def piece_view(piece: Piece, whole: Op, target: Hardware) -> GemmView | None:
+    """``piece`` of ``whole`` as a ``GemmView`` on ``target``'s matrix intrinsic, or None
+    when it is no sum of a product of two operands the intrinsic can take."""
+    op = piece.op
+    parts = split_epilogue(op.body, op)
+    if parts is None:
+        return None
+    reduce, epilogue = parts
+    if reduce.kind != "ReduceAdd" or any(isinstance(n, Reduce) for n in reduce.body.walk()):
+        return None
+    factors = _factors(reduce.body)
+    if factors is None or not op.dtype.startswith("float"):
+        return None
+    left, right = factors
+    bare = Reduce("ReduceAdd", reduce.axes, reduce.extents, Binary("*", left, right))
+    probe = Op(op.output, op.indices, bare, op.inputs, op.ranges)
+    extent = op.extent
+    used_left, used_right = index_variables(left), index_variables(right)
+    batch_ok = {v for v in op.indices if (v in used_left) == (v in used_right)}
+    if reduce.where is not None and not index_variables(reduce.where) <= used_left | used_right | set(op.indices):
+        return None
+    mapping = _best(mappings(probe, target), batch_ok)
+    if mapping is None:
+        return None
+    axes = dict(mapping.axes)
+    operands = dict(mapping.operands)
+    a_expr, b_expr = (left, right) if operands["a"] == _first_tensor(left) else (right, left)
+    if reduce.where is not None:
+        a_expr = Select(reduce.where, a_expr, Const(0.0))
+    target_index = piece_target(piece, whole.shape)
+    if target_index is None:
+        return None
+    offset = sympy.expand(index.flat_offset(target_index, whole.shape))
+    return GemmView(
+        op,
+        _ordered(mapping.outer, op.indices, extent),
+        _ordered(axes["i"], op.indices, extent),
+        _ordered(axes["j"], op.indices, extent),
+        _ordered(axes["k"], reduce.axes, extent),
+        a_expr,
+        b_expr,
+        Reduce("ReduceAdd", reduce.axes, reduce.extents, Binary("*", a_expr, b_expr)),
+        epilogue if epilogue is not None and not isinstance(epilogue, Reduce) else None,
+        offset,
+    )
+
+
+def _first_tensor(node: Expr) -> str | None:
+    reads = node.reads()
+    return reads[0].tensor if reads else None
+
+
+@lru_cache(maxsize=1024)
+def gemm_views(op: Op, target: Hardware) -> tuple[GemmView, ...] | None:
+    """Every non-empty piece of ``op`` as a ``GemmView`` (its empty pieces, whose output is
+    zero, are left out: a kernel zeroes them), or None when ``op`` is not a contraction the
+    intrinsic of ``target`` can run whole."""
+    if op.scatter is not None:
+        return None
+    pieces = split_lattice(op)
+    if not pieces:
+        return None
+    views = []
+    for piece in pieces:
+        if piece.empty:
+            continue
+        view = piece_view(piece, op, target)
+        if view is None:
+            return None
+        views.append(view)
+    return tuple(views) if views else None
+
+
+def covers_output(op: Op, views: tuple[GemmView, ...]) -> bool:
+    """Whether the pieces of ``views`` write every element of ``op``'s output (else the
+    rest, the empty pieces', must be zeroed first)."""
+    return sum(math.prod(v.op.shape) for v in views) == op.output.size

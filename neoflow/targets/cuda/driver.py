@@ -1,0 +1,181 @@
+"""The CUDA driver API through NVIDIA's ``cuda-bindings``: the device, modules, memory, launches, graphs.
+
+Every call's status is checked; a failure is a ``neoflow`` error naming the call
+(a missing driver or GPU says so in one line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+from neoflow.errors import CompileError, NeoflowError
+
+
+class DeviceError(NeoflowError):
+    """The GPU, its driver or a call to it failed."""
+
+    kind = "cuda error"
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as err:
+        raise DeviceError("cuda-bindings is not installed (pip install 'neoflow[cuda]')") from err
+    return driver
+
+
+def check(result, call: str):
+    """The values a driver call returned after its status, or a ``DeviceError`` naming ``call``."""
+    driver = _driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise DeviceError(f"{call} failed: {name.decode() if name else err}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@dataclass
+class Device:
+    """GPU 0 with its primary context current, its architecture (``sm_90``) and name."""
+
+    handle: object
+    context: object
+    arch: str
+    name: str
+    stream: object
+
+
+@cache
+def device() -> Device:
+    """The GPU (initialised once); a missing driver or GPU is a ``DeviceError``."""
+    driver = _driver()
+    try:
+        check(driver.cuInit(0), "cuInit")
+    except DeviceError as err:
+        raise DeviceError(f"no usable NVIDIA driver or GPU ({err.message})") from err
+    if check(driver.cuDeviceGetCount(), "cuDeviceGetCount") == 0:
+        raise DeviceError("no NVIDIA GPU is present")
+    handle = check(driver.cuDeviceGet(0), "cuDeviceGet")
+    context = check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
+    check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    attribute = driver.CUdevice_attribute
+    major = check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, handle), "attr")
+    minor = check(driver.cuDeviceGetAttribute(attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle), "attr")
+    name = check(driver.cuDeviceGetName(64, handle), "cuDeviceGetName").split(b"\0")[0].decode()
+    stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+    return Device(handle, context, f"sm_{major}{minor}", name, stream)
+
+
+def default_arch() -> str:
+    """The architecture to compile for: ``NEOFLOW_CUDA_ARCH``, else the GPU's when one answers, else ``sm_90``."""
+    chosen = os.environ.get("NEOFLOW_CUDA_ARCH")
+    if chosen:
+        return chosen
+    try:
+        return device().arch
+    except DeviceError:
+        return "sm_90"
+
+
+class Module:
+    """A loaded cubin and its kernels by name."""
+
+    def __init__(self, cubin: bytes) -> None:
+        driver = _driver()
+        device()
+        self.handle = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.functions: dict[str, object] = {}
+
+    def function(self, name: str, shared: int = 0):
+        """Kernel ``name``, allowed ``shared`` bytes of dynamic shared memory."""
+        driver = _driver()
+        if name not in self.functions:
+            self.functions[name] = check(driver.cuModuleGetFunction(self.handle, name.encode()), "cuModuleGetFunction")
+        if shared > 48 << 10:
+            attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver.cuFuncSetAttribute(self.functions[name], attribute, shared), "cuFuncSetAttribute")
+        return self.functions[name]
+
+
+class Buffer:
+    """``nbytes`` of device memory (at least one byte), freed with the object."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.pointer = int(check(_driver().cuMemAlloc(max(nbytes, 1)), "cuMemAlloc"))
+
+    def upload(self, array: np.ndarray) -> None:
+        data = np.ascontiguousarray(array)
+        if data.nbytes != self.nbytes:
+            raise CompileError(f"an upload of {data.nbytes} bytes into a buffer of {self.nbytes}")
+        check(_driver().cuMemcpyHtoD(self.pointer, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+
+    def download(self, shape, dtype) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        check(_driver().cuMemcpyDtoH(out.ctypes.data, self.pointer, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            _driver().cuMemFree(self.pointer)
+
+
+def launch(function, grid, threads: int, shared: int, pointers: list[int], stream) -> np.ndarray:
+    """Launch ``function`` on ``grid`` blocks of ``threads`` with device ``pointers`` as its
+    arguments; returns the argument block (keep it alive until the launch is captured or done)."""
+    values = np.array(pointers, dtype=np.uint64)
+    addresses = np.array([values.ctypes.data + 8 * k for k in range(len(pointers))], dtype=np.uint64)
+    check(
+        _driver().cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, addresses.ctypes.data, 0),
+        "cuLaunchKernel",
+    )
+    return np.stack([values, addresses]) if len(pointers) else values
+
+
+def synchronize(stream) -> None:
+    check(_driver().cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+def memset_zero(pointer: int, nbytes: int, stream) -> None:
+    check(_driver().cuMemsetD8Async(pointer, 0, nbytes, stream), "cuMemsetD8Async")
+
+
+class Graph:
+    """The launches a function makes on ``stream``, captured once as a CUDA graph and replayed."""
+
+    def __init__(self, record, stream) -> None:
+        driver = _driver()
+        self.stream = stream
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(driver.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        try:
+            self.kept = record()
+        finally:
+            graph = check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        self.graph = graph
+        self.executable = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def replay(self) -> None:
+        check(_driver().cuGraphLaunch(self.executable, self.stream), "cuGraphLaunch")
+
+
+def time_replays(graph: Graph, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` replays of ``graph``, by CUDA events around each."""
+    driver = _driver()
+    events = [check(driver.cuEventCreate(0), "cuEventCreate") for _ in range(repeats + 1)]
+    check(driver.cuEventRecord(events[0], graph.stream), "cuEventRecord")
+    for k in range(repeats):
+        graph.replay()
+        check(driver.cuEventRecord(events[k + 1], graph.stream), "cuEventRecord")
+    synchronize(graph.stream)
+    times = [check(driver.cuEventElapsedTime(a, b), "cuEventElapsedTime") / 1e3 for a, b in itertools.pairwise(events)]
+    for event in events:
+        driver.cuEventDestroy(event)
+    return times

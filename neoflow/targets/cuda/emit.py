@@ -1,0 +1,464 @@
+"""CUDA C++ from kernel plans: ``mma.sync`` implicit-GEMM kernels and SIMT kernels.
+
+Every kernel is ``extern "C"``; its parameters are the output, then the op's inputs
+in order.  Expressions are printed by the shared C-syntax printers
+(``codegen.c_expr``) with CUDA's types; the tile and fragment formulas come from
+``plan`` (the tensor-core model evaluates the same ones).
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, unflatten_index
+from neoflow.errors import CompileError
+from neoflow.ir import dtypes as dt
+from neoflow.ir.expr import Const, Expr, Index, Reduce
+from neoflow.ir.op import Op, Tensor
+from neoflow.targets.cuda.plan import (
+    OFFSET,
+    Gather,
+    MmaKernel,
+    OpPlan,
+    SimtKernel,
+    accumulator_coords,
+    ldmatrix_a_address,
+    ldmatrix_b_address,
+    tf32_a_coords,
+    tf32_b_coords,
+)
+
+CUDA_TYPES = {
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+    "float64": "double",
+    "int8": "int8_t",
+    "int16": "int16_t",
+    "int32": "int32_t",
+    "int64": "int64_t",
+    "uint8": "uint8_t",
+    "uint16": "uint16_t",
+    "uint32": "uint32_t",
+    "uint64": "uint64_t",
+    "bool": "bool",
+}
+
+PRELUDE = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#define INT64_C(x) x##LL
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fffffff)
+#endif
+static __device__ __forceinline__ int64_t nf_fdiv(int64_t a, int64_t b) {
+    if (b == 0) return 0;
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static __device__ __forceinline__ int64_t nf_mod(int64_t a, int64_t b) {
+    if (b == 0) return 0;
+    int64_t r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+static __device__ __forceinline__ int nf_fdiv(int a, int b) {
+    if (b == 0) return 0;
+    int q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static __device__ __forceinline__ int nf_mod(int a, int b) {
+    if (b == 0) return 0;
+    int r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+static __device__ __forceinline__ double nf_fmod(double a, double b) {
+    double r = fmod(a, b);
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+static __device__ __forceinline__ int64_t nf_ipow(int64_t a, int64_t b) {
+    int64_t r = 1;
+    if (b < 0) return 0;
+    while (b) { if (b & 1) r *= a; a *= a; b >>= 1; }
+    return r;
+}
+static __device__ __forceinline__ float nf_pickf(int c, float a, float b) { return c ? a : b; }
+static __device__ __forceinline__ double nf_pick(int c, double a, double b) { return c ? a : b; }
+#define NF_FMAX(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
+#define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
+#define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))
+#define NF_IMIN(a, b) ((a) < (b) ? (a) : (b))
+static __device__ __forceinline__ float nf_tf32(float x) {
+    uint32_t bits;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+    return __uint_as_float(bits);
+}
+static __device__ __forceinline__ void nf_ldmatrix_x4(uint32_t *r, const void *p) {
+    const uint32_t address = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+"""
+
+#: per storage dtype: the shared-memory type and the conversion of a float to it
+_STORAGE = {
+    "float16": ("__half", "__float2half_rn({})"),
+    "bfloat16": ("__nv_bfloat16", "__float2bfloat16_rn({})"),
+    "tf32": ("float", "nf_tf32({})"),
+}
+_MMA = {
+    "float16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+    "bfloat16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+    "tf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+}
+_IDENTITY = {"ReduceAdd": "0", "ReduceMul": "1", "ReduceMax": "(-INFINITY)", "ReduceMin": "INFINITY"}
+_INT_IDENTITY = {"ReduceMax": "(-INT64_C(9223372036854775807) - 1)", "ReduceMin": "INT64_C(9223372036854775807)"}
+_COMBINE = {"ReduceAdd": "{a} + {x}", "ReduceMul": "{a} * {x}"}
+
+
+def small(expr: sympy.Expr) -> str:
+    """A formula of thread coordinates (all non-negative) as C ``int`` arithmetic."""
+    if expr.is_Integer:
+        return str(int(expr))
+    if expr.is_Symbol:
+        return expr.name
+    if isinstance(expr, sympy.floor):
+        numerator, denominator = sympy.fraction(sympy.together(expr.args[0]))
+        return f"(({small(sympy.expand(numerator))}) / {int(denominator)})"
+    if isinstance(expr, sympy.Mod):
+        return f"(({small(expr.args[0])}) % {small(expr.args[1])})"
+    if expr.is_Add:
+        return "(" + " + ".join(small(a) for a in expr.args) + ")"
+    if expr.is_Mul:
+        return "(" + " * ".join(small(a) for a in expr.args) + ")"
+    raise CompileError(f"thread formula {expr} has no C form")
+
+
+#: index arithmetic runs in 32-bit integers where every offset fits
+INT32_LIMIT = 1 << 31
+
+
+def narrow_indices(op: Op, body: str) -> str:
+    """``body`` (a kernel's statements) with its 64-bit index arithmetic made 32-bit where every
+    tensor ``op`` touches and every loop of it stays below 2^31 elements (half the registers,
+    and integer division by a constant in a few instructions instead of a call)."""
+    sizes = [op.output.size, *(t.size for t in op.inputs), *op.extent.values()]
+    wide = any(
+        not isinstance(node, Index) and dt.concrete(node.dtype) in ("int64", "uint64", "weak_int")
+        for node in op.body.walk()
+        if not isinstance(node, Const)
+    )
+    if max(sizes, default=0) >= INT32_LIMIT or wide or dt.concrete(op.dtype) in ("int64", "uint64"):
+        return body
+    return body.replace("int64_t", "int")
+
+
+def _parameters(op: Op, tables: tuple[str, ...] = ()) -> str:
+    """The output, the op's inputs in order, then the index tables named ``tables``."""
+    params = [f"{c_type(op.dtype, CUDA_TYPES)} *__restrict__ nf_out"]
+    params += [f"const {c_type(t.dtype, CUDA_TYPES)} *__restrict__ nf_in{k}" for k, t in enumerate(op.inputs)]
+    params += [f"const int *__restrict__ {name}" for name in tables]
+    return ", ".join(params)
+
+
+def table_names(kernel: MmaKernel) -> tuple[str, ...]:
+    """The C names of ``kernel.tables``, in order."""
+    names: list[str] = []
+    for side, gather in (("a", kernel.a_gather), ("b", kernel.b_gather)):
+        if gather is not None:
+            names += [f"nf_tab_{side}_rows", f"nf_tab_{side}_depth"]
+    return tuple(names)
+
+
+def _printer(op: Op, reduction, gather: Gather | None = None) -> ValuePrinter:
+    names = {t.name: f"nf_in{k}" for k, t in enumerate(op.inputs)}
+    tensors: dict[str, Tensor] = {t.name: t for t in op.inputs}
+    if gather is not None:  # the gathered tensor, read flat at the offset the tables give
+        names[gather.flat] = names[gather.tensor]
+        tensors[gather.flat] = Tensor(gather.flat, (tensors[gather.tensor].size,), tensors[gather.tensor].dtype)
+    printer: ValuePrinter
+
+    def read(tensor: str, indices) -> str:
+        return printer.read(tensor, list(indices))
+
+    index = IndexPrinter(lambda v: f"v_{v}", read)
+    printer = ValuePrinter(tensors, names, index, reduction, op.extent, CUDA_TYPES)
+    return printer
+
+
+def _reduction_printer(op: Op):
+    """A ``ValuePrinter`` whose reductions are loops inside an immediately called lambda
+    (computed only where a ``Select`` takes them)."""
+    counter = [0]
+    printer: ValuePrinter
+
+    def reduction(node: Reduce) -> str:
+        counter[0] += 1
+        acc = f"nf_acc{counter[0]}"
+        dtype = dt.concrete(node.dtype)
+        ctype = c_type(dtype, CUDA_TYPES)
+        floating = dt.is_float(dtype)
+        identity = _IDENTITY[node.kind] if floating or node.kind not in _INT_IDENTITY else _INT_IDENTITY[node.kind]
+        value = printer(node.body, dtype)
+        if node.kind in _COMBINE:
+            update = _COMBINE[node.kind].format(a=acc, x=f"({value})")
+        else:
+            macro = ("NF_F" if floating else "NF_I") + ("MAX" if node.kind == "ReduceMax" else "MIN")
+            update = f"{macro}({acc}, ({value}))"
+        loops = "".join(f"for (int64_t v_{axis} = 0; v_{axis} < {op.extent[axis]}; ++v_{axis}) " for axis in node.axes)
+        guard = f"if ({printer(node.where, 'bool')}) " if node.where is not None else ""
+        return f"([&]() {{ {ctype} {acc} = {identity}; {loops}{{ {guard}{acc} = {update}; }} return {acc}; }}())"
+
+    printer = _printer(op, reduction)
+    return printer
+
+
+def simt_source(kernel: SimtKernel) -> str:
+    """The CUDA C++ of a ``SimtKernel``: a grid-stride loop, one point a thread."""
+    op = kernel.op
+    printer = _reduction_printer(op)
+    value = printer(op.body, op.dtype)
+    variables = [(v, op.extent[v]) for v in op.indices]
+    decode = unflatten_index("nf_flat", variables) if variables else ""
+    if op.scatter is None:
+        store = f"nf_out[nf_flat] = {value};"
+    else:
+        if dt.concrete(op.dtype) not in ("float32", "float64", "int32", "int64"):
+            raise CompileError(f"a scatter into {op.dtype} has no atomic add on the cuda target", op=op.name)
+        targets = [printer.index(e) for e in op.scatter]
+        offset = targets[0]
+        for size, target in zip(op.shape[1:], targets[1:], strict=True):
+            offset = f"({offset}) * {size} + {target}"
+        atomic_type = "unsigned long long" if dt.concrete(op.dtype) == "int64" else None
+        if atomic_type:
+            store = f"atomicAdd(({atomic_type} *)&nf_out[{offset}], ({atomic_type})({value}));"
+        else:
+            store = f"atomicAdd(&nf_out[{offset}], {value});"
+    signature = f'extern "C" __global__ void __launch_bounds__({kernel.threads}) {kernel.name}({_parameters(op)}) {{\n'
+    return signature + narrow_indices(
+        op,
+        f"    for (int64_t nf_flat = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; nf_flat < {kernel.points}; "
+        f"nf_flat += (int64_t)gridDim.x * blockDim.x) {{\n"
+        f"        {decode}\n"
+        f"        {store}\n"
+        "    }\n"
+        "}\n",
+    )
+
+
+def _decode(prefix: str, flat: str, variables) -> str:
+    """C declaring ``v_<name>`` for ``variables`` (row-major) from ``flat``, its scratch named by ``prefix``."""
+    return unflatten_index(flat, list(variables)).replace("rest_", f"{prefix}_rest")
+
+
+def _table_lookup(kernel: MmaKernel, side: str, gather: Gather, printer: ValuePrinter) -> str:
+    """C declaring the gathered element's offset and guard variables from the index tables."""
+    row_width, depth_width = 1 + len(gather.row_vars), 1 + len(gather.depth_vars)
+    lines = [
+        f"const int *nf_rt = nf_tab_{side}_rows + nf_r * {row_width};",
+        f"const int *nf_dt = nf_tab_{side}_depth + nf_k * {depth_width};",
+        f"const int64_t v_{OFFSET} = __ldg(nf_rt) + __ldg(nf_dt) + {printer.index(gather.rest)};",
+    ]
+    lines += [f"const int64_t v_{v} = __ldg(nf_rt + {1 + i});" for i, v in enumerate(gather.row_vars)]
+    lines += [f"const int64_t v_{v} = __ldg(nf_dt + {1 + i});" for i, v in enumerate(gather.depth_vars)]
+    return "\n                ".join(lines)
+
+
+def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
+    """C loading thread ``tid``'s elements of operand ``side`` for depth tile ``k0`` into registers:
+    through the index tables where the operand has a table gather, else decoding every variable."""
+    view = kernel.view
+    gather = kernel.a_gather if side == "a" else kernel.b_gather
+    row, col, count = kernel.load_coords(side)
+    rows_axis = view.m if side == "a" else view.n
+    origin = "nf_m0" if side == "a" else "nf_n0"
+    limit = view.sizes[1] if side == "a" else view.sizes[2]
+    expr = view.a if side == "a" else view.b
+    convert = _STORAGE[kernel.storage][1]
+    if gather is not None:
+        printer = _printer(view.op, lambda node: _refuse(view.op), gather)
+        value = printer(gather.expr, "float32")
+        lookup = _table_lookup(kernel, side, gather, printer)
+    else:
+        value = printer(expr, "float32")
+        lookup = f"{_decode('nf_rr', 'nf_r', rows_axis)}\n                {_decode('nf_kk', 'nf_k', view.k)}"
+    return (
+        f"        #pragma unroll\n"
+        f"        for (int element = 0; element < {count}; ++element) {{\n"
+        f"            const int nf_row = {small(row)}, nf_col = {small(col)};\n"
+        f"            const int64_t nf_r = {origin} + nf_row, nf_k = nf_k0 + nf_col;\n"
+        f"            float nf_value = 0.0f;\n"
+        f"            if (nf_r < {limit} && nf_k < {view.sizes[3]}) {{\n"
+        f"                {lookup}\n"
+        f"                nf_value = {value};\n"
+        f"            }}\n"
+        f"            nf_reg_{side}[element] = {convert.format('nf_value')};\n"
+        f"        }}\n"
+    )
+
+
+def _operand_store(kernel: MmaKernel, side: str) -> str:
+    row, col, count = kernel.load_coords(side)
+    rows = kernel.tiles.block_m if side == "a" else kernel.tiles.block_n
+    return (
+        f"        #pragma unroll\n"
+        f"        for (int element = 0; element < {count}; ++element)\n"
+        f"            nf_s{side}[stage * {rows * kernel.row_stride} + ({small(row)}) * {kernel.row_stride} + "
+        f"{small(col)}] = nf_reg_{side}[element];\n"
+    )
+
+
+def _fragments(kernel: MmaKernel) -> str:
+    """C loading a warp's A and B fragments for depth step ``kk`` of the current stage."""
+    tiles, stride = kernel.tiles, kernel.row_stride
+    lines = [f"            uint32_t nf_af[{tiles.frags_m}][4], nf_bf[{tiles.frags_n}][2];"]
+    if kernel.storage == "tf32":
+        a_row, a_col = tf32_a_coords()
+        b_row, b_col = tf32_b_coords()
+        lines += [
+            f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
+            "                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg)",
+            f"                    nf_af[fm][reg] = __float_as_uint(nf_wa[(fm * 16 + {small(a_row)}) * {stride} + kk + "
+            f"{small(a_col)}]);",
+            f"            #pragma unroll\n            for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
+            "                #pragma unroll\n                for (int reg = 0; reg < 2; ++reg)",
+            f"                    nf_bf[fn][reg] = __float_as_uint(nf_wb[(fn * 8 + {small(b_row)}) * {stride} + kk + "
+            f"{small(b_col)}]);",
+        ]
+    else:
+        a_row, a_col = ldmatrix_a_address()
+        b_row, b_col = ldmatrix_b_address()
+        lines += [
+            f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
+            f"                nf_ldmatrix_x4(nf_af[fm], nf_wa + (fm * 16 + {small(a_row)}) * {stride} + kk + "
+            f"{small(a_col)});",
+            f"            #pragma unroll\n            for (int fp = 0; fp < {tiles.frags_n // 2}; ++fp) {{",
+            "                uint32_t nf_r4[4];",
+            f"                nf_ldmatrix_x4(nf_r4, nf_wb + (fp * 16 + {small(b_row)}) * {stride} + kk + "
+            f"{small(b_col)});",
+            "                nf_bf[2 * fp][0] = nf_r4[0]; nf_bf[2 * fp][1] = nf_r4[1];",
+            "                nf_bf[2 * fp + 1][0] = nf_r4[2]; nf_bf[2 * fp + 1][1] = nf_r4[3];",
+            "            }",
+        ]
+    lines += [
+        f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
+        f"                #pragma unroll\n                for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
+        f'                    asm volatile("{_MMA[kernel.storage]} {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, '
+        '{%8, %9}, {%0, %1, %2, %3};"',
+        '                        : "+f"(nf_acc[fm][fn][0]), "+f"(nf_acc[fm][fn][1]), "+f"(nf_acc[fm][fn][2]), '
+        '"+f"(nf_acc[fm][fn][3])',
+        '                        : "r"(nf_af[fm][0]), "r"(nf_af[fm][1]), "r"(nf_af[fm][2]), "r"(nf_af[fm][3]), '
+        '"r"(nf_bf[fn][0]), "r"(nf_bf[fn][1]));',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _epilogue(kernel: MmaKernel) -> str:
+    view, tiles = kernel.view, kernel.tiles
+    op = view.op
+    printer = _printer(op, lambda node: "nf_acc_value")
+    body: Expr = view.epilogue if view.epilogue is not None else view.reduce
+    value = printer(body, view.op.dtype)
+    offset = printer.index(view.out_offset)
+    store = f"atomicAdd(&nf_out[{offset}], {value});" if kernel.splits > 1 else f"nf_out[{offset}] = {value};"
+    row, col = accumulator_coords()
+    _, m, n, _ = view.sizes
+    return (
+        f"    #pragma unroll\n    for (int fm = 0; fm < {tiles.frags_m}; ++fm)\n"
+        f"    #pragma unroll\n    for (int fn = 0; fn < {tiles.frags_n}; ++fn)\n"
+        f"    #pragma unroll\n    for (int reg = 0; reg < 4; ++reg) {{\n"
+        f"        const int64_t nf_r = nf_m0 + nf_warp_m * {tiles.warp_m} + fm * 16 + {small(row)};\n"
+        f"        const int64_t nf_c = nf_n0 + nf_warp_n * {tiles.warp_n} + fn * 8 + {small(col)};\n"
+        f"        if (nf_r < {m} && nf_c < {n}) {{\n"
+        f"            {_decode('nf_rr', 'nf_r', view.m)}\n"
+        f"            {_decode('nf_cc', 'nf_c', view.n)}\n"
+        f"            const float nf_acc_value = nf_acc[fm][fn][reg];\n"
+        f"            {store}\n"
+        f"        }}\n"
+        f"    }}\n"
+    )
+
+
+def mma_source(kernel: MmaKernel) -> str:
+    """The CUDA C++ of an ``MmaKernel``."""
+    view, tiles = kernel.view, kernel.tiles
+    op = view.op
+    printer = _printer(op, lambda node: _refuse(op))
+    storage = _STORAGE[kernel.storage][0]
+    a_count = kernel.load_coords("a")[2]
+    b_count = kernel.load_coords("b")[2]
+    stride = kernel.row_stride
+    splits = kernel.splits
+    batch = _decode("nf_bb", f"(int64_t)(blockIdx.z / {splits})", view.batch) if view.batch else ""
+    first = f"(blockIdx.z % {splits}) * {kernel.split_tiles}"
+    parameters = _parameters(op, table_names(kernel))
+    signature = f'extern "C" __global__ void __launch_bounds__({tiles.threads}) {kernel.name}({parameters}) {{\n'
+    return signature + narrow_indices(
+        op,
+        f"    extern __shared__ __align__(16) unsigned char nf_smem[];\n"
+        f"    {storage} *nf_sa = reinterpret_cast<{storage} *>(nf_smem);\n"
+        f"    {storage} *nf_sb = nf_sa + {2 * tiles.block_m * stride};\n"
+        f"    const int tid = threadIdx.x, lane = tid & 31, nf_warp = tid >> 5;\n"
+        f"    const int nf_warp_m = nf_warp / {tiles.warps_n}, nf_warp_n = nf_warp % {tiles.warps_n};\n"
+        f"    const int64_t nf_m0 = (int64_t)blockIdx.y * {tiles.block_m};\n"
+        f"    const int64_t nf_n0 = (int64_t)blockIdx.x * {tiles.block_n};\n"
+        f"    {batch}\n"
+        f"    float nf_acc[{tiles.frags_m}][{tiles.frags_n}][4];\n"
+        f"    #pragma unroll\n    for (int fm = 0; fm < {tiles.frags_m}; ++fm)\n"
+        f"    #pragma unroll\n    for (int fn = 0; fn < {tiles.frags_n}; ++fn)\n"
+        f"    #pragma unroll\n    for (int reg = 0; reg < 4; ++reg) nf_acc[fm][fn][reg] = 0.0f;\n"
+        f"    {storage} nf_reg_a[{a_count}], nf_reg_b[{b_count}];\n"
+        f"    auto nf_load = [&](int64_t nf_k0) {{\n"
+        f"{_operand_loader(kernel, 'a', printer)}"
+        f"{_operand_loader(kernel, 'b', printer)}"
+        f"    }};\n"
+        f"    auto nf_store = [&](int stage) {{\n"
+        f"{_operand_store(kernel, 'a')}"
+        f"{_operand_store(kernel, 'b')}"
+        f"    }};\n"
+        f"    const int nf_first = {first};\n"
+        f"    const int nf_last = min(nf_first + {kernel.split_tiles}, {kernel.depth_tiles});\n"
+        f"    nf_load((int64_t)nf_first * {tiles.block_k});\n"
+        f"    nf_store(0);\n"
+        f"    __syncthreads();\n"
+        f"    for (int kt = nf_first; kt < nf_last; ++kt) {{\n"
+        f"        const int stage = (kt - nf_first) & 1;\n"
+        f"        if (kt + 1 < nf_last) nf_load((int64_t)(kt + 1) * {tiles.block_k});\n"
+        f"        const {storage} *nf_wa = nf_sa + stage * {tiles.block_m * stride}"
+        f" + nf_warp_m * {tiles.warp_m * stride};\n"
+        f"        const {storage} *nf_wb = nf_sb + stage * {tiles.block_n * stride}"
+        f" + nf_warp_n * {tiles.warp_n * stride};\n"
+        f"        #pragma unroll\n"
+        f"        for (int kk = 0; kk < {tiles.block_k}; kk += {kernel.mma_shape[2]}) {{\n"
+        f"{_fragments(kernel)}"
+        f"        }}\n"
+        f"        if (kt + 1 < nf_last) nf_store(stage ^ 1);\n"
+        f"        __syncthreads();\n"
+        f"    }}\n"
+        f"{_epilogue(kernel)}"
+        "}\n",
+    )
+
+
+def _refuse(op: Op) -> str:
+    raise CompileError("an operand of a tensor-core kernel holds a reduction", op=op.name)
+
+
+def kernel_source(kernel: MmaKernel | SimtKernel) -> str:
+    """The CUDA C++ of one kernel."""
+    return mma_source(kernel) if isinstance(kernel, MmaKernel) else simt_source(kernel)
+
+
+def module_source(plans: list[OpPlan]) -> str:
+    """One translation unit holding every kernel of ``plans`` (the prelude first)."""
+    return PRELUDE + "\n" + "\n".join(kernel_source(k) for plan in plans for k in plan.kernels)

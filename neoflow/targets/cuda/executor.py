@@ -1,0 +1,188 @@
+"""Executors of the tensor-core plans: the model (numpy, anywhere) and the GPU (NVRTC + the driver).
+
+Both plan every op of the fused graph the same way (``plan.plan_op``, in the
+graph's precision) and free tensors at their last use; the model executes the
+plans in numpy and predicts each kernel's time, the GPU executor compiles one
+module of all the kernels, keeps every tensor in device memory and runs a whole
+call as one CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+
+import numpy as np
+
+from neoflow.errors import CompileError
+from neoflow.ir import dtypes as dt
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Op
+from neoflow.targets.base import run_graph, sequential_call
+from neoflow.targets.cuda.emit import module_source
+from neoflow.targets.cuda.model import run_plan
+from neoflow.targets.cuda.plan import DEFAULT_PRECISION, MmaKernel, OpPlan, check_precision, plan_op
+from neoflow.targets.cuda.timing import predict_kernel
+from neoflow.targets.memory import MemoryPlan, plan_memory
+
+
+def graph_plans(graph: Graph, precision: str) -> list[OpPlan]:
+    """The kernel plan of every op of ``graph`` (kernels named ``nf_<position>``)."""
+    return [plan_op(op, f"nf_op{k}", precision) for k, op in enumerate(graph.ops)]
+
+
+class ModelExecutor:
+    """Runs ``graph`` on the tensor-core model: each op's kernels executed in numpy;
+    ``predicted`` holds each op's predicted seconds on the GPU (``timing``)."""
+
+    target = "tensorcore"
+
+    def __init__(
+        self,
+        graph: Graph,
+        keep: Collection[str],
+        groups: Collection[Collection[str]] = (),
+        sliced: Collection = (),
+        precision: str = DEFAULT_PRECISION,
+    ) -> None:
+        self.graph = graph
+        self.keep = tuple(dict.fromkeys(keep))
+        self.precision = check_precision(precision)
+        self.plan: MemoryPlan = plan_memory(graph, self.keep)
+        self.plans = {p.op.name: p for p in graph_plans(graph, self.precision)}
+        self.predicted = {name: sum(predict_kernel(k) for k in p.kernels) for name, p in self.plans.items()}
+
+    def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The value of ``op`` as its kernels compute it."""
+        return run_plan(self.plans[op.name], {t.name: values[t.name] for t in op.inputs})
+
+    def op_call(self, op: Op, values: Mapping[str, np.ndarray]) -> Callable[[], np.ndarray]:
+        return lambda: self.run_op(op, values)
+
+    def kernel_call(self, names: Collection[str], values: Mapping[str, np.ndarray]) -> Callable[[], dict]:
+        return sequential_call(self, names, values)
+
+    def run(self, inputs: Mapping[str, np.ndarray], recycle: bool = False) -> dict[str, np.ndarray]:
+        """The kept tensors by name, from every graph input by name."""
+        return run_graph(self, inputs)
+
+    def describe(self) -> list[tuple[str, str, float]]:
+        """Per kernel: its name, what it is (tiles and precision, or SIMT) and its predicted seconds."""
+        rows = []
+        for name, plan in self.plans.items():
+            for kernel in plan.kernels:
+                if isinstance(kernel, MmaKernel):
+                    t = kernel.tiles
+                    what = f"mma {kernel.precision} {t.block_m}x{t.block_n}x{t.block_k} grid {kernel.grid}"
+                else:
+                    what = f"simt grid {kernel.grid}"
+                rows.append((f"{name} ({kernel.name})", what, predict_kernel(kernel)))
+        return rows
+
+
+class CudaExecutor:
+    """Runs ``graph`` on the GPU: one NVRTC module of every op's kernels; every tensor in
+    device memory (``arch``: the architecture compiled for before a GPU is found; default the GPU's,
+    else ``sm_90``); a run uploads the inputs, replays the captured CUDA graph of all the
+    launches and downloads the kept tensors."""
+
+    target = "cuda"
+
+    def __init__(
+        self,
+        graph: Graph,
+        keep: Collection[str],
+        groups: Collection[Collection[str]] = (),
+        sliced: Collection = (),
+        precision: str = DEFAULT_PRECISION,
+        arch: str | None = None,
+    ) -> None:
+        from neoflow.targets.cuda import driver
+        from neoflow.targets.cuda.nvrtc import compile_cubin
+
+        self.graph = graph
+        self.keep = tuple(dict.fromkeys(keep))
+        self.precision = check_precision(precision)
+        self.plans = graph_plans(graph, self.precision)
+        self.source = module_source(self.plans)
+        self.cubin = compile_cubin(self.source, arch or driver.default_arch())
+        self.device = None  # the GPU is found at the first run: compiling needs NVRTC only
+        self.module = None
+        self.buffers: dict[str, driver.Buffer] = {}
+        self._graph = None
+
+    def artifacts(self) -> dict[str, bytes]:
+        """What a build directory keeps of this executor, by file suffix: the CUDA and its cubin."""
+        return {".cu": self.source.encode(), f".{self.cubin.arch}.cubin": self.cubin.path.read_bytes()}
+
+    def _attach(self) -> None:
+        """Find the GPU, load the module (rebuilt for the GPU's architecture) and allocate every tensor."""
+        from neoflow.targets.cuda import driver
+        from neoflow.targets.cuda.nvrtc import compile_cubin
+
+        self.device = driver.device()
+        if self.cubin.arch != self.device.arch:
+            self.cubin = compile_cubin(self.source, self.device.arch)
+        self.module = driver.Module(self.cubin.path.read_bytes())
+        for tensor in [*self.graph.inputs, *(op.output for op in self.graph.ops)]:
+            self.buffers[tensor.name] = driver.Buffer(tensor.size * dt.numpy_dtype(tensor.dtype).itemsize)
+        self.tables: dict[str, list[driver.Buffer]] = {}  # each kernel's index tables, uploaded once
+        for plan in self.plans:
+            for kernel in plan.kernels:
+                if isinstance(kernel, MmaKernel):
+                    self.tables[kernel.name] = []
+                    for table in kernel.tables:
+                        buffer = driver.Buffer(table.nbytes)
+                        buffer.upload(table)
+                        self.tables[kernel.name].append(buffer)
+
+    def _launch_all(self) -> list:
+        """Every op's kernels in order on the executor's stream (what the CUDA graph captures)."""
+        from neoflow.targets.cuda import driver
+
+        kept = []
+        stream = self.device.stream
+        for plan in self.plans:
+            op = plan.op
+            pointers = [self.buffers[op.name].pointer, *(self.buffers[t.name].pointer for t in op.inputs)]
+            if plan.zero_first:
+                driver.memset_zero(pointers[0], self.buffers[op.name].nbytes, stream)
+            for kernel in plan.kernels:
+                if isinstance(kernel, MmaKernel):
+                    threads, shared = kernel.tiles.threads, kernel.shared_bytes
+                else:
+                    threads, shared = kernel.threads, 0
+                function = self.module.function(kernel.name, shared)
+                tables = [buffer.pointer for buffer in self.tables.get(kernel.name, [])]
+                kept.append(driver.launch(function, kernel.grid, threads, shared, pointers + tables, stream))
+        return kept
+
+    def run(self, inputs: Mapping[str, np.ndarray], recycle: bool = False) -> dict[str, np.ndarray]:
+        """The kept tensors by name, from every graph input by name."""
+        from neoflow.targets.cuda import driver
+
+        if self.device is None:
+            self._attach()
+        for tensor in self.graph.inputs:
+            array = np.ascontiguousarray(inputs[tensor.name], dtype=dt.numpy_dtype(tensor.dtype))
+            self.buffers[tensor.name].upload(array)
+        if self._graph is None:
+            self._graph = driver.Graph(self._launch_all, self.device.stream)
+        self._graph.replay()
+        driver.synchronize(self.device.stream)
+        tensors = {t.name: t for t in self.graph.inputs} | {op.name: op.output for op in self.graph.ops}
+        out = {}
+        for name in self.keep:
+            tensor = tensors[name]
+            out[name] = self.buffers[name].download(tensor.shape, dt.numpy_dtype(tensor.dtype))
+        return out
+
+    def time(self, inputs: Mapping[str, np.ndarray], repeats: int = 50) -> list[float]:
+        """Seconds of each of ``repeats`` replays of the run's CUDA graph on ``inputs`` (uploaded once;
+        no copies timed), after one warm-up run."""
+        from neoflow.targets.cuda import driver
+
+        self.run(inputs)
+        return driver.time_replays(self._graph, repeats)
+
+    def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
+        raise CompileError("the cuda executor runs whole graphs (run), not single ops", op=op.name)

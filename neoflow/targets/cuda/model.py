@@ -1,0 +1,214 @@
+"""The tensor-core model: a kernel plan executed in numpy as the GPU executes it.
+
+An ``MmaKernel`` runs block row by block row and depth tile by depth tile: every
+thread's share of each operand tile is gathered through the plan's load formulas
+(``MmaKernel.load_coords``) and the op's own operand expressions, rounded to the
+precision, into a shared-memory tile that starts as NaN (an element no thread
+loads poisons the result); the warps' fragments are read out of it through the
+plan's ``ldmatrix`` / tf32 address formulas composed with the PTX fragment
+layouts, multiplied 16 (tf32: 8) deep at a time with fp32 accumulation, and the
+accumulators leave through the plan's accumulator formula, the epilogue and the
+piece's output offset, under the same guards.  A ``SimtKernel`` is the
+interpreter's evaluation of its op (its CUDA is one thread per point of exactly
+that arithmetic).  So every CI run checks the GPU kernels' tiling and indexing
+against the interpreter without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import sympy
+
+from neoflow.ir import dtypes as dt
+from neoflow.ir import index
+from neoflow.ir.interpreter import evaluate_at, evaluate_op
+from neoflow.targets.cuda.plan import (
+    OFFSET,
+    MmaKernel,
+    OpPlan,
+    accumulator_coords,
+    ldmatrix_a_address,
+    ldmatrix_b_address,
+    tf32_a_coords,
+    tf32_b_coords,
+    unravel,
+)
+
+
+def round_to(values: np.ndarray, storage: str) -> np.ndarray:
+    """float32 ``values`` rounded as the kernel stores them: ``float16`` and ``bfloat16``
+    to nearest even, ``tf32`` (``cvt.rna``) to nearest with ties away from zero."""
+    values = np.asarray(values, dtype=np.float32)
+    if storage == "float16":
+        return values.astype(np.float16).astype(np.float32)
+    bits = values.view(np.uint32).astype(np.uint64)
+    if storage == "bfloat16":
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    elif storage == "tf32":
+        bits = (bits + 0x1000) & 0xFFFFE000
+    else:
+        raise ValueError(f"unknown storage {storage}")
+    rounded = bits.astype(np.uint32).view(np.float32)
+    return np.where(np.isfinite(values), rounded, values)
+
+
+def _evaluate(expr: sympy.Expr, **env) -> np.ndarray:
+    return np.asarray(index.evaluate(expr, {k: np.asarray(v, dtype=np.int64) for k, v in env.items()}))
+
+
+def _a_table(kernel: MmaKernel) -> tuple[np.ndarray, np.ndarray]:
+    """Shared-memory row and column (relative to a fragment's first row and the depth
+    step) of each element ``[row, col]`` of the logical A fragment the warp multiplies."""
+    rows, cols = np.meshgrid(np.arange(16), np.arange(kernel.mma_shape[2]), indexing="ij")
+    if kernel.storage == "tf32":
+        lane, reg = 4 * (rows % 8) + cols % 4, rows // 8 + 2 * (cols // 4)
+        r, c = tf32_a_coords()
+        return _evaluate(r, lane=lane, reg=reg), _evaluate(c, lane=lane, reg=reg)
+    # ldmatrix.x4: register j of lane 4g + t holds row g, columns 2t, 2t + 1 of matrix j, whose
+    # row addresses lanes 8j .. 8j + 7 gave; the mma reads register j as rows 8(j % 2) + g and
+    # columns 8(j // 2) + 2t (+1) of the fragment (PTX's m16n8k16 A layout)
+    g, j, t, p = rows % 8, rows // 8 + 2 * (cols // 8), (cols % 8) // 2, cols % 2
+    source = 8 * j + g
+    r, c = ldmatrix_a_address()
+    return _evaluate(r, lane=source), _evaluate(c, lane=source) + 2 * t + p
+
+
+def _b_table(kernel: MmaKernel, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """Shared-memory row (n) and column (k) of each element ``[k, n]`` of the logical B
+    fragment (for 16-bit operands, fragment ``half`` of the pair one ``ldmatrix.x4`` loads)."""
+    ks, ns = np.meshgrid(np.arange(kernel.mma_shape[2]), np.arange(8), indexing="ij")
+    if kernel.storage == "tf32":
+        lane, reg = 4 * ns + ks % 4, ks // 4
+        r, c = tf32_b_coords()
+        return _evaluate(r, lane=lane, reg=reg), _evaluate(c, lane=lane, reg=reg)
+    # register i of B fragment ``half`` is matrix 2 half + i: row n, columns 2t, 2t + 1 of it,
+    # which the mma reads as depths 8i + 2t (+1) of column n (PTX's m16n8k16 B layout)
+    i, t, p = ks // 8, (ks % 8) // 2, ks % 2
+    source = 8 * (2 * half + i) + ns
+    r, c = ldmatrix_b_address()
+    return _evaluate(r, lane=source), _evaluate(c, lane=source) + 2 * t + p
+
+
+def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_env, arrays, owner: str) -> np.ndarray:
+    """The shared-memory tiles of operand ``side`` for tile origins ``origins`` (one per
+    block row or column) at depth ``k0``: ``[origin, rows, block_k]``, NaN where no thread stored."""
+    view = kernel.view
+    rows = kernel.tiles.block_m if side == "a" else kernel.tiles.block_n
+    row_f, col_f, count = kernel.load_coords(side)
+    tids, elements = np.meshgrid(np.arange(kernel.tiles.threads), np.arange(count), indexing="ij")
+    row = _evaluate(row_f, tid=tids, element=elements)
+    col = _evaluate(col_f, tid=tids, element=elements)
+    flat_rows = origins[:, None, None] + row[None]
+    depth = np.broadcast_to(k0 + col[None], flat_rows.shape)
+    limit = view.sizes[1] if side == "a" else view.sizes[2]
+    live = (flat_rows < limit) & (depth < view.sizes[3])
+    gather = kernel.a_gather if side == "a" else kernel.b_gather
+    if gather is not None:  # the kernel's index tables: offsets and guard variables
+        first = 0 if side == "a" or kernel.a_gather is None else 2
+        row_table, depth_table = kernel.tables[first], kernel.tables[first + 1]
+        rows_at, depth_at = np.where(live, flat_rows, 0), np.where(live, depth, 0)
+        rest = np.asarray(index.evaluate(gather.rest, batch_env), dtype=np.int64)
+        env = {OFFSET: row_table[rows_at, 0].astype(np.int64) + depth_table[depth_at, 0] + rest}
+        env.update({v: row_table[rows_at, 1 + i] for i, v in enumerate(gather.row_vars)})
+        env.update({v: depth_table[depth_at, 1 + i] for i, v in enumerate(gather.depth_vars)})
+        flat = {**arrays, gather.flat: arrays[gather.tensor].reshape(-1)}
+        values = evaluate_at(gather.expr, env, flat, owner, live=live)
+    else:
+        env = {**unravel(np.where(live, flat_rows, 0), view.m if side == "a" else view.n)}
+        env.update(unravel(np.where(live, depth, 0), view.k))
+        env.update(batch_env)
+        values = evaluate_at(view.a if side == "a" else view.b, env, arrays, owner, live=live)
+    values = round_to(np.where(live, values.astype(np.float32), np.float32(0)), kernel.storage)
+    tile = np.full((len(origins), rows, kernel.tiles.block_k), np.nan, np.float32)
+    tile[:, row, col] = values
+    return tile
+
+
+def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray) -> None:
+    """Execute ``kernel`` on ``arrays`` (the op's inputs by name), writing into ``out`` (the
+    whole output, flat)."""
+    view, tiles = kernel.view, kernel.tiles
+    _batch, _m_size, _n_size, _ = view.sizes
+    gx, gy, gz = kernel.grid
+    mk = kernel.mma_shape[2]
+    a_rows, a_cols = _a_table(kernel)
+    b_tables = [_b_table(kernel, half) for half in range(2 if kernel.storage != "tf32" else 1)]
+    lanes, regs = np.meshgrid(np.arange(32), np.arange(4), indexing="ij")
+    acc_row_f, acc_col_f = accumulator_coords()
+    dest_row = _evaluate(acc_row_f, lane=lanes, reg=regs)
+    dest_col = _evaluate(acc_col_f, lane=lanes, reg=regs)
+    # the PTX accumulator layout: register i of lane 4g + t is row g + 8 (i // 2), column 2t + i % 2
+    hw_row, hw_col = lanes // 4 + 8 * (regs // 2), 2 * (lanes % 4) + regs % 2
+    m_origins = np.arange(gy) * tiles.block_m
+    n_origins = np.arange(gx) * tiles.block_n
+    owner = view.op.name
+    for z in range(gz):
+        batch_env = unravel(np.asarray(z // kernel.splits), view.batch) if view.batch else {}
+        first = (z % kernel.splits) * kernel.split_tiles
+        acc = np.zeros((gy, gx, tiles.warps_m, tiles.warps_n, tiles.frags_m, tiles.frags_n, 16, 8), np.float32)
+        for kt in range(first, min(first + kernel.split_tiles, kernel.depth_tiles)):
+            a_tile = _gather(kernel, "a", m_origins, kt * tiles.block_k, batch_env, arrays, owner)
+            b_tile = _gather(kernel, "b", n_origins, kt * tiles.block_k, batch_env, arrays, owner)
+            for kk in range(0, tiles.block_k, mk):
+                wm = np.arange(tiles.warps_m)[:, None, None, None]
+                fm = np.arange(tiles.frags_m)[None, :, None, None]
+                a = a_tile[:, wm * tiles.warp_m + fm * 16 + a_rows, kk + a_cols]  # [gy, wm, fm, 16, mk]
+                wn = np.arange(tiles.warps_n)[:, None, None, None]
+                fn = np.arange(tiles.frags_n)
+                b = np.empty((gx, tiles.warps_n, tiles.frags_n, mk, 8), np.float32)
+                for f in range(tiles.frags_n):
+                    if kernel.storage == "tf32":
+                        rows, cols = b_tables[0]
+                        first = fn[f] * 8
+                    else:
+                        rows, cols = b_tables[f % 2]
+                        first = (fn[f] // 2) * 16
+                    b[:, :, f] = b_tile[:, wn[:, 0] * tiles.warp_n + first + rows, kk + cols]
+                acc += np.einsum(
+                    "ywfik,xvgkj->yxwvfgij", a, b, optimize=True, dtype=np.float32
+                )  # 16 x 8 fragments, fp32
+        _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, out)
+
+
+def _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, out) -> None:
+    """The epilogue: each lane's accumulator registers to the output, where the plan's
+    accumulator formula and the piece's offset say, under the row and column guards."""
+    view, tiles = kernel.view, kernel.tiles
+    _, m_size, n_size, _ = view.sizes
+    gy, gx = acc.shape[:2]
+    y = np.arange(gy)[:, None, None, None, None, None, None, None]
+    x = np.arange(gx)[None, :, None, None, None, None, None, None]
+    wm = np.arange(tiles.warps_m)[None, None, :, None, None, None, None, None]
+    wn = np.arange(tiles.warps_n)[None, None, None, :, None, None, None, None]
+    fm = np.arange(tiles.frags_m)[None, None, None, None, :, None, None, None]
+    fn = np.arange(tiles.frags_n)[None, None, None, None, None, :, None, None]
+    values = acc[..., hw_row, hw_col]  # [gy, gx, wm, wn, fm, fn, lane, reg]
+    rows = y * tiles.block_m + wm * tiles.warp_m + fm * 16 + dest_row
+    cols = x * tiles.block_n + wn * tiles.warp_n + fn * 8 + dest_col
+    rows, cols = np.broadcast_arrays(rows, cols)
+    live = (rows < m_size) & (cols < n_size)
+    rows, cols, values = rows[live], cols[live], np.broadcast_to(values, live.shape)[live]
+    env = {**unravel(rows, view.m), **unravel(cols, view.n), **batch_env}
+    body = view.epilogue if view.epilogue is not None else view.reduce
+    result = evaluate_at(body, env, arrays, view.op.name, reduction=values)
+    offsets = np.broadcast_to(np.asarray(index.evaluate(view.out_offset, env), dtype=np.int64), rows.shape)
+    if kernel.splits > 1:  # each split adds its partial sums (atomically, on the GPU)
+        np.add.at(out, offsets, result.astype(out.dtype, copy=False))
+    else:
+        out[offsets] = result.astype(out.dtype, copy=False)
+
+
+def run_plan(plan: OpPlan, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The output of ``plan``'s op from its inputs ``arrays``, as its kernels compute it."""
+    op = plan.op
+    if not any(isinstance(k, MmaKernel) for k in plan.kernels):
+        return evaluate_op(op, arrays)
+    inputs = {t.name: np.ascontiguousarray(arrays[t.name], dtype=dt.numpy_dtype(t.dtype)) for t in op.inputs}
+    out = np.zeros(op.output.size, dt.numpy_dtype(op.dtype))
+    if not plan.zero_first:
+        out[:] = np.nan  # an element no kernel writes shows up
+    for kernel in plan.kernels:
+        run_mma(kernel, inputs, out)
+    return out.reshape(op.shape)

@@ -1,0 +1,410 @@
+"""Kernel plans for tensor-core GPUs: what the CUDA emitter renders and the tensor-core model executes.
+
+A graph op becomes one or more kernels:
+
+* ``MmaKernel``: one dense piece of a contraction (``codegen.implicit_gemm``) as an
+  implicit matrix product on ``mma.sync``.  A grid of ``(⌈N/BN⌉, ⌈M/BM⌉, batch)``
+  thread blocks; each block walks the depth in tiles of ``BK``, every thread
+  gathering its share of the operand tiles from the tensors through the op's own
+  index maps and guards (rounded to the MMA's precision) into registers, then into
+  one of two shared-memory stages while the warps multiply the other; each warp
+  owns a ``WM x WN`` tile of ``16 x 8`` accumulator fragments, loaded with
+  ``ldmatrix`` (16-bit operands) or element by element (tf32); the epilogue
+  applies the op's element-wise tail to each accumulator and stores it where the
+  piece's output offset says.
+* ``SimtKernel``: any op, one thread per output point (reductions summed in the
+  thread), or for a scatter op one thread per source point adding atomically.
+
+The index arithmetic both sides need (which tile element a thread loads, which
+shared-memory row a lane hands ``ldmatrix``, which accumulator a register holds)
+is here as sympy expressions of the thread's coordinates: the emitter prints
+them, the model evaluates them, so the model checks the very formulas the GPU runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import numpy as np
+import sympy
+
+from neoflow.codegen.hardware import TENSOR_CORE
+from neoflow.codegen.implicit_gemm import GemmView, covers_output, gemm_views
+from neoflow.errors import CompileError
+from neoflow.ir import index
+from neoflow.ir.expr import Const, Expr, Read, index_variables, map_children
+from neoflow.ir.op import Op
+from neoflow.ir.simplify import read_offset
+
+#: precision name -> (operand storage dtype, MMA shape m, n, k); ``fp32`` runs contractions on SIMT cores
+PRECISIONS: dict[str, tuple[str, tuple[int, int, int]] | None] = {
+    "fp16": ("float16", (16, 8, 16)),
+    "bf16": ("bfloat16", (16, 8, 16)),
+    "tf32": ("tf32", (16, 8, 8)),
+    "fp32": None,
+}
+DEFAULT_PRECISION = "tf32"
+
+LANE, TID, REG, ELEMENT = sympy.symbols("lane tid reg element", integer=True, nonnegative=True)
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` when it is one of ``PRECISIONS``, else a ``CompileError``."""
+    if precision not in PRECISIONS:
+        raise CompileError(f"unknown precision '{precision}' (available: {', '.join(PRECISIONS)})")
+    return precision
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A block tile ``block_m x block_n`` stepping ``block_k`` deep, ``warps_m x warps_n`` warps."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps_m: int
+    warps_n: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def warp_m(self) -> int:
+        return self.block_m // self.warps_m
+
+    @property
+    def warp_n(self) -> int:
+        return self.block_n // self.warps_n
+
+    @property
+    def frags_m(self) -> int:
+        """16-row accumulator fragments of a warp's tile, down."""
+        return self.warp_m // 16
+
+    @property
+    def frags_n(self) -> int:
+        """8-column accumulator fragments of a warp's tile, across."""
+        return self.warp_n // 8
+
+
+#: the block tiles a plan chooses among (the timing model picks one per piece): warp tiles of 32 x 32,
+#: 32 accumulators a thread (64 x 32 warp tiles spilled registers with the operand gathers' index arithmetic)
+TILE_CHOICES = (
+    Tiles(128, 64, 32, 4, 2),
+    Tiles(64, 128, 32, 2, 4),
+    Tiles(64, 64, 32, 2, 2),
+    Tiles(32, 64, 32, 1, 2),
+    Tiles(64, 32, 32, 2, 1),
+    Tiles(32, 32, 32, 1, 1),
+)
+#: shared memory rows are padded by this many bytes (one 16-byte vector) against bank conflicts
+ROW_PAD_BYTES = 16
+
+
+#: the index variable holding a gathered element's flat offset (``Gather.expr`` reads at it)
+OFFSET = "nf_off"
+
+
+@dataclass(frozen=True)
+class Gather:
+    """How a kernel gathers an operand through index tables, where the operand reads one tensor
+    at an affine offset ``row_part + depth_part + rest`` (row variables, depth variables, batch
+    variables and the constant): a row table holds each row's ``row_part`` and the values of
+    ``row_vars`` (the row variables the operand's guards use), a depth table each depth's
+    ``depth_part`` and ``depth_vars``; ``expr`` is the operand reading the tensor flat at ``OFFSET``."""
+
+    tensor: str
+    flat: str
+    row_part: sympy.Expr
+    depth_part: sympy.Expr
+    rest: sympy.Expr
+    row_vars: tuple[str, ...]
+    depth_vars: tuple[str, ...]
+    expr: Expr
+
+
+def gather_plan(view: GemmView, side: str) -> Gather | None:
+    """The table gather of operand ``side`` (``a``: rows ``m``, ``b``: rows ``n``), or None where
+    its read is not one tensor at an affine offset (a data-dependent gather, a reshape's
+    division) or an offset reaches 2^31."""
+    expr = view.a if side == "a" else view.b
+    reads = expr.reads()
+    if len({r.tensor for r in reads}) != 1 or len(reads) != 1:
+        return None
+    read = reads[0]
+    tensor = next(t for t in view.op.inputs if t.name == read.tensor)
+    if tensor.size >= 1 << 31:
+        return None
+    offset = sympy.expand(read_offset(read.indices, tensor.shape, view.op.extent))
+    rows = [v for v, _ in (view.m if side == "a" else view.n)]
+    depth = [v for v, _ in view.k]
+    batch = [v for v, _ in view.batch]
+    symbols = [index.var(v) for v in (*rows, *depth, *batch)]
+    if offset.free_symbols - set(symbols) or not offset.is_polynomial(*symbols):
+        return None
+    if any(sympy.degree(offset, s) > 1 for s in symbols):
+        return None
+    terms = sympy.Add.make_args(offset)
+
+    def part(names: list[str]) -> sympy.Expr:
+        wanted = {index.var(v) for v in names}
+        return sympy.Add(*(t for t in terms if t.free_symbols and t.free_symbols <= wanted))
+
+    row_part, depth_part = part(rows), part(depth)
+    rest = sympy.expand(offset - row_part - depth_part)
+    if rest.free_symbols - {index.var(v) for v in batch}:
+        return None  # a term mixing rows and depth: not affine in the two apart
+    flat = f"{read.tensor}__flat"
+    flat_read = Read(flat, (index.var(OFFSET),))
+    replaced = map_reads(expr, lambda node: flat_read if node == read else node)
+    guards = index_variables(map_reads(expr, lambda node: Const(0.0) if node == read else node))
+    return Gather(
+        read.tensor,
+        flat,
+        row_part,
+        depth_part,
+        rest,
+        tuple(v for v in rows if v in guards),
+        tuple(v for v in depth if v in guards),
+        replaced,
+    )
+
+
+def map_reads(node: Expr, change) -> Expr:
+    """``node`` with every read replaced by ``change(read)``."""
+    if isinstance(node, Read):
+        return change(node)
+    return map_children(node, lambda child: map_reads(child, change))
+
+
+def unravel(flat: np.ndarray, axis) -> dict[str, np.ndarray]:
+    """Row-major values of the variables of ``axis`` (``((name, extent), ...)``) at flat indices ``flat``."""
+    out, rest = {}, flat
+    for name, extent in reversed(axis):
+        out[name] = rest % extent
+        rest = rest // extent
+    return out
+
+
+def gather_tables(view: GemmView, side: str, gather: Gather) -> tuple[np.ndarray, np.ndarray]:
+    """The row table ``[rows, 1 + len(row_vars)]`` and depth table ``[K, 1 + len(depth_vars)]``
+    (int32: the offset part, then the guard variables' values) of ``gather``."""
+    axis = view.m if side == "a" else view.n
+    tables = []
+    for variables, part, names in (
+        (axis, gather.row_part, gather.row_vars),
+        (view.k, gather.depth_part, gather.depth_vars),
+    ):
+        count = math.prod(e for _, e in variables)
+        env = unravel(np.arange(count, dtype=np.int64), variables)
+        columns = [np.broadcast_to(np.asarray(index.evaluate(part, env), dtype=np.int64), (count,))]
+        columns += [env[v] for v in names]
+        tables.append(np.ascontiguousarray(np.stack(columns, axis=1).astype(np.int32)))
+    return tables[0], tables[1]
+
+
+@dataclass(frozen=True)
+class MmaKernel:
+    """One dense piece of a contraction on ``mma.sync``: the ``view``, the ``tiles``, the
+    ``precision``, and for each operand whether its tile is loaded row-fastest (``True``:
+    consecutive threads take consecutive rows, as when the row index runs along memory)
+    or depth-fastest."""
+
+    name: str
+    view: GemmView
+    tiles: Tiles
+    precision: str
+    a_rows_fastest: bool
+    b_rows_fastest: bool
+    a_gather: Gather | None = None
+    b_gather: Gather | None = None
+    splits: int = 1
+
+    @cached_property
+    def tables(self) -> tuple[np.ndarray, ...]:
+        """The index tables the kernel takes after the op's tensors: per gathered operand (``a``
+        then ``b``), its row table and its depth table (``gather_tables``)."""
+        out: list[np.ndarray] = []
+        for side, gather in (("a", self.a_gather), ("b", self.b_gather)):
+            if gather is not None:
+                out += gather_tables(self.view, side, gather)
+        return tuple(out)
+
+    @property
+    def mma_shape(self) -> tuple[int, int, int]:
+        return PRECISIONS[self.precision][1]  # type: ignore[index]
+
+    @property
+    def storage(self) -> str:
+        """The dtype operands are held in, in shared memory (``tf32``: float32 bits rounded to tf32)."""
+        return PRECISIONS[self.precision][0]  # type: ignore[index]
+
+    @property
+    def element_bytes(self) -> int:
+        return 4 if self.storage == "tf32" else 2
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between shared-memory rows of a tile (``block_k`` plus the padding)."""
+        return self.tiles.block_k + ROW_PAD_BYTES // self.element_bytes
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """Blocks across ``n``, down ``m``, and over the batch times the depth's splits."""
+        batch, m, n, _ = self.view.sizes
+        return (-(-n // self.tiles.block_n), -(-m // self.tiles.block_m), batch * self.splits)
+
+    @property
+    def depth_tiles(self) -> int:
+        return -(-self.view.sizes[3] // self.tiles.block_k)
+
+    @property
+    def split_tiles(self) -> int:
+        """Depth tiles of one split (the last split may have fewer): with ``splits`` > 1 each
+        block sums its share of the depth and adds it into the zeroed output atomically."""
+        return -(-self.depth_tiles // self.splits)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Two stages of both operand tiles."""
+        rows = self.tiles.block_m + self.tiles.block_n
+        return 2 * rows * self.row_stride * self.element_bytes
+
+    def load_coords(self, side: str) -> tuple[sympy.Expr, sympy.Expr, int]:
+        """``(row, col, count)``: the tile row and column (depth) that thread ``TID`` loads
+        as its ``ELEMENT``-th element of operand ``side`` (``a``: ``block_m`` rows, ``b``:
+        ``block_n`` rows), ``count`` elements a thread."""
+        rows = self.tiles.block_m if side == "a" else self.tiles.block_n
+        depth = self.tiles.block_k
+        flat = TID + ELEMENT * self.tiles.threads
+        if self.a_rows_fastest if side == "a" else self.b_rows_fastest:
+            row, col = flat % rows, flat // rows
+        else:
+            row, col = flat // depth, flat % depth
+        return row, col, rows * depth // self.tiles.threads
+
+
+def ldmatrix_a_address() -> tuple[sympy.Expr, sympy.Expr]:
+    """Row and column (in a 16 x 16 A fragment) whose address lane ``LANE`` hands ``ldmatrix.x4``:
+    lanes 0-15 the rows of columns 0-7, lanes 16-31 those of columns 8-15."""
+    return LANE % 16, (LANE // 16) * 8
+
+
+def ldmatrix_b_address() -> tuple[sympy.Expr, sympy.Expr]:
+    """Row (n) and column (k) in a 16 (n) x 16 (k) tile of two B fragments whose address lane
+    ``LANE`` hands ``ldmatrix.x4``: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7),
+    (n 8-15, k 8-15)."""
+    return LANE % 8 + (LANE // 16) * 8, ((LANE // 8) % 2) * 8
+
+
+def accumulator_coords() -> tuple[sympy.Expr, sympy.Expr]:
+    """Row and column (in a 16 x 8 accumulator fragment) of register ``REG`` (0-3) of lane ``LANE``."""
+    return LANE // 4 + 8 * (REG // 2), 2 * (LANE % 4) + REG % 2
+
+
+def tf32_a_coords() -> tuple[sympy.Expr, sympy.Expr]:
+    """Row and column (in a 16 x 8 tf32 A fragment) of register ``REG`` (0-3) of lane ``LANE``."""
+    return LANE // 4 + 8 * (REG % 2), LANE % 4 + 4 * (REG // 2)
+
+
+def tf32_b_coords() -> tuple[sympy.Expr, sympy.Expr]:
+    """Row (n) and column (k) (in an 8 x 8 tf32 B fragment held n-major) of register ``REG`` (0-1) of lane ``LANE``."""
+    return LANE // 4, LANE % 4 + 4 * REG
+
+
+@dataclass(frozen=True)
+class SimtKernel:
+    """``op`` on SIMT cores: one thread per output point (per source point for a scatter op)."""
+
+    name: str
+    op: Op
+    threads: int = 256
+
+    @property
+    def points(self) -> int:
+        return math.prod(self.op.extent[v] for v in self.op.indices)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (max(1, min(-(-self.points // self.threads), 1 << 16)), 1, 1)
+
+
+Kernel = MmaKernel | SimtKernel
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """How one graph op runs: its kernels in order; ``zero_first`` when the output must be
+    zeroed before them (a scatter op, or pieces that leave some elements unwritten)."""
+
+    op: Op
+    kernels: tuple[Kernel, ...]
+    zero_first: bool
+
+
+def _rows_fastest(view: GemmView, side: str) -> bool:
+    """Whether operand ``side``'s reads run along memory with its row index (its
+    innermost row variable moves the read by one element) rather than its depth."""
+    expr = view.a if side == "a" else view.b
+    rows = view.m if side == "a" else view.n
+    reads = expr.reads()
+    if not reads or not rows:
+        return False
+    shapes = {t.name: t.shape for t in view.op.inputs}
+    read = reads[0]
+    offset = read_offset(read.indices, shapes[read.tensor], view.op.extent)
+    inner_row = index.var(rows[-1][0])
+    inner_depth = index.var(view.k[-1][0])
+    unit = {name for name in (inner_row, inner_depth) if offset.is_polynomial(name) and offset.coeff(name) == 1}
+    return inner_row in unit and inner_depth not in unit
+
+
+#: depth splits a plan may choose; each split keeps at least ``MIN_SPLIT_TILES`` depth tiles
+SPLITS = (1, 2, 4, 8, 16, 32)
+MIN_SPLIT_TILES = 4
+
+
+def can_split(view: GemmView) -> bool:
+    """Whether partial sums of ``view`` may be added into its output: a float32 sum with no epilogue."""
+    return view.epilogue is None and view.op.dtype == "float32"
+
+
+def choose_tiles(view: GemmView, precision: str, predict) -> tuple[Tiles, int]:
+    """The tile of ``TILE_CHOICES`` and the depth splits (``SPLITS``, where ``can_split``) the
+    timing model ``predict(kernel) -> seconds`` likes best."""
+    candidates = []
+    for tiles in TILE_CHOICES:
+        depth_tiles = -(-view.sizes[3] // tiles.block_k)
+        for splits in SPLITS if can_split(view) else (1,):
+            if splits > 1 and depth_tiles < splits * MIN_SPLIT_TILES:
+                break
+            candidates.append(MmaKernel("probe", view, tiles, precision, False, False, splits=splits))
+    best = min(candidates, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
+    return best.tiles, best.splits
+
+
+@lru_cache(maxsize=512)
+def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
+    """The kernels of ``op`` (named ``name``, ``name_1``, ...): its contraction pieces on
+    the tensor cores where the precision has an MMA and every operand is floating, else
+    one SIMT kernel."""
+    from neoflow.targets.cuda.timing import predict_kernel
+
+    check_precision(precision)
+    views = None
+    if PRECISIONS[precision] is not None and all(t.dtype in ("float32", "float16", "bfloat16") for t in op.inputs):
+        views = gemm_views(op, TENSOR_CORE)
+    if views is None:
+        return OpPlan(op, (SimtKernel(name, op),), op.scatter is not None)
+    kernels = []
+    for k, view in enumerate(views):
+        tiles, splits = choose_tiles(view, precision, predict_kernel)
+        label = name if k == 0 else f"{name}_{k}"
+        gathers = (gather_plan(view, "a"), gather_plan(view, "b"))
+        rows_fastest = (_rows_fastest(view, "a"), _rows_fastest(view, "b"))
+        kernels.append(MmaKernel(label, view, tiles, precision, *rows_fastest, *gathers, splits))
+    split = any(kernel.splits > 1 for kernel in kernels)
+    return OpPlan(op, tuple(kernels), split or not covers_output(op, views))

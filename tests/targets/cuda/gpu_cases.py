@@ -1,0 +1,46 @@
+"""Ops the GPU tests and the model tests share: the capsule conv and its adjoints, a padded conv with a ReLU epilogue."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import neoflow
+from neoflow.ir.op import Op
+
+
+def capsule(stride: int, batch: int = 2, channels: int = 8, out: int = 5) -> Op:
+    """A capsule convolution (3x3, 4x4 poses) with an ``out x out`` output."""
+    size = (out - 1) * stride + 3
+    return neoflow.op(
+        f"Out[b, k, p, q, i, j] = ReduceAdd({{c, r, s, t}}, In[b, c, p*{stride} + r, q*{stride} + s, i, t] * "
+        "W[k, c, r, s, t, j])",
+        shapes={"In": (batch, channels, size, size, 4, 4), "W": (channels, channels, 3, 3, 4, 4)},
+    )
+
+
+def conv_relu() -> Op:
+    """A padded 3x3 conv with bias and ReLU in its epilogue (N=2, C=K=24, 9x9)."""
+    return neoflow.op(
+        "Y[n, k, h, w] = max(ReduceAdd({c, r, s}, Select(h + r >= 1 && h + r <= 9 && w + s >= 1 && w + s <= 9, "
+        "X[n, c, h + r - 1, w + s - 1], 0) * K[k, c, r, s]) + B[k], 0)",
+        shapes={"X": (2, 24, 9, 9), "K": (24, 24, 3, 3), "B": (24,)},
+        out_shape=(2, 24, 9, 9),
+    )
+
+
+def inputs_for(op: Op, seed: int = 0, round_to: str | None = None) -> dict[str, np.ndarray]:
+    """Random inputs of ``op`` (rounded to float16 values when ``round_to`` is ``float16``, so
+    products are exact in fp32 and only the order of the sums differs)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for tensor in op.inputs:
+        value = rng.standard_normal(tensor.shape).astype(np.float32)
+        if round_to == "float16":
+            value = value.astype(np.float16).astype(np.float32)
+        out[tensor.name] = value
+    return out
+
+
+def all_ops(op: Op) -> list[Op]:
+    """``op`` and its adjoints."""
+    return [op, *neoflow.grad(op).values()]

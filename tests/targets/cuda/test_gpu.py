@@ -1,0 +1,44 @@
+"""The emitted CUDA run on a GPU against the interpreter and the tensor-core model (skipped, with the
+reason, where no GPU answers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.ir.graph import Graph
+from neoflow.targets.cuda.executor import CudaExecutor, ModelExecutor
+from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, inputs_for
+
+
+def _gpu_reason() -> str | None:
+    try:
+        from neoflow.targets.cuda import driver
+
+        driver.device()
+    except Exception as err:  # noqa: BLE001 - any failure means: no GPU here
+        return f"no GPU: {err}"
+    return None
+
+
+REASON = _gpu_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+CASES = {"capsule1": lambda: capsule(1), "capsule2": lambda: capsule(2), "conv_relu": conv_relu}
+#: largest error against the interpreter's float32, relative to the largest output, per precision
+TOLERANCE = {"fp32": 1e-5, "tf32": 3e-3, "fp16": 3e-3, "bf16": 2e-2}
+
+
+@pytest.mark.parametrize("precision", sorted(TOLERANCE))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_matches_interpreter_and_model(case: str, precision: str) -> None:
+    for op in all_ops(CASES[case]()):
+        graph = Graph.from_ops([op])
+        inputs = inputs_for(op, seed=1)
+        reference = neoflow.evaluate(op, inputs)
+        gpu = CudaExecutor(graph, [op.name], precision=precision).run(inputs)[op.name]
+        scale = np.abs(reference).max()
+        assert np.abs(gpu - reference).max() <= TOLERANCE[precision] * scale, (op.name, precision)
+        model = ModelExecutor(graph, [op.name], precision=precision).run(inputs)[op.name]
+        assert np.abs(gpu - model).max() <= 1e-5 * scale, (op.name, precision, "model")
