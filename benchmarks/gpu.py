@@ -107,8 +107,7 @@ def capsule_case(stride: int, precision: str, rounds: int, block: int) -> dict:
     reference = {"Out": capsule(x, w).detach().float().cpu().numpy(), "dIn": x.grad.float().cpu().numpy()}
     reference["dW"] = w.grad.float().cpu().numpy()
     errors = {
-        name: float(np.abs(outputs[name] - reference[name]).max() / np.abs(reference[name]).max())
-        for name in reference
+        name: float(np.abs(outputs[name] - reference[name]).max() / np.abs(reference[name]).max()) for name in reference
     }
     m, n, k = 16 * 14 * 14 * 4, 128, 32 * 9 * 4
     a = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -185,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         times = result["times"]
         ours = times["neoflow"]
         lines.append(f"## {result['case']}")
-        lines.append("errors against PyTorch (max |diff| / max |ref|): " + ", ".join(
-            f"{k} {v:.1e}" for k, v in result["errors"].items()))
+        lines.append(
+            "errors against PyTorch (max |diff| / max |ref|): "
+            + ", ".join(f"{k} {v:.1e}" for k, v in result["errors"].items())
+        )
         lines.append("")
         lines.append("| system | median ms | neoflow speed-up |")
         lines.append("| --- | --- | --- |")

@@ -127,7 +127,19 @@ def _run_build(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     _report_outputs(outputs, Path(args.output) if args.output else None)
     print(f"target {model.target}: {elapsed:.4f} s for {len(model.inference.ops)} ops")
+    describe = getattr(model.inference_executor, "describe", None)
+    if describe is not None:  # the tensor-core model: each kernel's predicted GPU time
+        rows = describe()
+        print(f"predicted on {_gpu_name()}: {sum(t for _, _, t in rows) * 1e3:.3f} ms in {len(rows)} kernels")
+        for name, what, seconds in rows:
+            print(f"  {name}: {what}, {seconds * 1e6:.1f} us")
     return 0
+
+
+def _gpu_name() -> str:
+    from neoflow.targets.cuda.timing import H100
+
+    return H100.name
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -192,7 +204,12 @@ def _train_spec(args: argparse.Namespace) -> neoflow.TrainSpec | None:
 def cmd_compile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model = neoflow.compile(
-        args.model, target=args.target, train=_train_spec(args), shapes=dict(args.shape), fusion=args.fusion
+        args.model,
+        target=args.target,
+        train=_train_spec(args),
+        shapes=dict(args.shape),
+        fusion=args.fusion,
+        precision=args.precision,
     )
     elapsed = time.perf_counter() - start
     out = model.save(args.output)
@@ -388,7 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("model", help="an .onnx model or an .nf program")
     comp.add_argument("-o", "--output", default="build", metavar="DIR", help="build directory to write (build)")
     comp.add_argument(
-        "--target", default="interp", help="interp (reference interpreter) or cpu (C compiled with cc) (interp)"
+        "--target",
+        default="interp",
+        help="interp (reference interpreter), cpu (C compiled with cc), cuda (CUDA compiled with NVRTC; "
+        "runs on an NVIDIA GPU) or tensorcore (the tensor-core model: cuda's kernels in numpy) (interp)",
+    )
+    comp.add_argument(
+        "--precision",
+        default=None,
+        choices=("tf32", "fp16", "bf16", "fp32"),
+        help="cuda and tensorcore: float32 contractions on the tensor cores in tf32, fp16 or bf16, "
+        "or exact fp32 (tf32)",
     )
     comp.add_argument(
         "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"
@@ -414,7 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
     fuse.add_argument("--compare", metavar="P1,P2,...", help="compare these policies (the first is the baseline)")
     fuse.add_argument("--report", metavar="FILE.md", help="also write the tables as markdown")
     fuse.add_argument("--plot", metavar="FILE.png", help="with --compare: bar charts of kernels, bytes and step time")
-    fuse.add_argument("--target", default="cpu", help="cpu or interp (cpu)")
+    fuse.add_argument(
+        "--target",
+        default="cpu",
+        help="cpu, interp, or tensorcore (policies compared by the tensor-core model's predicted GPU time) (cpu)",
+    )
     fuse.add_argument("--repeats", type=int, default=5, help="timed runs per kernel and per step; medians (5)")
     fuse.add_argument(
         "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"

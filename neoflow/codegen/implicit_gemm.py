@@ -12,8 +12,8 @@ read, and the batch the output variables both read.  Which variables fuse onto
 which axis is the AMOS mapper's answer for a matrix intrinsic (``mapping``); the
 operands ``a`` and ``b`` stay expressions of the op (reads through its own index
 maps, under its padding guards, with the piece's remaining domain condition on
-``a``), so a kernel gathers its operand tiles from the tensors as they are — no
-``im2col`` copy.  Output element ``(m, n)`` of a piece goes to flat offset
+the operand whose variables it uses), so a kernel gathers its operand tiles from
+the tensors as they are — no ``im2col`` copy.  Output element ``(m, n)`` of a piece goes to flat offset
 ``out_offset`` of the whole output.  Target independent: the CUDA emitter, the
 tensor-core model and (later) the NPU compiler all read a ``GemmView``.
 """
@@ -41,7 +41,8 @@ class GemmView:
     """One dense piece of a contraction as a matrix product: ``batch``, ``m``, ``n`` and
     ``k`` are the op variables (with extents) fused onto each axis, outermost first;
     ``a`` (of batch, m and k variables) and ``b`` (of batch, k and n variables) are the
-    operand expressions; ``epilogue`` is the piece's body with ``reduce`` in it (None: the
+    operand expressions (the piece's domain condition guards the one whose variables it uses);
+    ``epilogue`` is the piece's body with ``reduce`` in it (None: the
     sum alone); ``out_offset`` the flat output offset of a point (in the op's variables)."""
 
     op: Op
@@ -117,7 +118,15 @@ def piece_view(piece: Piece, whole: Op, target: Hardware) -> GemmView | None:
     operands = dict(mapping.operands)
     a_expr, b_expr = (left, right) if operands["a"] == _first_tensor(left) else (right, left)
     if reduce.where is not None:
-        a_expr = Select(reduce.where, a_expr, Const(0.0))
+        # the domain condition guards the operand whose rows, with the depth and batch, it uses
+        shared = set(axes["k"]) | set(mapping.outer)
+        used = index_variables(reduce.where)
+        if used <= set(axes["i"]) | shared:
+            a_expr = Select(reduce.where, a_expr, Const(0.0))
+        elif used <= set(axes["j"]) | shared:
+            b_expr = Select(reduce.where, b_expr, Const(0.0))
+        else:
+            return None  # a condition tying rows to columns: no matrix product
     target_index = piece_target(piece, whole.shape)
     if target_index is None:
         return None

@@ -151,6 +151,11 @@ class CompiledModel:
 
     # ----------------------------------------------------------------- running
 
+    @property
+    def inference_executor(self):
+        """The target's executor of the inference graph (its ``describe`` lists kernels where it has one)."""
+        return self._run
+
     def public_name(self, name: str) -> str:
         """The name a tensor has in the model file (its graph name for text models)."""
         return self._names.get(name, name)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from neoflow.fusion.cost import CostModel, Machine
+from neoflow.fusion.cost import CostModel, Machine, Scheduled
 from neoflow.targets.base import Target
 from neoflow.targets.cuda.plan import DEFAULT_PRECISION
 
@@ -20,9 +20,26 @@ def _model(graph, keep, groups=(), sliced=(), precision=DEFAULT_PRECISION):
     return ModelExecutor(graph, keep, groups, sliced, precision)
 
 
+def gpu_schedule(op) -> Scheduled:
+    """How the kernels of ``op`` run on the GPU, for the fusion cost model: a contraction on the
+    tensor cores at the share of their peak the timing model predicts for its plan; any other op
+    on the SIMT cores (vector rate)."""
+    from neoflow.fusion.work import op_work
+    from neoflow.targets.cuda.plan import MmaKernel, plan_op
+    from neoflow.targets.cuda.timing import H100, predict_kernel
+
+    kernels = plan_op(op, "probe", DEFAULT_PRECISION).kernels
+    if not all(isinstance(k, MmaKernel) for k in kernels):
+        return Scheduled(vector=True)
+    seconds = sum(predict_kernel(k) - H100.launch_seconds for k in kernels)
+    peak = H100.tf32_flops * H100.mma_sync_share
+    flops = max(op_work(op).flops, 1.0)
+    return Scheduled(fraction=min(1.0, flops / max(seconds, 1e-12) / peak))
+
+
 def _cost_model() -> CostModel:
     """The fusion cost model with the GPU's figures (``timing.H100``): its tensor-core peak,
-    HBM and L2 bandwidths and launch latency."""
+    HBM and L2 bandwidths and launch latency, and each contraction's plan (``gpu_schedule``)."""
     from neoflow.targets.cuda.timing import H100
 
     machine = Machine(
@@ -36,7 +53,7 @@ def _cost_model() -> CostModel:
         measured=False,
         threads=H100.sms,
     )
-    return CostModel(machine)
+    return CostModel(machine, gpu_schedule)
 
 
 CUDA = Target("cuda", "CUDA C++ for NVIDIA tensor cores (mma.sync), NVRTC + the driver API", _cuda, _cost_model)

@@ -60,6 +60,10 @@ def device() -> Device:
         check(driver.cuInit(0), "cuInit")
     except DeviceError as err:
         raise DeviceError(f"no usable NVIDIA driver or GPU ({err.message})") from err
+    except (RuntimeError, OSError) as err:  # cuda-bindings found no libcuda: no driver installed
+        raise DeviceError(
+            "no NVIDIA driver is installed (libcuda was not found); the cuda target runs on a GPU"
+        ) from err
     if check(driver.cuDeviceGetCount(), "cuDeviceGetCount") == 0:
         raise DeviceError("no NVIDIA GPU is present")
     handle = check(driver.cuDeviceGet(0), "cuDeviceGet")
@@ -125,6 +129,15 @@ class Buffer:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             _driver().cuMemFree(self.pointer)
+
+
+class View:
+    """``nbytes`` at ``offset`` into ``buffer`` (an intermediate's place in the arena)."""
+
+    def __init__(self, buffer: Buffer, offset: int, nbytes: int) -> None:
+        self.buffer = buffer  # kept alive as long as the view
+        self.nbytes = nbytes
+        self.pointer = buffer.pointer + offset
 
 
 def launch(function, grid, threads: int, shared: int, pointers: list[int], stream) -> np.ndarray:

@@ -22,7 +22,7 @@ from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.model import run_plan
 from neoflow.targets.cuda.plan import DEFAULT_PRECISION, MmaKernel, OpPlan, check_precision, plan_op
 from neoflow.targets.cuda.timing import predict_kernel
-from neoflow.targets.memory import MemoryPlan, plan_memory
+from neoflow.targets.memory import MemoryPlan, nbytes, plan_memory
 
 
 def graph_plans(graph: Graph, precision: str) -> list[OpPlan]:
@@ -65,6 +65,11 @@ class ModelExecutor:
         """The kept tensors by name, from every graph input by name."""
         return run_graph(self, inputs)
 
+    def model_seconds(self, names: Collection[str]) -> float:
+        """Predicted GPU seconds of the ops ``names`` (one kernel of a fusion plan): what the
+        fusion report shows for this target instead of a wall-clock time of numpy."""
+        return sum(self.predicted[name] for name in names)
+
     def describe(self) -> list[tuple[str, str, float]]:
         """Per kernel: its name, what it is (tiles and precision, or SIMT) and its predicted seconds."""
         rows = []
@@ -102,6 +107,7 @@ class CudaExecutor:
         self.graph = graph
         self.keep = tuple(dict.fromkeys(keep))
         self.precision = check_precision(precision)
+        self.plan: MemoryPlan = plan_memory(graph, self.keep)
         self.plans = graph_plans(graph, self.precision)
         self.source = module_source(self.plans)
         self.cubin = compile_cubin(self.source, arch or driver.default_arch())
@@ -123,8 +129,13 @@ class CudaExecutor:
         if self.cubin.arch != self.device.arch:
             self.cubin = compile_cubin(self.source, self.device.arch)
         self.module = driver.Module(self.cubin.path.read_bytes())
+        # intermediates share one arena at the memory plan's offsets; inputs and kept tensors have their own
+        self.arena = driver.Buffer(self.plan.arena_bytes)
         for tensor in [*self.graph.inputs, *(op.output for op in self.graph.ops)]:
-            self.buffers[tensor.name] = driver.Buffer(tensor.size * dt.numpy_dtype(tensor.dtype).itemsize)
+            if tensor.name in self.plan.offsets and tensor.name not in self.keep:
+                self.buffers[tensor.name] = driver.View(self.arena, self.plan.offsets[tensor.name], nbytes(tensor))
+            else:
+                self.buffers[tensor.name] = driver.Buffer(nbytes(tensor))
         self.tables: dict[str, list[driver.Buffer]] = {}  # each kernel's index tables, uploaded once
         for plan in self.plans:
             for kernel in plan.kernels:

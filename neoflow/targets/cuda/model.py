@@ -113,6 +113,7 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
         env = {OFFSET: row_table[rows_at, 0].astype(np.int64) + depth_table[depth_at, 0] + rest}
         env.update({v: row_table[rows_at, 1 + i] for i, v in enumerate(gather.row_vars)})
         env.update({v: depth_table[depth_at, 1 + i] for i, v in enumerate(gather.depth_vars)})
+        env.update(batch_env)
         flat = {**arrays, gather.flat: arrays[gather.tensor].reshape(-1)}
         values = evaluate_at(gather.expr, env, flat, owner, live=live)
     else:

@@ -1,4 +1,4 @@
-"""Ops the GPU tests and the model tests share: the capsule conv and its adjoints, a padded conv with a ReLU epilogue."""
+"""Ops the GPU and model tests share: the capsule conv and its adjoints, a padded conv with a ReLU epilogue."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ def _gpu_reason() -> str | None:
         from neoflow.targets.cuda import driver
 
         driver.device()
-    except Exception as err:  # noqa: BLE001 - any failure means: no GPU here
+    except Exception as err:
         return f"no GPU: {err}"
     return None
 

@@ -1,0 +1,105 @@
+"""The tensor-core model against the interpreter: every tiling, precision and split of the kernel plans."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.targets.cuda.model import round_to, run_plan
+from neoflow.targets.cuda.plan import TILE_CHOICES, MmaKernel, OpPlan, plan_op
+from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, inputs_for
+
+PRECISIONS = ("fp16", "tf32", "bf16")
+#: operands rounded to values every precision holds exactly (bf16's 8 bits of mantissa): then only
+#: the order of the fp32 sums differs from the interpreter's
+EXACT = "bfloat16"
+
+
+def _exact_inputs(op, seed: int = 0) -> dict[str, np.ndarray]:
+    return {name: round_to(value, EXACT) for name, value in inputs_for(op, seed).items()}
+
+
+def _close(got: np.ndarray, want: np.ndarray, tolerance: float = 2e-6) -> None:
+    assert not np.isnan(got).any(), "an element no kernel wrote (or no thread loaded)"
+    scale = max(float(np.abs(want).max()), 1e-30)
+    assert float(np.abs(got - want).max()) <= tolerance * scale
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("stride", [1, 2])
+def test_capsule_conv_and_adjoints_match_the_interpreter(stride: int, precision: str) -> None:
+    for op in all_ops(capsule(stride)):
+        plan = plan_op(op, "k", precision)
+        assert all(isinstance(k, MmaKernel) for k in plan.kernels), f"{op.name} should run on the tensor cores"
+        inputs = _exact_inputs(op)
+        _close(run_plan(plan, inputs), neoflow.evaluate(op, inputs))
+
+
+@pytest.mark.parametrize("tiles", TILE_CHOICES, ids=lambda t: f"{t.block_m}x{t.block_n}w{t.warps_m}x{t.warps_n}")
+def test_every_tiling_and_split_computes_the_same(tiles) -> None:
+    op = neoflow.grad(capsule(2, batch=3, channels=16, out=6))["W"]  # dW: a long depth, splittable
+    inputs = _exact_inputs(op, seed=3)
+    want = neoflow.evaluate(op, inputs)
+    plan = plan_op(op, "k", "fp16")
+    for splits in (1, 3):
+        kernels = tuple(dataclasses.replace(k, tiles=tiles, splits=splits) for k in plan.kernels)
+        _close(run_plan(OpPlan(op, kernels, splits > 1 or plan.zero_first), inputs), want)
+
+
+def test_padding_guards_bias_and_relu_epilogue() -> None:
+    op = conv_relu()
+    plan = plan_op(op, "k", "tf32")
+    (kernel,) = plan.kernels
+    assert isinstance(kernel, MmaKernel) and kernel.view.epilogue is not None
+    inputs = _exact_inputs(op, seed=5)
+    want = neoflow.evaluate(op, inputs)
+    assert (want == 0).any() and (want > 0).any()  # the ReLU cuts some outputs
+    _close(run_plan(plan, inputs), want)
+
+
+def test_float16_tensors_use_the_tensor_cores_directly() -> None:
+    op = neoflow.op(
+        "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (70, 40), "B": (40, 50)}, dtype="float16"
+    )
+    inputs = {k: v.astype(np.float16) for k, v in inputs_for(op, 2).items()}
+    got = run_plan(plan_op(op, "k", "fp16"), inputs)
+    assert got.dtype == np.float16
+    want = inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()  # the output's own float16 rounding
+
+
+def test_operands_are_rounded_to_the_precision() -> None:
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (16, 16), "B": (16, 8)})
+    a = np.full((16, 16), 1 + 2**-12, np.float32)  # exact in fp32, rounds to 1 in fp16, tf32 and bf16
+    b = np.ones((16, 8), np.float32)
+    for precision in PRECISIONS:
+        got = run_plan(plan_op(op, "k", precision), {"A": a, "B": b})
+        assert np.all(got == 16.0), precision
+    assert np.allclose(run_plan(plan_op(op, "k", "fp32"), {"A": a, "B": b}), 16 * (1 + 2**-12))
+
+
+def test_round_to_matches_the_hardware_conversions() -> None:
+    x = np.array([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 1 + 2**-8, 1 + 2**-8 + 2**-12], np.float32)
+    assert list(round_to(x, "float16")) == list(x.astype(np.float16).astype(np.float32))
+    # tf32 (cvt.rna): 10 bits of mantissa, ties away from zero
+    assert list(round_to(x[:3], "tf32")) == [1 + 2**-10, 1 + 2**-9, -(1 + 2**-10)]
+    # bf16: 7 bits, ties to even (1 + 2^-8 is a tie between 1 and 1 + 2^-7)
+    assert round_to(x[3:4], "bfloat16")[0] == 1.0 and round_to(x[4:5], "bfloat16")[0] == 1 + 2**-7
+
+
+def test_a_tile_element_no_thread_loads_poisons_the_result(monkeypatch) -> None:
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (32, 32), "B": (32, 32)})
+    plan = plan_op(op, "k", "fp16")
+    kernel = plan.kernels[0]
+    original = MmaKernel.load_coords
+
+    def skip_last_column(self, side):
+        row, col, count = original(self, side)
+        return row, col - col // (self.tiles.block_k - 1), count  # column 31 is never loaded
+
+    monkeypatch.setattr(MmaKernel, "load_coords", skip_last_column)
+    got = run_plan(OpPlan(op, (kernel,), False), inputs_for(op))
+    assert np.isnan(got).all()

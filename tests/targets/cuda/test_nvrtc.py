@@ -1,0 +1,79 @@
+"""Every CUDA kernel the tests plan compiles with NVRTC for sm_90 and sm_80 (no GPU needed), and
+the tensor-core kernels keep every value in registers (no spills, read from ptxas's report)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import neoflow
+from neoflow.errors import CompileError
+from neoflow.ir.graph import Graph
+from neoflow.targets.cuda import nvrtc
+from neoflow.targets.cuda.emit import module_source
+from neoflow.targets.cuda.executor import graph_plans
+from neoflow.targets.cuda.plan import TILE_CHOICES, MmaKernel, OpPlan, plan_op
+from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu
+
+pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="NVRTC is not installed (pip install '.[cuda]')")
+
+ARCHS = ("sm_90", "sm_80")
+
+
+def _plans() -> list[OpPlan]:
+    """The kernels of the model tests: capsule conv and adjoints (both strides), the padded conv with
+    its epilogue (and its adjoints' SIMT kernels), float16 matrix products, each precision, and a
+    long-depth product in every tile and a split depth."""
+    ops = [*all_ops(capsule(1)), *all_ops(capsule(2)), *all_ops(conv_relu())]
+    plans = [plan_op(op, f"k{n}_{p}", p) for n, op in enumerate(ops) for p in ("fp16", "tf32", "bf16", "fp32")]
+    half = neoflow.op(
+        "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (70, 40), "B": (40, 50)}, dtype="float16"
+    )
+    plans.append(plan_op(half, "k_half", "fp16"))
+    long_depth = neoflow.grad(capsule(2, batch=3, channels=16, out=6))["W"]
+    base = plan_op(long_depth, "long", "fp16").kernels[0]
+    for n, tiles in enumerate(TILE_CHOICES):
+        kernel = dataclasses.replace(base, name=f"tile{n}", tiles=tiles, splits=1 + n % 3)
+        plans.append(OpPlan(long_depth, (kernel,), True))
+    return plans
+
+
+@pytest.fixture(scope="module")
+def source() -> str:
+    return module_source(_plans())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_without_spills(source: str, arch: str) -> None:
+    cubin = nvrtc.compile_cubin(source, arch)
+    assert cubin.path.is_file() and cubin.path.stat().st_size > 0
+    mma = [k.name for plan in _plans() for k in plan.kernels if isinstance(k, MmaKernel)]
+    assert len(mma) >= 20
+    missing = [name for name in mma if name not in cubin.spills]
+    assert not missing, f"ptxas reported nothing for {missing}"
+    spilled = {name: cubin.spills[name] for name in mma if cubin.spills[name]}
+    assert not spilled, f"tensor-core kernels spill registers on {arch}: {spilled}"
+
+
+def test_the_compile_cache_answers_without_nvrtc(source: str, monkeypatch) -> None:
+    first = nvrtc.compile_cubin(source, "sm_90")
+    monkeypatch.setattr(nvrtc, "_check", lambda *a: pytest.fail("NVRTC was called for a cached module"))
+    again = nvrtc.compile_cubin(source, "sm_90")
+    assert again.path == first.path and again.spills == first.spills
+
+
+def test_bad_cuda_is_a_one_line_compile_error() -> None:
+    with pytest.raises(CompileError) as caught:
+        nvrtc.compile_cubin('extern "C" __global__ void broken() { undefined_name(); }', "sm_90")
+    message = str(caught.value)
+    assert "\n" not in message and "undefined_name" in message and "sm_90" in message
+
+
+def test_a_graph_module_names_each_op_kernel() -> None:
+    op = capsule(1)
+    graph = Graph.from_ops(all_ops(op), outputs=[o.name for o in all_ops(op)])
+    source = module_source(graph_plans(graph, "tf32"))
+    for k in range(len(graph.ops)):
+        assert f" nf_op{k}(" in source
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in source
