@@ -13,10 +13,12 @@ import sympy
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, unflatten_index
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
-from neoflow.ir.expr import Const, Expr, Index, Reduce
+from neoflow.ir import index
+from neoflow.ir.expr import Const, Expr, Index, Read, Reduce
 from neoflow.ir.op import Op, Tensor
 from neoflow.targets.cuda.plan import (
     OFFSET,
+    VEC,
     Gather,
     MmaKernel,
     OpPlan,
@@ -24,6 +26,7 @@ from neoflow.targets.cuda.plan import (
     accumulator_coords,
     ldmatrix_a_address,
     ldmatrix_b_address,
+    map_reads,
     tf32_a_coords,
     tf32_b_coords,
 )
@@ -180,9 +183,15 @@ def table_names(kernel: MmaKernel) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _printer(op: Op, reduction, gather: Gather | None = None) -> ValuePrinter:
+#: the name a vector load's elements have in an operand expression (``nf_lanes[v_vec]`` in C)
+LANES = "nf_lanes__"
+
+
+def _printer(op: Op, reduction, gather: Gather | None = None, lanes: Tensor | None = None) -> ValuePrinter:
     names = {t.name: f"nf_in{k}" for k, t in enumerate(op.inputs)}
     tensors: dict[str, Tensor] = {t.name: t for t in op.inputs}
+    if lanes is not None:
+        names[lanes.name], tensors[lanes.name] = "nf_lanes", lanes
     if gather is not None:  # the gathered tensor, read flat at the offset the tables give
         names[gather.flat] = names[gather.tensor]
         tensors[gather.flat] = Tensor(gather.flat, (tensors[gather.tensor].size,), tensors[gather.tensor].dtype)
@@ -276,27 +285,54 @@ def _table_lookup(kernel: MmaKernel, side: str, gather: Gather, printer: ValuePr
 
 def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
     """C loading thread ``tid``'s elements of operand ``side`` for depth tile ``k0`` into registers:
-    through the index tables where the operand has a table gather, else decoding every variable."""
+    through the index tables where the operand has a table gather (a vector of ``vector(side)``
+    elements at a time where its plan says so), else decoding every variable."""
     view = kernel.view
     gather = kernel.a_gather if side == "a" else kernel.b_gather
     row, col, count = kernel.load_coords(side)
+    row, col = row.subs(VEC, 0), col.subs(VEC, 0)
+    width = kernel.vector(side)
     rows_axis = view.m if side == "a" else view.n
     origin = "nf_m0" if side == "a" else "nf_n0"
     limit = view.sizes[1] if side == "a" else view.sizes[2]
-    expr = view.a if side == "a" else view.b
     convert = _STORAGE[kernel.storage][1]
+    head = (
+        f"        #pragma unroll\n"
+        f"        for (int element = 0; element < {count}; ++element) {{\n"
+        f"            const int nf_row = {small(row)}, nf_col = {small(col)};\n"
+        f"            const int64_t nf_r = {origin} + nf_row, nf_k = nf_k0 + nf_col;\n"
+    )
+    if gather is not None and width > 1:
+        tensor = next(t for t in view.op.inputs if t.name == gather.tensor)
+        lanes = Tensor(LANES, (width,), tensor.dtype)
+        printer = _printer(view.op, lambda node: _refuse(view.op), gather, lanes)
+        lane_read = Read(LANES, (index.var("vec"),), tensor.dtype)
+        value = printer(map_reads(gather.expr, lambda node: lane_read), "float32")
+        pointer = f"nf_in{[t.name for t in view.op.inputs].index(gather.tensor)}"
+        return head + (
+            f"            if (nf_r < {limit} && nf_k < {view.sizes[3]}) {{\n"
+            f"                {_table_lookup(kernel, side, gather, printer)}\n"
+            f"                const uint4 nf_raw = __ldg(reinterpret_cast<const uint4 *>({pointer} + v_{OFFSET}));\n"
+            f"                const {c_type(tensor.dtype, CUDA_TYPES)} *nf_lanes = "
+            f"reinterpret_cast<const {c_type(tensor.dtype, CUDA_TYPES)} *>(&nf_raw);\n"
+            f"                #pragma unroll\n"
+            f"                for (int v_vec = 0; v_vec < {width}; ++v_vec)\n"
+            f"                    nf_reg_{side}[element * {width} + v_vec] = {convert.format(value)};\n"
+            f"            }} else {{\n"
+            f"                #pragma unroll\n"
+            f"                for (int v_vec = 0; v_vec < {width}; ++v_vec)\n"
+            f"                    nf_reg_{side}[element * {width} + v_vec] = {convert.format('0.0f')};\n"
+            f"            }}\n"
+            f"        }}\n"
+        )
     if gather is not None:
         printer = _printer(view.op, lambda node: _refuse(view.op), gather)
         value = printer(gather.expr, "float32")
         lookup = _table_lookup(kernel, side, gather, printer)
     else:
-        value = printer(expr, "float32")
+        value = printer(view.a if side == "a" else view.b, "float32")
         lookup = f"{_decode('nf_rr', 'nf_r', rows_axis)}\n                {_decode('nf_kk', 'nf_k', view.k)}"
-    return (
-        f"        #pragma unroll\n"
-        f"        for (int element = 0; element < {count}; ++element) {{\n"
-        f"            const int nf_row = {small(row)}, nf_col = {small(col)};\n"
-        f"            const int64_t nf_r = {origin} + nf_row, nf_k = nf_k0 + nf_col;\n"
+    return head + (
         f"            float nf_value = 0.0f;\n"
         f"            if (nf_r < {limit} && nf_k < {view.sizes[3]}) {{\n"
         f"                {lookup}\n"
@@ -310,11 +346,14 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
 def _operand_store(kernel: MmaKernel, side: str) -> str:
     row, col, count = kernel.load_coords(side)
     rows = kernel.tiles.block_m if side == "a" else kernel.tiles.block_n
+    width = kernel.vector(side)
     return (
         f"        #pragma unroll\n"
         f"        for (int element = 0; element < {count}; ++element)\n"
+        f"        #pragma unroll\n"
+        f"        for (int vec = 0; vec < {width}; ++vec)\n"
         f"            nf_s{side}[stage * {rows * kernel.row_stride} + ({small(row)}) * {kernel.row_stride} + "
-        f"{small(col)}] = nf_reg_{side}[element];\n"
+        f"{small(col)}] = nf_reg_{side}[element * {width} + vec];\n"
     )
 
 
@@ -395,8 +434,8 @@ def mma_source(kernel: MmaKernel) -> str:
     op = view.op
     printer = _printer(op, lambda node: _refuse(op))
     storage = _STORAGE[kernel.storage][0]
-    a_count = kernel.load_coords("a")[2]
-    b_count = kernel.load_coords("b")[2]
+    a_count = kernel.load_coords("a")[2] * kernel.vector("a")
+    b_count = kernel.load_coords("b")[2] * kernel.vector("b")
     stride = kernel.row_stride
     splits = kernel.splits
     batch = _decode("nf_bb", f"(int64_t)(blockIdx.z / {splits})", view.batch) if view.batch else ""

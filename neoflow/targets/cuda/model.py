@@ -97,9 +97,12 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
     view = kernel.view
     rows = kernel.tiles.block_m if side == "a" else kernel.tiles.block_n
     row_f, col_f, count = kernel.load_coords(side)
-    tids, elements = np.meshgrid(np.arange(kernel.tiles.threads), np.arange(count), indexing="ij")
-    row = _evaluate(row_f, tid=tids, element=elements)
-    col = _evaluate(col_f, tid=tids, element=elements)
+    width = kernel.vector(side)
+    tids, elements, lanes = np.meshgrid(
+        np.arange(kernel.tiles.threads), np.arange(count), np.arange(width), indexing="ij"
+    )
+    row = _evaluate(row_f, tid=tids, element=elements, vec=lanes).reshape(kernel.tiles.threads, -1)
+    col = _evaluate(col_f, tid=tids, element=elements, vec=lanes).reshape(kernel.tiles.threads, -1)
     flat_rows = origins[:, None, None] + row[None]
     depth = np.broadcast_to(k0 + col[None], flat_rows.shape)
     limit = view.sizes[1] if side == "a" else view.sizes[2]
@@ -111,6 +114,11 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
         rows_at, depth_at = np.where(live, flat_rows, 0), np.where(live, depth, 0)
         rest = np.asarray(index.evaluate(gather.rest, batch_env), dtype=np.int64)
         env = {OFFSET: row_table[rows_at, 0].astype(np.int64) + depth_table[depth_at, 0] + rest}
+        if width > 1:  # a vector load: aligned, its elements one after another in memory
+            runs = env[OFFSET].reshape(len(origins), kernel.tiles.threads, count, width)
+            live_runs = live.reshape(runs.shape)[..., 0]
+            assert (runs[..., 0][live_runs] % width == 0).all(), "a vector load is not aligned"
+            assert (np.diff(runs, axis=-1)[live_runs] == 1).all(), "a vector's elements are not adjacent"
         env.update({v: row_table[rows_at, 1 + i] for i, v in enumerate(gather.row_vars)})
         env.update({v: depth_table[depth_at, 1 + i] for i, v in enumerate(gather.depth_vars)})
         env.update(batch_env)

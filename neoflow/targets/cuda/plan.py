@@ -47,7 +47,9 @@ PRECISIONS: dict[str, tuple[str, tuple[int, int, int]] | None] = {
 }
 DEFAULT_PRECISION = "tf32"
 
-LANE, TID, REG, ELEMENT = sympy.symbols("lane tid reg element", integer=True, nonnegative=True)
+LANE, TID, REG, ELEMENT, VEC = sympy.symbols("lane tid reg element vec", integer=True, nonnegative=True)
+#: bytes one vector load of a gathered operand moves
+VECTOR_BYTES = 16
 
 
 def check_precision(precision: str) -> str:
@@ -222,6 +224,8 @@ class MmaKernel:
     a_gather: Gather | None = None
     b_gather: Gather | None = None
     splits: int = 1
+    a_vector: int = 1
+    b_vector: int = 1
 
     @cached_property
     def tables(self) -> tuple[np.ndarray, ...]:
@@ -273,18 +277,24 @@ class MmaKernel:
         rows = self.tiles.block_m + self.tiles.block_n
         return 2 * rows * self.row_stride * self.element_bytes
 
+    def vector(self, side: str) -> int:
+        """Elements of operand ``side`` one load moves (along the rows where the operand is loaded
+        row-fastest, else along the depth)."""
+        return self.a_vector if side == "a" else self.b_vector
+
     def load_coords(self, side: str) -> tuple[sympy.Expr, sympy.Expr, int]:
-        """``(row, col, count)``: the tile row and column (depth) that thread ``TID`` loads
-        as its ``ELEMENT``-th element of operand ``side`` (``a``: ``block_m`` rows, ``b``:
-        ``block_n`` rows), ``count`` elements a thread."""
+        """``(row, col, count)``: the tile row and column (depth) that thread ``TID`` loads as
+        element ``VEC`` of its ``ELEMENT``-th vector of operand ``side`` (``a``: ``block_m`` rows,
+        ``b``: ``block_n`` rows), ``count`` vectors a thread (of ``vector(side)`` elements)."""
         rows = self.tiles.block_m if side == "a" else self.tiles.block_n
         depth = self.tiles.block_k
-        flat = TID + ELEMENT * self.tiles.threads
+        width = self.vector(side)
+        slot = TID + ELEMENT * self.tiles.threads
         if self.a_rows_fastest if side == "a" else self.b_rows_fastest:
-            row, col = flat % rows, flat // rows
+            row, col = (slot % (rows // width)) * width + VEC, slot // (rows // width)
         else:
-            row, col = flat // depth, flat % depth
-        return row, col, rows * depth // self.tiles.threads
+            row, col = slot // (depth // width), (slot % (depth // width)) * width + VEC
+        return row, col, rows * depth // width // self.tiles.threads
 
 
 def ldmatrix_a_address() -> tuple[sympy.Expr, sympy.Expr]:
@@ -367,6 +377,35 @@ SPLITS = (1, 2, 4, 8, 16, 32)
 MIN_SPLIT_TILES = 4
 
 
+def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest: bool, tiles: Tiles) -> int:
+    """Elements of operand ``side`` a thread loads at once (``VECTOR_BYTES`` of them, else 1): where
+    the operand is a bare table gather (no guard), runs of that many elements lie together in memory
+    along the direction it is loaded in (the innermost row variable when ``rows_fastest``, else the
+    innermost depth variable: coefficient one, its extent a multiple of the width, every other
+    coefficient too, so every run starts aligned), and the tile splits into whole runs."""
+    if gather is None or gather.row_vars or gather.depth_vars:
+        return 1
+    tensor = next(t for t in view.op.inputs if t.name == gather.tensor)
+    if tensor.dtype not in ("float32", "float16", "bfloat16"):
+        return 1
+    width = VECTOR_BYTES // (4 if tensor.dtype == "float32" else 2)
+    axis = (view.m if side == "a" else view.n) if rows_fastest else view.k
+    name, extent = axis[-1]
+    inner = index.var(name)
+    offset = sympy.expand(gather.row_part + gather.depth_part + gather.rest)
+    if offset.coeff(inner) != 1 or extent % width:
+        return 1
+    others = offset - inner
+    coefficients = [others.coeff(index.var(v)) for v, _ in (*view.m, *view.n, *view.k, *view.batch)]
+    constant = others.subs({index.var(v): 0 for v, _ in (*view.m, *view.n, *view.k, *view.batch)})
+    if any(int(c) % width for c in [*coefficients, constant]):
+        return 1
+    rows = tiles.block_m if side == "a" else tiles.block_n
+    if (rows if rows_fastest else tiles.block_k) % width or (rows * tiles.block_k // width) % tiles.threads:
+        return 1
+    return width
+
+
 def can_split(view: GemmView) -> bool:
     """Whether partial sums of ``view`` may be added into its output: a float32 sum with no epilogue."""
     return view.epilogue is None and view.op.dtype == "float32"
@@ -405,6 +444,10 @@ def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
         label = name if k == 0 else f"{name}_{k}"
         gathers = (gather_plan(view, "a"), gather_plan(view, "b"))
         rows_fastest = (_rows_fastest(view, "a"), _rows_fastest(view, "b"))
-        kernels.append(MmaKernel(label, view, tiles, precision, *rows_fastest, *gathers, splits))
+        vectors = (
+            vector_width(view, "a", gathers[0], rows_fastest[0], tiles),
+            vector_width(view, "b", gathers[1], rows_fastest[1], tiles),
+        )
+        kernels.append(MmaKernel(label, view, tiles, precision, *rows_fastest, *gathers, splits, *vectors))
     split = any(kernel.splits > 1 for kernel in kernels)
     return OpPlan(op, tuple(kernels), split or not covers_output(op, views))

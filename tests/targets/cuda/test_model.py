@@ -93,7 +93,7 @@ def test_round_to_matches_the_hardware_conversions() -> None:
 def test_a_tile_element_no_thread_loads_poisons_the_result(monkeypatch) -> None:
     op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (32, 32), "B": (32, 32)})
     plan = plan_op(op, "k", "fp16")
-    kernel = plan.kernels[0]
+    kernel = dataclasses.replace(plan.kernels[0], a_vector=1, b_vector=1)
     original = MmaKernel.load_coords
 
     def skip_last_column(self, side):
@@ -103,3 +103,19 @@ def test_a_tile_element_no_thread_loads_poisons_the_result(monkeypatch) -> None:
     monkeypatch.setattr(MmaKernel, "load_coords", skip_last_column)
     got = run_plan(OpPlan(op, (kernel,), False), inputs_for(op))
     assert np.isnan(got).all()
+
+
+def test_vector_loads_are_planned_only_where_runs_are_aligned() -> None:
+    aligned = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (64, 64), "B": (64, 64)})
+    (kernel,) = plan_op(aligned, "k", "fp16").kernels
+    assert (kernel.a_vector, kernel.b_vector) == (4, 4)  # 16 bytes of float32, along k for A and j for B
+    _close(
+        run_plan(plan_op(aligned, "k", "fp16"), _exact_inputs(aligned)),
+        neoflow.evaluate(aligned, _exact_inputs(aligned)),
+    )
+    ragged = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (32, 30), "B": (30, 32)})
+    (kernel,) = plan_op(ragged, "k", "fp16").kernels
+    assert kernel.a_vector == 1  # rows of 30 floats: a run of 4 would start unaligned
+    forced = dataclasses.replace(kernel, a_vector=4)
+    with pytest.raises(AssertionError, match="not aligned"):
+        run_plan(OpPlan(ragged, (forced,), False), inputs_for(ragged))
