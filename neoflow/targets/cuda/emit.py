@@ -106,6 +106,11 @@ static __device__ __forceinline__ float nf_tf32(float x) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
     return __uint_as_float(bits);
 }
+static __device__ __forceinline__ void nf_ldmatrix_x4_trans(uint32_t *r, const void *p) {
+    const uint32_t address = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
 static __device__ __forceinline__ void nf_ldmatrix_x4(uint32_t *r, const void *p) {
     const uint32_t address = (uint32_t)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -343,48 +348,71 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
     )
 
 
+def _at(kernel: MmaKernel, side: str, row: str, col: str) -> str:
+    """C for the place of tile element (``row``, ``col``) of operand ``side`` in a stage."""
+    if kernel.layout(side) == "rows":
+        return f"({row}) * {kernel.stride(side)} + {col}"
+    return f"({col}) * {kernel.stride(side)} + {row}"
+
+
+#: per storage dtype: the type two 16-bit elements pack into, and the packing function
+_PAIRS = {"float16": ("__half2", "__halves2half2"), "bfloat16": ("__nv_bfloat162", "__halves2bfloat162")}
+
+
 def _operand_store(kernel: MmaKernel, side: str) -> str:
+    """C storing the registers of operand ``side`` into shared-memory stage ``stage``; a vector's
+    elements lie together there (the layout follows the load direction), stored in pairs of
+    16-bit elements or as a float4."""
     row, col, count = kernel.load_coords(side)
-    rows = kernel.tiles.block_m if side == "a" else kernel.tiles.block_n
     width = kernel.vector(side)
-    return (
-        f"        #pragma unroll\n"
-        f"        for (int element = 0; element < {count}; ++element)\n"
-        f"        #pragma unroll\n"
-        f"        for (int vec = 0; vec < {width}; ++vec)\n"
-        f"            nf_s{side}[stage * {rows * kernel.row_stride} + ({small(row)}) * {kernel.row_stride} + "
-        f"{small(col)}] = nf_reg_{side}[element * {width} + vec];\n"
+    base = f"nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, small(row), small(col))}"
+    head = f"        #pragma unroll\n        for (int element = 0; element < {count}; ++element) {{\n"
+    if width == 1:
+        return head + f"            const int vec = 0;\n            {base}] = nf_reg_{side}[element];\n        }}\n"
+    first = f"nf_reg_{side}[element * {width}"
+    if kernel.storage == "tf32":
+        lanes = ", ".join(f"{first} + {v}]" for v in range(width))
+        store = f"            *reinterpret_cast<float4 *>(&{base}]) = make_float4({lanes});\n"
+        return head + "            const int vec = 0;\n" + store + "        }\n"
+    pair, pack = _PAIRS[kernel.storage]
+    return head + (
+        f"            #pragma unroll\n"
+        f"            for (int vec = 0; vec < {width}; vec += 2)\n"
+        f"                *reinterpret_cast<{pair} *>(&{base}]) = {pack}({first} + vec], {first} + vec + 1]);\n"
+        f"        }}\n"
     )
 
 
 def _fragments(kernel: MmaKernel) -> str:
     """C loading a warp's A and B fragments for depth step ``kk`` of the current stage."""
-    tiles, stride = kernel.tiles, kernel.row_stride
+    tiles = kernel.tiles
     lines = [f"            uint32_t nf_af[{tiles.frags_m}][4], nf_bf[{tiles.frags_n}][2];"]
     if kernel.storage == "tf32":
         a_row, a_col = tf32_a_coords()
         b_row, b_col = tf32_b_coords()
+        a_at = _at(kernel, "a", f"fm * 16 + {small(a_row)}", f"kk + {small(a_col)}")
+        b_at = _at(kernel, "b", f"fn * 8 + {small(b_row)}", f"kk + {small(b_col)}")
         lines += [
             f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
             "                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg)",
-            f"                    nf_af[fm][reg] = __float_as_uint(nf_wa[(fm * 16 + {small(a_row)}) * {stride} + kk + "
-            f"{small(a_col)}]);",
+            f"                    nf_af[fm][reg] = __float_as_uint(nf_wa[{a_at}]);",
             f"            #pragma unroll\n            for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
             "                #pragma unroll\n                for (int reg = 0; reg < 2; ++reg)",
-            f"                    nf_bf[fn][reg] = __float_as_uint(nf_wb[(fn * 8 + {small(b_row)}) * {stride} + kk + "
-            f"{small(b_col)}]);",
+            f"                    nf_bf[fn][reg] = __float_as_uint(nf_wb[{b_at}]);",
         ]
     else:
-        a_row, a_col = ldmatrix_a_address()
-        b_row, b_col = ldmatrix_b_address()
+        a_row, a_col = ldmatrix_a_address(kernel.layout("a"))
+        b_row, b_col = ldmatrix_b_address(kernel.layout("b"))
+        a_load = "nf_ldmatrix_x4" if kernel.layout("a") == "rows" else "nf_ldmatrix_x4_trans"
+        b_load = "nf_ldmatrix_x4" if kernel.layout("b") == "rows" else "nf_ldmatrix_x4_trans"
+        a_at = _at(kernel, "a", f"fm * 16 + {small(a_row)}", f"kk + {small(a_col)}")
+        b_at = _at(kernel, "b", f"fp * 16 + {small(b_row)}", f"kk + {small(b_col)}")
         lines += [
             f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
-            f"                nf_ldmatrix_x4(nf_af[fm], nf_wa + (fm * 16 + {small(a_row)}) * {stride} + kk + "
-            f"{small(a_col)});",
+            f"                {a_load}(nf_af[fm], nf_wa + {a_at});",
             f"            #pragma unroll\n            for (int fp = 0; fp < {tiles.frags_n // 2}; ++fp) {{",
             "                uint32_t nf_r4[4];",
-            f"                nf_ldmatrix_x4(nf_r4, nf_wb + (fp * 16 + {small(b_row)}) * {stride} + kk + "
-            f"{small(b_col)});",
+            f"                {b_load}(nf_r4, nf_wb + {b_at});",
             "                nf_bf[2 * fp][0] = nf_r4[0]; nf_bf[2 * fp][1] = nf_r4[1];",
             "                nf_bf[2 * fp + 1][0] = nf_r4[2]; nf_bf[2 * fp + 1][1] = nf_r4[3];",
             "            }",
@@ -436,7 +464,8 @@ def mma_source(kernel: MmaKernel) -> str:
     storage = _STORAGE[kernel.storage][0]
     a_count = kernel.load_coords("a")[2] * kernel.vector("a")
     b_count = kernel.load_coords("b")[2] * kernel.vector("b")
-    stride = kernel.row_stride
+    a_warp = _at(kernel, "a", f"nf_warp_m * {tiles.warp_m}", "0")
+    b_warp = _at(kernel, "b", f"nf_warp_n * {tiles.warp_n}", "0")
     splits = kernel.splits
     batch = _decode("nf_bb", f"(int64_t)(blockIdx.z / {splits})", view.batch) if view.batch else ""
     first = f"(blockIdx.z % {splits}) * {kernel.split_tiles}"
@@ -446,7 +475,7 @@ def mma_source(kernel: MmaKernel) -> str:
         op,
         f"    extern __shared__ __align__(16) unsigned char nf_smem[];\n"
         f"    {storage} *nf_sa = reinterpret_cast<{storage} *>(nf_smem);\n"
-        f"    {storage} *nf_sb = nf_sa + {2 * tiles.block_m * stride};\n"
+        f"    {storage} *nf_sb = nf_sa + {2 * kernel.tile_elements('a')};\n"
         f"    const int tid = threadIdx.x, lane = tid & 31, nf_warp = tid >> 5;\n"
         f"    const int nf_warp_m = nf_warp / {tiles.warps_n}, nf_warp_n = nf_warp % {tiles.warps_n};\n"
         f"    const int64_t nf_m0 = (int64_t)blockIdx.y * {tiles.block_m};\n"
@@ -473,10 +502,8 @@ def mma_source(kernel: MmaKernel) -> str:
         f"    for (int kt = nf_first; kt < nf_last; ++kt) {{\n"
         f"        const int stage = (kt - nf_first) & 1;\n"
         f"        if (kt + 1 < nf_last) nf_load((int64_t)(kt + 1) * {tiles.block_k});\n"
-        f"        const {storage} *nf_wa = nf_sa + stage * {tiles.block_m * stride}"
-        f" + nf_warp_m * {tiles.warp_m * stride};\n"
-        f"        const {storage} *nf_wb = nf_sb + stage * {tiles.block_n * stride}"
-        f" + nf_warp_n * {tiles.warp_n * stride};\n"
+        f"        const {storage} *nf_wa = nf_sa + stage * {kernel.tile_elements('a')} + {a_warp};\n"
+        f"        const {storage} *nf_wb = nf_sb + stage * {kernel.tile_elements('b')} + {b_warp};\n"
         f"        #pragma unroll\n"
         f"        for (int kk = 0; kk < {tiles.block_k}; kk += {kernel.mma_shape[2]}) {{\n"
         f"{_fragments(kernel)}"

@@ -59,43 +59,49 @@ def _evaluate(expr: sympy.Expr, **env) -> np.ndarray:
 
 
 def _a_table(kernel: MmaKernel) -> tuple[np.ndarray, np.ndarray]:
-    """Shared-memory row and column (relative to a fragment's first row and the depth
-    step) of each element ``[row, col]`` of the logical A fragment the warp multiplies."""
+    """Tile row (m, from the fragment's first row) and column (depth, from the depth step) that
+    each element ``[row, col]`` of the logical A fragment the mma multiplies comes from."""
     rows, cols = np.meshgrid(np.arange(16), np.arange(kernel.mma_shape[2]), indexing="ij")
     if kernel.storage == "tf32":
         lane, reg = 4 * (rows % 8) + cols % 4, rows // 8 + 2 * (cols // 4)
         r, c = tf32_a_coords()
         return _evaluate(r, lane=lane, reg=reg), _evaluate(c, lane=lane, reg=reg)
-    # ldmatrix.x4: register j of lane 4g + t holds row g, columns 2t, 2t + 1 of matrix j, whose
-    # row addresses lanes 8j .. 8j + 7 gave; the mma reads register j as rows 8(j % 2) + g and
-    # columns 8(j // 2) + 2t (+1) of the fragment (PTX's m16n8k16 A layout)
+    # the mma reads register j of lane 4g + t as rows 8(j % 2) + g, columns 8(j // 2) + 2t (+1)
+    # (PTX's m16n8k16 A layout); ldmatrix.x4 fills register j from matrix j, whose lines lanes
+    # 8j .. 8j + 7 address: without .trans lane 4g + t gets line g, elements 2t, 2t + 1; with
+    # .trans (a tile stored depth-major) lines 2t, 2t + 1, element g of each
     g, j, t, p = rows % 8, rows // 8 + 2 * (cols // 8), (cols % 8) // 2, cols % 2
-    source = 8 * j + g
-    r, c = ldmatrix_a_address()
-    return _evaluate(r, lane=source), _evaluate(c, lane=source) + 2 * t + p
+    r, c = ldmatrix_a_address(kernel.layout("a"))
+    if kernel.layout("a") == "rows":
+        source = 8 * j + g
+        return _evaluate(r, lane=source), _evaluate(c, lane=source) + 2 * t + p
+    source = 8 * j + 2 * t + p
+    return _evaluate(r, lane=source) + g, _evaluate(c, lane=source)
 
 
 def _b_table(kernel: MmaKernel, half: int) -> tuple[np.ndarray, np.ndarray]:
-    """Shared-memory row (n) and column (k) of each element ``[k, n]`` of the logical B
-    fragment (for 16-bit operands, fragment ``half`` of the pair one ``ldmatrix.x4`` loads)."""
+    """Tile row (n) and column (k) that each element ``[k, n]`` of the logical B fragment comes
+    from (for 16-bit operands, fragment ``half`` of the pair one ``ldmatrix.x4`` loads)."""
     ks, ns = np.meshgrid(np.arange(kernel.mma_shape[2]), np.arange(8), indexing="ij")
     if kernel.storage == "tf32":
         lane, reg = 4 * ns + ks % 4, ks // 4
         r, c = tf32_b_coords()
         return _evaluate(r, lane=lane, reg=reg), _evaluate(c, lane=lane, reg=reg)
-    # register i of B fragment ``half`` is matrix 2 half + i: row n, columns 2t, 2t + 1 of it,
-    # which the mma reads as depths 8i + 2t (+1) of column n (PTX's m16n8k16 B layout)
+    # register i of B fragment ``half`` is matrix 2 half + i, which the mma reads as depths
+    # 8i + 2t (+1) of column n = g (PTX's m16n8k16 B layout); ldmatrix as for A
     i, t, p = ks // 8, (ks % 8) // 2, ks % 2
-    source = 8 * (2 * half + i) + ns
-    r, c = ldmatrix_b_address()
-    return _evaluate(r, lane=source), _evaluate(c, lane=source) + 2 * t + p
+    r, c = ldmatrix_b_address(kernel.layout("b"))
+    if kernel.layout("b") == "rows":
+        source = 8 * (2 * half + i) + ns
+        return _evaluate(r, lane=source), _evaluate(c, lane=source) + 2 * t + p
+    source = 8 * (2 * half + i) + 2 * t + p
+    return _evaluate(r, lane=source) + ns, _evaluate(c, lane=source)
 
 
 def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_env, arrays, owner: str) -> np.ndarray:
-    """The shared-memory tiles of operand ``side`` for tile origins ``origins`` (one per
-    block row or column) at depth ``k0``: ``[origin, rows, block_k]``, NaN where no thread stored."""
+    """The shared-memory stages of operand ``side`` for tile origins ``origins`` (one per block
+    row or column) at depth ``k0``, each as laid out (``smem_index``), NaN where no thread stored."""
     view = kernel.view
-    rows = kernel.tiles.block_m if side == "a" else kernel.tiles.block_n
     row_f, col_f, count = kernel.load_coords(side)
     width = kernel.vector(side)
     tids, elements, lanes = np.meshgrid(
@@ -130,9 +136,9 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
         env.update(batch_env)
         values = evaluate_at(view.a if side == "a" else view.b, env, arrays, owner, live=live)
     values = round_to(np.where(live, values.astype(np.float32), np.float32(0)), kernel.storage)
-    tile = np.full((len(origins), rows, kernel.tiles.block_k), np.nan, np.float32)
-    tile[:, row, col] = values
-    return tile
+    stage = np.full((len(origins), kernel.tile_elements(side)), np.nan, np.float32)  # shared memory
+    stage[:, kernel.smem_index(side, row, col)] = values
+    return stage
 
 
 def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray) -> None:
@@ -163,18 +169,17 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
             for kk in range(0, tiles.block_k, mk):
                 wm = np.arange(tiles.warps_m)[:, None, None, None]
                 fm = np.arange(tiles.frags_m)[None, :, None, None]
-                a = a_tile[:, wm * tiles.warp_m + fm * 16 + a_rows, kk + a_cols]  # [gy, wm, fm, 16, mk]
-                wn = np.arange(tiles.warps_n)[:, None, None, None]
-                fn = np.arange(tiles.frags_n)
+                a = a_tile[:, kernel.smem_index("a", wm * tiles.warp_m + fm * 16 + a_rows, kk + a_cols)]
+                wn = np.arange(tiles.warps_n)[:, None, None]
                 b = np.empty((gx, tiles.warps_n, tiles.frags_n, mk, 8), np.float32)
                 for f in range(tiles.frags_n):
                     if kernel.storage == "tf32":
                         rows, cols = b_tables[0]
-                        first = fn[f] * 8
-                    else:
+                        fragment_row = f * 8
+                    else:  # one ldmatrix.x4 loads fragments 2p and 2p + 1
                         rows, cols = b_tables[f % 2]
-                        first = (fn[f] // 2) * 16
-                    b[:, :, f] = b_tile[:, wn[:, 0] * tiles.warp_n + first + rows, kk + cols]
+                        fragment_row = (f // 2) * 16
+                    b[:, :, f] = b_tile[:, kernel.smem_index("b", wn * tiles.warp_n + fragment_row + rows, kk + cols)]
                 acc += np.einsum(
                     "ywfik,xvgkj->yxwvfgij", a, b, optimize=True, dtype=np.float32
                 )  # 16 x 8 fragments, fp32

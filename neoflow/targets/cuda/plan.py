@@ -250,10 +250,32 @@ class MmaKernel:
     def element_bytes(self) -> int:
         return 4 if self.storage == "tf32" else 2
 
-    @property
-    def row_stride(self) -> int:
-        """Elements between shared-memory rows of a tile (``block_k`` plus the padding)."""
-        return self.tiles.block_k + ROW_PAD_BYTES // self.element_bytes
+    def layout(self, side: str) -> str:
+        """How operand ``side``'s tile lies in shared memory: ``rows`` (``[rows][block_k]``, the
+        depth contiguous) or, for an operand loaded row-fastest, ``depth`` (``[block_k][rows]``):
+        consecutive threads then store to consecutive addresses, and ``ldmatrix.trans`` (or, for
+        tf32, scalar loads) hands the warps their fragments."""
+        return "depth" if (self.a_rows_fastest if side == "a" else self.b_rows_fastest) else "rows"
+
+    def tile_rows(self, side: str) -> int:
+        return self.tiles.block_m if side == "a" else self.tiles.block_n
+
+    def stride(self, side: str) -> int:
+        """Elements between consecutive lines of operand ``side``'s tile (a line padded by
+        ``ROW_PAD_BYTES`` against bank conflicts)."""
+        pad = ROW_PAD_BYTES // self.element_bytes
+        return (self.tiles.block_k if self.layout(side) == "rows" else self.tile_rows(side)) + pad
+
+    def tile_elements(self, side: str) -> int:
+        """Elements of one stage of operand ``side``'s tile, padding included."""
+        lines = self.tile_rows(side) if self.layout(side) == "rows" else self.tiles.block_k
+        return lines * self.stride(side)
+
+    def smem_index(self, side: str, row, col):
+        """Where tile element ``(row, col)`` (row, depth) of operand ``side`` lies in its stage."""
+        if self.layout(side) == "rows":
+            return row * self.stride(side) + col
+        return col * self.stride(side) + row
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -274,8 +296,7 @@ class MmaKernel:
     @property
     def shared_bytes(self) -> int:
         """Two stages of both operand tiles."""
-        rows = self.tiles.block_m + self.tiles.block_n
-        return 2 * rows * self.row_stride * self.element_bytes
+        return 2 * (self.tile_elements("a") + self.tile_elements("b")) * self.element_bytes
 
     def vector(self, side: str) -> int:
         """Elements of operand ``side`` one load moves (along the rows where the operand is loaded
@@ -297,17 +318,25 @@ class MmaKernel:
         return row, col, rows * depth // width // self.tiles.threads
 
 
-def ldmatrix_a_address() -> tuple[sympy.Expr, sympy.Expr]:
-    """Row and column (in a 16 x 16 A fragment) whose address lane ``LANE`` hands ``ldmatrix.x4``:
-    lanes 0-15 the rows of columns 0-7, lanes 16-31 those of columns 8-15."""
-    return LANE % 16, (LANE // 16) * 8
+def ldmatrix_a_address(layout: str = "rows") -> tuple[sympy.Expr, sympy.Expr]:
+    """Row (m) and column (k) in a 16 x 16 A fragment whose address lane ``LANE`` hands
+    ``ldmatrix.x4``, whose matrices are (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
+    (m 8-15, k 8-15): in the ``rows`` layout lanes 0-15 give the rows of columns 0-7 and lanes
+    16-31 those of columns 8-15; in the ``depth`` layout (``.trans``) each lane gives one depth
+    line of its matrix (eight m a line)."""
+    if layout == "rows":
+        return LANE % 16, (LANE // 16) * 8
+    return 8 * ((LANE // 8) % 2), LANE % 8 + 8 * (LANE // 16)
 
 
-def ldmatrix_b_address() -> tuple[sympy.Expr, sympy.Expr]:
+def ldmatrix_b_address(layout: str = "rows") -> tuple[sympy.Expr, sympy.Expr]:
     """Row (n) and column (k) in a 16 (n) x 16 (k) tile of two B fragments whose address lane
-    ``LANE`` hands ``ldmatrix.x4``: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7),
-    (n 8-15, k 8-15)."""
-    return LANE % 8 + (LANE // 16) * 8, ((LANE // 8) % 2) * 8
+    ``LANE`` hands ``ldmatrix.x4``, whose matrices are (n 0-7, k 0-7), (n 0-7, k 8-15),
+    (n 8-15, k 0-7), (n 8-15, k 8-15); in the ``depth`` layout (``.trans``) each lane gives one
+    depth line of its matrix."""
+    if layout == "rows":
+        return LANE % 8 + (LANE // 16) * 8, ((LANE // 8) % 2) * 8
+    return 8 * (LANE // 16), LANE % 8 + 8 * ((LANE // 8) % 2)
 
 
 def accumulator_coords() -> tuple[sympy.Expr, sympy.Expr]:
