@@ -71,15 +71,17 @@ def capsule_case(stride: int, precision: str, rounds: int, block: int) -> dict:
     """The capsule conv (N=16, C=K=32, 14x14 output, 3x3, 4x4 poses) forward and backward."""
     torch = _torch()
     size = 13 * stride + 3
+    dtype_name = "float16" if precision == "fp16" else "float32"  # fp16: half tensors, as PyTorch's
     op = neoflow.op(
         f"Out[b, k, p, q, i, j] = ReduceAdd({{c, r, s, t}}, In[b, c, p*{stride} + r, q*{stride} + s, i, t] * "
         "W[k, c, r, s, t, j])",
         shapes={"In": (16, 32, size, size, 4, 4), "W": (32, 32, 3, 3, 4, 4)},
+        dtype=dtype_name,
     )
     adjoints = neoflow.grad(op)
     graph = Graph.from_ops([op, *adjoints.values()], outputs=[op.name, *(a.name for a in adjoints.values())])
     rng = np.random.default_rng(0)
-    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
+    inputs = {t.name: rng.standard_normal(t.shape).astype(dtype_name) for t in graph.inputs}
     executor = CudaExecutor(graph, graph.outputs, precision=precision)
     outputs = executor.run(inputs)
     dtype = torch.float16 if precision == "fp16" else torch.float32

@@ -106,6 +106,20 @@ static __device__ __forceinline__ float nf_tf32(float x) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
     return __uint_as_float(bits);
 }
+/* cp.async of BYTES (4, 8 or 16) bytes, zero-filled where the source is not valid */
+template <int BYTES> static __device__ __forceinline__ void nf_copy(void *shared, const void *global, bool valid) {
+    const uint32_t address = (uint32_t)__cvta_generic_to_shared(shared);
+    if (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     :: "r"(address), "l"(global), "r"(valid ? 16 : 0));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+                     :: "r"(address), "l"(global), "n"(BYTES), "r"(valid ? BYTES : 0));
+}
+static __device__ __forceinline__ void nf_copy_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> static __device__ __forceinline__ void nf_copy_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
 static __device__ __forceinline__ void nf_ldmatrix_x4_trans(uint32_t *r, const void *p) {
     const uint32_t address = (uint32_t)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -314,10 +328,11 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
         lane_read = Read(LANES, (index.var("vec"),), tensor.dtype)
         value = printer(map_reads(gather.expr, lambda node: lane_read), "float32")
         pointer = f"nf_in{[t.name for t in view.op.inputs].index(gather.tensor)}"
+        raw = {16: "uint4", 8: "uint2", 4: "uint32_t"}[width * (4 if tensor.dtype == "float32" else 2)]
         return head + (
             f"            if (nf_r < {limit} && nf_k < {view.sizes[3]}) {{\n"
             f"                {_table_lookup(kernel, side, gather, printer)}\n"
-            f"                const uint4 nf_raw = __ldg(reinterpret_cast<const uint4 *>({pointer} + v_{OFFSET}));\n"
+            f"                const {raw} nf_raw = __ldg(reinterpret_cast<const {raw} *>({pointer} + v_{OFFSET}));\n"
             f"                const {c_type(tensor.dtype, CUDA_TYPES)} *nf_lanes = "
             f"reinterpret_cast<const {c_type(tensor.dtype, CUDA_TYPES)} *>(&nf_raw);\n"
             f"                #pragma unroll\n"
@@ -344,6 +359,32 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
         f"                nf_value = {value};\n"
         f"            }}\n"
         f"            nf_reg_{side}[element] = {convert.format('nf_value')};\n"
+        f"        }}\n"
+    )
+
+
+def _operand_copy(kernel: MmaKernel, side: str) -> str:
+    """C issuing the ``cp.async`` copies of thread ``tid``'s vectors of operand ``side`` for depth
+    tile ``nf_k0`` into stage ``stage`` (vectors past the tensor's rows or depth are zero-filled)."""
+    view = kernel.view
+    gather = kernel.a_gather if side == "a" else kernel.b_gather
+    row, col, count = kernel.load_coords(side)
+    row, col = row.subs(VEC, 0), col.subs(VEC, 0)
+    origin = "nf_m0" if side == "a" else "nf_n0"
+    limit = view.sizes[1] if side == "a" else view.sizes[2]
+    printer = _printer(view.op, lambda node: _refuse(view.op), gather)
+    pointer = f"nf_in{[t.name for t in view.op.inputs].index(gather.tensor)}"
+    target = f"&nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, 'nf_row', 'nf_col')}]"
+    return (
+        f"        #pragma unroll\n"
+        f"        for (int element = 0; element < {count}; ++element) {{\n"
+        f"            const int vec = 0;\n"
+        f"            const int nf_row = {small(row)}, nf_col = {small(col)};\n"
+        f"            int64_t nf_r = {origin} + nf_row, nf_k = nf_k0 + nf_col;\n"
+        f"            const bool nf_valid = nf_r < {limit} && nf_k < {view.sizes[3]};\n"
+        f"            if (!nf_valid) nf_r = nf_k = 0;\n"
+        f"            {_table_lookup(kernel, side, gather, printer)}\n"
+        f"            nf_copy<{kernel.copy_bytes(side)}>({target}, {pointer} + v_{OFFSET}, nf_valid);\n"
         f"        }}\n"
     )
 
@@ -395,10 +436,10 @@ def _fragments(kernel: MmaKernel) -> str:
         lines += [
             f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
             "                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg)",
-            f"                    nf_af[fm][reg] = __float_as_uint(nf_wa[{a_at}]);",
+            f"                    nf_af[fm][reg] = __float_as_uint(nf_tf32(nf_wa[{a_at}]));",
             f"            #pragma unroll\n            for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
             "                #pragma unroll\n                for (int reg = 0; reg < 2; ++reg)",
-            f"                    nf_bf[fn][reg] = __float_as_uint(nf_wb[{b_at}]);",
+            f"                    nf_bf[fn][reg] = __float_as_uint(nf_tf32(nf_wb[{b_at}]));",
         ]
     else:
         a_row, a_col = ldmatrix_a_address(kernel.layout("a"))
@@ -462,8 +503,6 @@ def mma_source(kernel: MmaKernel) -> str:
     op = view.op
     printer = _printer(op, lambda node: _refuse(op))
     storage = _STORAGE[kernel.storage][0]
-    a_count = kernel.load_coords("a")[2] * kernel.vector("a")
-    b_count = kernel.load_coords("b")[2] * kernel.vector("b")
     a_warp = _at(kernel, "a", f"nf_warp_m * {tiles.warp_m}", "0")
     b_warp = _at(kernel, "b", f"nf_warp_n * {tiles.warp_n}", "0")
     splits = kernel.splits
@@ -475,7 +514,7 @@ def mma_source(kernel: MmaKernel) -> str:
         op,
         f"    extern __shared__ __align__(16) unsigned char nf_smem[];\n"
         f"    {storage} *nf_sa = reinterpret_cast<{storage} *>(nf_smem);\n"
-        f"    {storage} *nf_sb = nf_sa + {2 * kernel.tile_elements('a')};\n"
+        f"    {storage} *nf_sb = nf_sa + {kernel.stages * kernel.tile_elements('a')};\n"
         f"    const int tid = threadIdx.x, lane = tid & 31, nf_warp = tid >> 5;\n"
         f"    const int nf_warp_m = nf_warp / {tiles.warps_n}, nf_warp_n = nf_warp % {tiles.warps_n};\n"
         f"    const int64_t nf_m0 = (int64_t)blockIdx.y * {tiles.block_m};\n"
@@ -485,6 +524,35 @@ def mma_source(kernel: MmaKernel) -> str:
         f"    #pragma unroll\n    for (int fm = 0; fm < {tiles.frags_m}; ++fm)\n"
         f"    #pragma unroll\n    for (int fn = 0; fn < {tiles.frags_n}; ++fn)\n"
         f"    #pragma unroll\n    for (int reg = 0; reg < 4; ++reg) nf_acc[fm][fn][reg] = 0.0f;\n"
+        f"    const int nf_first = {first};\n"
+        f"    const int nf_last = min(nf_first + {kernel.split_tiles}, {kernel.depth_tiles});\n"
+        + (_direct_loop(kernel, a_warp, b_warp) if kernel.direct else _register_loop(kernel, a_warp, b_warp, printer))
+        + f"{_epilogue(kernel)}"
+        "}\n",
+    )
+
+
+def _compute(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
+    """C multiplying the warp's fragments of stage ``stage``."""
+    storage = _STORAGE[kernel.storage][0]
+    return (
+        f"        const {storage} *nf_wa = nf_sa + stage * {kernel.tile_elements('a')} + {a_warp};\n"
+        f"        const {storage} *nf_wb = nf_sb + stage * {kernel.tile_elements('b')} + {b_warp};\n"
+        f"        #pragma unroll\n"
+        f"        for (int kk = 0; kk < {kernel.tiles.block_k}; kk += {kernel.mma_shape[2]}) {{\n"
+        f"{_fragments(kernel)}"
+        f"        }}\n"
+    )
+
+
+def _register_loop(kernel: MmaKernel, a_warp: str, b_warp: str, printer: ValuePrinter) -> str:
+    """The main loop through registers: tile kt + 1 gathered (and converted) into registers while
+    the warps multiply tile kt, then stored into the other of two stages."""
+    storage = _STORAGE[kernel.storage][0]
+    a_count = kernel.load_coords("a")[2] * kernel.vector("a")
+    b_count = kernel.load_coords("b")[2] * kernel.vector("b")
+    block_k = kernel.tiles.block_k
+    return (
         f"    {storage} nf_reg_a[{a_count}], nf_reg_b[{b_count}];\n"
         f"    auto nf_load = [&](int64_t nf_k0) {{\n"
         f"{_operand_loader(kernel, 'a', printer)}"
@@ -494,25 +562,42 @@ def mma_source(kernel: MmaKernel) -> str:
         f"{_operand_store(kernel, 'a')}"
         f"{_operand_store(kernel, 'b')}"
         f"    }};\n"
-        f"    const int nf_first = {first};\n"
-        f"    const int nf_last = min(nf_first + {kernel.split_tiles}, {kernel.depth_tiles});\n"
-        f"    nf_load((int64_t)nf_first * {tiles.block_k});\n"
+        f"    nf_load((int64_t)nf_first * {block_k});\n"
         f"    nf_store(0);\n"
         f"    __syncthreads();\n"
         f"    for (int kt = nf_first; kt < nf_last; ++kt) {{\n"
         f"        const int stage = (kt - nf_first) & 1;\n"
-        f"        if (kt + 1 < nf_last) nf_load((int64_t)(kt + 1) * {tiles.block_k});\n"
-        f"        const {storage} *nf_wa = nf_sa + stage * {kernel.tile_elements('a')} + {a_warp};\n"
-        f"        const {storage} *nf_wb = nf_sb + stage * {kernel.tile_elements('b')} + {b_warp};\n"
-        f"        #pragma unroll\n"
-        f"        for (int kk = 0; kk < {tiles.block_k}; kk += {kernel.mma_shape[2]}) {{\n"
-        f"{_fragments(kernel)}"
-        f"        }}\n"
+        f"        if (kt + 1 < nf_last) nf_load((int64_t)(kt + 1) * {block_k});\n"
+        f"{_compute(kernel, a_warp, b_warp)}"
         f"        if (kt + 1 < nf_last) nf_store(stage ^ 1);\n"
         f"        __syncthreads();\n"
         f"    }}\n"
-        f"{_epilogue(kernel)}"
-        "}\n",
+    )
+
+
+def _direct_loop(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
+    """The main loop through ``cp.async``: ``stages - 1`` tiles in flight while the warps multiply one."""
+    stages, block_k = kernel.stages, kernel.tiles.block_k
+    return (
+        f"    auto nf_issue = [&](int kt, int stage) {{\n"
+        f"        const int64_t nf_k0 = (int64_t)kt * {block_k};\n"
+        f"{_operand_copy(kernel, 'a')}"
+        f"{_operand_copy(kernel, 'b')}"
+        f"    }};\n"
+        f"    #pragma unroll\n"
+        f"    for (int s = 0; s < {stages - 1}; ++s) {{\n"
+        f"        if (nf_first + s < nf_last) nf_issue(nf_first + s, s);\n"
+        f"        nf_copy_commit();\n"
+        f"    }}\n"
+        f"    for (int kt = nf_first; kt < nf_last; ++kt) {{\n"
+        f"        nf_copy_wait<{stages - 2}>();\n"
+        f"        __syncthreads();\n"
+        f"        const int nf_next = kt + {stages - 1};\n"
+        f"        if (nf_next < nf_last) nf_issue(nf_next, (nf_next - nf_first) % {stages});\n"
+        f"        nf_copy_commit();\n"
+        f"        const int stage = (kt - nf_first) % {stages};\n"
+        f"{_compute(kernel, a_warp, b_warp)}"
+        f"    }}\n"
     )
 
 

@@ -23,6 +23,7 @@ them, the model evaluates them, so the model checks the very formulas the GPU ru
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -50,6 +51,8 @@ DEFAULT_PRECISION = "tf32"
 LANE, TID, REG, ELEMENT, VEC = sympy.symbols("lane tid reg element vec", integer=True, nonnegative=True)
 #: bytes one vector load of a gathered operand moves
 VECTOR_BYTES = 16
+#: shared-memory stages of a kernel whose operands are copied by cp.async
+DIRECT_STAGES = 4
 
 
 def check_precision(precision: str) -> str:
@@ -102,6 +105,9 @@ TILE_CHOICES = (
     Tiles(64, 32, 32, 2, 1),
     Tiles(32, 32, 32, 1, 1),
 )
+#: tiles only a kernel copying its operands by cp.async may take (64 x 32 warp tiles: the register
+#: path's gathers would spill)
+DIRECT_TILES = (Tiles(128, 128, 32, 2, 4),)
 #: shared memory rows are padded by this many bytes (one 16-byte vector) against bank conflicts
 ROW_PAD_BYTES = 16
 
@@ -160,7 +166,7 @@ def gather_plan(view: GemmView, side: str) -> Gather | None:
     if rest.free_symbols - {index.var(v) for v in batch}:
         return None  # a term mixing rows and depth: not affine in the two apart
     flat = f"{read.tensor}__flat"
-    flat_read = Read(flat, (index.var(OFFSET),))
+    flat_read = Read(flat, (index.var(OFFSET),), read.tensor_dtype)
     replaced = map_reads(expr, lambda node: flat_read if node == read else node)
     guards = index_variables(map_reads(expr, lambda node: Const(0.0) if node == read else node))
     return Gather(
@@ -295,8 +301,36 @@ class MmaKernel:
 
     @property
     def shared_bytes(self) -> int:
-        """Two stages of both operand tiles."""
-        return 2 * (self.tile_elements("a") + self.tile_elements("b")) * self.element_bytes
+        """``stages`` stages of both operand tiles."""
+        return self.stages * (self.tile_elements("a") + self.tile_elements("b")) * self.element_bytes
+
+    @property
+    def direct(self) -> bool:
+        """Whether both operand tiles are copied from the tensors into shared memory as they are,
+        by ``cp.async`` in a ``DIRECT_STAGES``-deep pipeline: each operand a bare table-gathered
+        read (no guard, no prologue) in vectors, of the storage dtype (or float32 for tf32,
+        rounded as its fragments are loaded).  Otherwise every element goes through registers,
+        converted, two stages deep."""
+        return all(self._direct_side(side) for side in ("a", "b"))
+
+    def _direct_side(self, side: str) -> bool:
+        gather = self.a_gather if side == "a" else self.b_gather
+        if gather is None or not isinstance(gather.expr, Read) or gather.row_vars or gather.depth_vars:
+            return False
+        dtype = next(t.dtype for t in self.view.op.inputs if t.name == gather.tensor)
+        itemsize = 4 if dtype == "float32" else 2
+        if self.vector(side) * itemsize < 4:
+            return False  # cp.async copies 4, 8 or 16 bytes
+        return dtype == self.storage or (dtype == "float32" and self.storage == "tf32")
+
+    def copy_bytes(self, side: str) -> int:
+        """Bytes one load (vector) of operand ``side`` moves."""
+        return self.vector(side) * self.element_bytes
+
+    @property
+    def stages(self) -> int:
+        """Shared-memory stages of the operand tiles."""
+        return DIRECT_STAGES if self.direct else 2
 
     def vector(self, side: str) -> int:
         """Elements of operand ``side`` one load moves (along the rows where the operand is loaded
@@ -407,32 +441,36 @@ MIN_SPLIT_TILES = 4
 
 
 def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest: bool, tiles: Tiles) -> int:
-    """Elements of operand ``side`` a thread loads at once (``VECTOR_BYTES`` of them, else 1): where
-    the operand is a bare table gather (no guard), runs of that many elements lie together in memory
-    along the direction it is loaded in (the innermost row variable when ``rows_fastest``, else the
-    innermost depth variable: coefficient one, its extent a multiple of the width, every other
-    coefficient too, so every run starts aligned), and the tile splits into whole runs."""
+    """Elements of operand ``side`` a thread loads at once: the most of ``VECTOR_BYTES``, 8 or 4
+    bytes' worth (at least two elements; else 1) such that the operand is a bare table gather
+    (no guard), runs of that many elements lie together in memory along the direction it is
+    loaded in (the innermost row variable when ``rows_fastest``, else the innermost depth
+    variable: coefficient one, its extent a multiple of the width, every other coefficient too,
+    so every run starts aligned), and the tile splits into whole runs."""
     if gather is None or gather.row_vars or gather.depth_vars:
         return 1
     tensor = next(t for t in view.op.inputs if t.name == gather.tensor)
     if tensor.dtype not in ("float32", "float16", "bfloat16"):
         return 1
-    width = VECTOR_BYTES // (4 if tensor.dtype == "float32" else 2)
+    itemsize = 4 if tensor.dtype == "float32" else 2
     axis = (view.m if side == "a" else view.n) if rows_fastest else view.k
     name, extent = axis[-1]
     inner = index.var(name)
     offset = sympy.expand(gather.row_part + gather.depth_part + gather.rest)
-    if offset.coeff(inner) != 1 or extent % width:
+    if offset.coeff(inner) != 1:
         return 1
+    variables = [index.var(v) for v, _ in (*view.m, *view.n, *view.k, *view.batch)]
     others = offset - inner
-    coefficients = [others.coeff(index.var(v)) for v, _ in (*view.m, *view.n, *view.k, *view.batch)]
-    constant = others.subs({index.var(v): 0 for v, _ in (*view.m, *view.n, *view.k, *view.batch)})
-    if any(int(c) % width for c in [*coefficients, constant]):
-        return 1
+    coefficients = [int(others.coeff(v)) for v in variables]
+    coefficients.append(int(others.subs(dict.fromkeys(variables, 0))))
     rows = tiles.block_m if side == "a" else tiles.block_n
-    if (rows if rows_fastest else tiles.block_k) % width or (rows * tiles.block_k // width) % tiles.threads:
-        return 1
-    return width
+    for width in (VECTOR_BYTES // itemsize, 8 // itemsize, 4 // itemsize):
+        if width < 2 or extent % width or any(c % width for c in coefficients):
+            continue
+        if (rows if rows_fastest else tiles.block_k) % width or (rows * tiles.block_k // width) % tiles.threads:
+            continue
+        return width
+    return 1
 
 
 def can_split(view: GemmView) -> bool:
@@ -440,18 +478,36 @@ def can_split(view: GemmView) -> bool:
     return view.epilogue is None and view.op.dtype == "float32"
 
 
-def choose_tiles(view: GemmView, precision: str, predict) -> tuple[Tiles, int]:
-    """The tile of ``TILE_CHOICES`` and the depth splits (``SPLITS``, where ``can_split``) the
-    timing model ``predict(kernel) -> seconds`` likes best."""
+def make_kernel(name: str, view: GemmView, tiles: Tiles, precision: str, splits: int = 1) -> MmaKernel:
+    """The ``MmaKernel`` of ``view`` with ``tiles``: load directions, table gathers and vector widths."""
+    gathers = (gather_plan(view, "a"), gather_plan(view, "b"))
+    rows_fastest = (_rows_fastest(view, "a"), _rows_fastest(view, "b"))
+    vectors = (
+        vector_width(view, "a", gathers[0], rows_fastest[0], tiles),
+        vector_width(view, "b", gathers[1], rows_fastest[1], tiles),
+    )
+    return MmaKernel(name, view, tiles, precision, *rows_fastest, *gathers, splits, *vectors)
+
+
+def allowed_tiles(kernel: MmaKernel) -> tuple[Tiles, ...]:
+    """The tiles ``kernel``'s main loop may take (``DIRECT_TILES`` only with cp.async)."""
+    return TILE_CHOICES + DIRECT_TILES if kernel.direct else TILE_CHOICES
+
+
+def choose_kernel(name: str, view: GemmView, precision: str, predict) -> MmaKernel:
+    """The kernel of ``view`` with the tiles (``TILE_CHOICES``, ``DIRECT_TILES`` where its operands
+    are copied directly) and depth splits (``SPLITS``, where ``can_split``) the timing model
+    ``predict(kernel) -> seconds`` likes best."""
     candidates = []
-    for tiles in TILE_CHOICES:
-        depth_tiles = -(-view.sizes[3] // tiles.block_k)
+    for tiles in TILE_CHOICES + DIRECT_TILES:
+        kernel = make_kernel(name, view, tiles, precision)
+        if tiles not in allowed_tiles(kernel):
+            continue
         for splits in SPLITS if can_split(view) else (1,):
-            if splits > 1 and depth_tiles < splits * MIN_SPLIT_TILES:
+            if splits > 1 and kernel.depth_tiles < splits * MIN_SPLIT_TILES:
                 break
-            candidates.append(MmaKernel("probe", view, tiles, precision, False, False, splits=splits))
-    best = min(candidates, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
-    return best.tiles, best.splits
+            candidates.append(dataclasses.replace(kernel, splits=splits))
+    return min(candidates, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
 
 
 @lru_cache(maxsize=512)
@@ -467,16 +523,9 @@ def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
         views = gemm_views(op, TENSOR_CORE)
     if views is None:
         return OpPlan(op, (SimtKernel(name, op),), op.scatter is not None)
-    kernels = []
-    for k, view in enumerate(views):
-        tiles, splits = choose_tiles(view, precision, predict_kernel)
-        label = name if k == 0 else f"{name}_{k}"
-        gathers = (gather_plan(view, "a"), gather_plan(view, "b"))
-        rows_fastest = (_rows_fastest(view, "a"), _rows_fastest(view, "b"))
-        vectors = (
-            vector_width(view, "a", gathers[0], rows_fastest[0], tiles),
-            vector_width(view, "b", gathers[1], rows_fastest[1], tiles),
-        )
-        kernels.append(MmaKernel(label, view, tiles, precision, *rows_fastest, *gathers, splits, *vectors))
+    kernels = [
+        choose_kernel(name if k == 0 else f"{name}_{k}", view, precision, predict_kernel)
+        for k, view in enumerate(views)
+    ]
     split = any(kernel.splits > 1 for kernel in kernels)
     return OpPlan(op, tuple(kernels), split or not covers_output(op, views))

@@ -55,6 +55,7 @@ H100 = GpuFigures()
 
 #: registers a thread of an MMA kernel is assumed to hold besides its accumulators
 MMA_BASE_REGISTERS = 64
+DIRECT_BASE_REGISTERS = 40
 #: registers a thread of a SIMT kernel is assumed to hold
 SIMT_REGISTERS = 32
 
@@ -68,11 +69,15 @@ def resident_blocks(threads: int, registers: int, shared: int, gpu: GpuFigures =
 
 
 def mma_registers(kernel) -> int:
-    """Registers a thread of an ``MmaKernel`` holds: accumulators, prefetched operands and the rest."""
+    """Registers a thread of an ``MmaKernel`` holds: accumulators, prefetched operands (on the
+    register path) and the rest (fitted to ptxas's counts: ~110 on the register path, ~70 with
+    cp.async, for 32 accumulators)."""
     tiles = kernel.tiles
     accumulators = tiles.frags_m * tiles.frags_n * 4
+    if kernel.direct:
+        return min(255, DIRECT_BASE_REGISTERS + accumulators)
     prefetch = (tiles.block_m + tiles.block_n) * tiles.block_k // tiles.threads
-    return min(255, MMA_BASE_REGISTERS + accumulators + prefetch)
+    return min(255, MMA_BASE_REGISTERS + accumulators + prefetch // 2)
 
 
 def _waves(blocks: int, resident: int, gpu: GpuFigures) -> float:

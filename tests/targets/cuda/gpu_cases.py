@@ -8,13 +8,14 @@ import neoflow
 from neoflow.ir.op import Op
 
 
-def capsule(stride: int, batch: int = 2, channels: int = 8, out: int = 5) -> Op:
+def capsule(stride: int, batch: int = 2, channels: int = 8, out: int = 5, dtype: str = "float32") -> Op:
     """A capsule convolution (3x3, 4x4 poses) with an ``out x out`` output."""
     size = (out - 1) * stride + 3
     return neoflow.op(
         f"Out[b, k, p, q, i, j] = ReduceAdd({{c, r, s, t}}, In[b, c, p*{stride} + r, q*{stride} + s, i, t] * "
         "W[k, c, r, s, t, j])",
         shapes={"In": (batch, channels, size, size, 4, 4), "W": (channels, channels, 3, 3, 4, 4)},
+        dtype=dtype,
     )
 
 

@@ -25,7 +25,12 @@ def _gpu_reason() -> str | None:
 REASON = _gpu_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
-CASES = {"capsule1": lambda: capsule(1), "capsule2": lambda: capsule(2), "conv_relu": conv_relu}
+CASES = {
+    "capsule1": lambda: capsule(1),
+    "capsule2": lambda: capsule(2),
+    "capsule1_half": lambda: capsule(1, channels=16, dtype="float16"),
+    "conv_relu": conv_relu,
+}
 #: largest error against the interpreter's float32, relative to the largest output, per precision
 TOLERANCE = {"fp32": 1e-5, "tf32": 3e-3, "fp16": 3e-3, "bf16": 2e-2}
 
@@ -36,9 +41,12 @@ def test_cuda_matches_interpreter_and_model(case: str, precision: str) -> None:
     for op in all_ops(CASES[case]()):
         graph = Graph.from_ops([op])
         inputs = inputs_for(op, seed=1)
-        reference = neoflow.evaluate(op, inputs)
-        gpu = CudaExecutor(graph, [op.name], precision=precision).run(inputs)[op.name]
+        if op.inputs[0].dtype == "float16":
+            inputs = {name: value.astype(np.float16) for name, value in inputs.items()}
+        reference = neoflow.evaluate(op, inputs).astype(np.float32)
+        gpu = CudaExecutor(graph, [op.name], precision=precision).run(inputs)[op.name].astype(np.float32)
         scale = np.abs(reference).max()
         assert np.abs(gpu - reference).max() <= TOLERANCE[precision] * scale, (op.name, precision)
-        model = ModelExecutor(graph, [op.name], precision=precision).run(inputs)[op.name]
-        assert np.abs(gpu - model).max() <= 1e-5 * scale, (op.name, precision, "model")
+        model = ModelExecutor(graph, [op.name], precision=precision).run(inputs)[op.name].astype(np.float32)
+        same = 1e-5 if op.dtype == "float32" else 1e-3  # float16 outputs: one rounding apart at most
+        assert np.abs(gpu - model).max() <= same * scale, (op.name, precision, "model")

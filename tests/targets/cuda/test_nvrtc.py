@@ -13,7 +13,7 @@ from neoflow.ir.graph import Graph
 from neoflow.targets.cuda import nvrtc
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.executor import graph_plans
-from neoflow.targets.cuda.plan import TILE_CHOICES, MmaKernel, OpPlan, plan_op
+from neoflow.targets.cuda.plan import MmaKernel, OpPlan, allowed_tiles, plan_op
 from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu
 
 pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="NVRTC is not installed (pip install '.[cuda]')")
@@ -32,10 +32,13 @@ def _plans() -> list[OpPlan]:
     )
     plans.append(plan_op(half, "k_half", "fp16"))
     long_depth = neoflow.grad(capsule(2, batch=3, channels=16, out=6))["W"]
-    base = plan_op(long_depth, "long", "fp16").kernels[0]
-    for n, tiles in enumerate(TILE_CHOICES):
-        kernel = dataclasses.replace(base, name=f"tile{n}", tiles=tiles, splits=1 + n % 3)
-        plans.append(OpPlan(long_depth, (kernel,), True))
+    for precision in ("fp16", "tf32"):  # through registers (fp16 from float32), and by cp.async (tf32)
+        base = plan_op(long_depth, "long", precision).kernels[0]
+        for n, tiles in enumerate(allowed_tiles(base)):
+            kernel = dataclasses.replace(base, name=f"tile{n}_{precision}", tiles=tiles, splits=1 + n % 3)
+            plans.append(OpPlan(long_depth, (kernel,), True))
+    # float16 tensors: copied by cp.async, 8 bytes a copy
+    plans += [plan_op(op, f"h{n}", "fp16") for n, op in enumerate(all_ops(capsule(1, channels=16, dtype="float16")))]
     return plans
 
 
