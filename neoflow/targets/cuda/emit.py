@@ -471,14 +471,45 @@ def _fragments(kernel: MmaKernel) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finished(kernel: MmaKernel) -> tuple[str, str]:
+    """C for the output offset of the point whose variables are declared, and the epilogue's
+    value there from the accumulated ``nf_acc_value``."""
+    view = kernel.view
+    printer = _printer(view.op, lambda node: "nf_acc_value")
+    body: Expr = view.epilogue if view.epilogue is not None else view.reduce
+    return printer.index(view.out_offset), printer(body, view.op.dtype)
+
+
+def finish_source(kernel: MmaKernel) -> str:
+    """The CUDA C++ finishing a split kernel: each point of its piece from the workspace's sum
+    through the epilogue into the output (kernel ``<name>_finish``; the output, the op's inputs,
+    then the workspace)."""
+    view = kernel.view
+    _, m, n, _ = view.sizes
+    offset, value = _finished(kernel)
+    parameters = _parameters(view.op) + ", const float *__restrict__ nf_ws"
+    decode = [
+        _decode("nf_bb", "nf_flat / " + str(m * n), view.batch) if view.batch else "",
+        _decode("nf_rr", f"(nf_flat / {n}) % {m}", view.m),
+        _decode("nf_cc", f"nf_flat % {n}", view.n),
+    ]
+    signature = f'extern "C" __global__ void __launch_bounds__(256) {kernel.name}_finish({parameters}) {{\n'
+    return signature + narrow_indices(
+        view.op,
+        f"    for (int64_t nf_flat = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; nf_flat < {kernel.finish_points}; "
+        f"nf_flat += (int64_t)gridDim.x * blockDim.x) {{\n"
+        + "".join(f"        {line}\n" for line in decode if line)
+        + f"        const float nf_acc_value = nf_ws[{offset}];\n"
+        f"        nf_out[{offset}] = {value};\n"
+        "    }\n"
+        "}\n",
+    )
+
+
 def _epilogue(kernel: MmaKernel) -> str:
     view, tiles = kernel.view, kernel.tiles
-    op = view.op
-    printer = _printer(op, lambda node: "nf_acc_value")
-    body: Expr = view.epilogue if view.epilogue is not None else view.reduce
-    value = printer(body, view.op.dtype)
-    offset = printer.index(view.out_offset)
-    store = f"atomicAdd(&nf_out[{offset}], {value});" if kernel.splits > 1 else f"nf_out[{offset}] = {value};"
+    offset, value = _finished(kernel)
+    store = f"atomicAdd(&nf_ws[{offset}], nf_acc_value);" if kernel.splits > 1 else f"nf_out[{offset}] = {value};"
     row, col = accumulator_coords()
     _, m, n, _ = view.sizes
     return (
@@ -508,7 +539,7 @@ def mma_source(kernel: MmaKernel) -> str:
     splits = kernel.splits
     batch = _decode("nf_bb", f"(int64_t)(blockIdx.z / {splits})", view.batch) if view.batch else ""
     first = f"(blockIdx.z % {splits}) * {kernel.split_tiles}"
-    parameters = _parameters(op, table_names(kernel))
+    parameters = _parameters(op, table_names(kernel)) + (", float *__restrict__ nf_ws" if kernel.splits > 1 else "")
     signature = f'extern "C" __global__ void __launch_bounds__({tiles.threads}) {kernel.name}({parameters}) {{\n'
     return signature + narrow_indices(
         op,
@@ -606,8 +637,10 @@ def _refuse(op: Op) -> str:
 
 
 def kernel_source(kernel: MmaKernel | SimtKernel) -> str:
-    """The CUDA C++ of one kernel."""
-    return mma_source(kernel) if isinstance(kernel, MmaKernel) else simt_source(kernel)
+    """The CUDA C++ of one kernel (and of its finishing kernel, where its depth is split)."""
+    if not isinstance(kernel, MmaKernel):
+        return simt_source(kernel)
+    return mma_source(kernel) + (finish_source(kernel) if kernel.splits > 1 else "")
 
 
 def module_source(plans: list[OpPlan]) -> str:

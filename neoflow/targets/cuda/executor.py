@@ -136,6 +136,10 @@ class CudaExecutor:
                 self.buffers[tensor.name] = driver.View(self.arena, self.plan.offsets[tensor.name], nbytes(tensor))
             else:
                 self.buffers[tensor.name] = driver.Buffer(nbytes(tensor))
+        # a split op's float32 workspace (each its own: ops of a captured graph run in order)
+        self.workspaces = {
+            plan.op.name: driver.Buffer(plan.op.output.size * 4) for plan in self.plans if plan.workspace
+        }
         self.tables: dict[str, list[driver.Buffer]] = {}  # each kernel's index tables, uploaded once
         for plan in self.plans:
             for kernel in plan.kernels:
@@ -157,14 +161,24 @@ class CudaExecutor:
             pointers = [self.buffers[op.name].pointer, *(self.buffers[t.name].pointer for t in op.inputs)]
             if plan.zero_first:
                 driver.memset_zero(pointers[0], self.buffers[op.name].nbytes, stream)
+            workspace = self.workspaces.get(op.name)
+            if workspace is not None:
+                driver.memset_zero(workspace.pointer, workspace.nbytes, stream)
             for kernel in plan.kernels:
                 if isinstance(kernel, MmaKernel):
                     threads, shared = kernel.tiles.threads, kernel.shared_bytes
                 else:
                     threads, shared = kernel.threads, 0
                 function = self.module.function(kernel.name, shared)
-                tables = [buffer.pointer for buffer in self.tables.get(kernel.name, [])]
-                kept.append(driver.launch(function, kernel.grid, threads, shared, pointers + tables, stream))
+                arguments = pointers + [buffer.pointer for buffer in self.tables.get(kernel.name, [])]
+                split = isinstance(kernel, MmaKernel) and kernel.splits > 1
+                if split:
+                    arguments.append(workspace.pointer)
+                kept.append(driver.launch(function, kernel.grid, threads, shared, arguments, stream))
+                if split:  # the finishing kernel: the workspace's sums through the epilogue
+                    finish = self.module.function(f"{kernel.name}_finish")
+                    blocks = (max(1, min(-(-kernel.finish_points // 256), 1 << 16)), 1, 1)
+                    kept.append(driver.launch(finish, blocks, 256, 0, [*pointers, workspace.pointer], stream))
         return kept
 
     def run(self, inputs: Mapping[str, np.ndarray], recycle: bool = False) -> dict[str, np.ndarray]:

@@ -141,9 +141,10 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
     return stage
 
 
-def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray) -> None:
+def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray, workspace=None) -> None:
     """Execute ``kernel`` on ``arrays`` (the op's inputs by name), writing into ``out`` (the
-    whole output, flat)."""
+    whole output, flat) or, for a split kernel, adding into ``workspace`` (float32, flat) and
+    then finishing from there."""
     view, tiles = kernel.view, kernel.tiles
     _batch, _m_size, _n_size, _ = view.sizes
     gx, gy, gz = kernel.grid
@@ -183,10 +184,26 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
                 acc += np.einsum(
                     "ywfik,xvgkj->yxwvfgij", a, b, optimize=True, dtype=np.float32
                 )  # 16 x 8 fragments, fp32
-        _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, out)
+        _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, out, workspace)
+    if kernel.splits > 1:
+        _finish(kernel, arrays, out, workspace)
 
 
-def _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, out) -> None:
+def _finish(kernel: MmaKernel, arrays, out: np.ndarray, workspace: np.ndarray) -> None:
+    """The finishing kernel: every point of the piece from the workspace through the epilogue."""
+    view = kernel.view
+    _, m_size, n_size, _ = view.sizes
+    flat = np.arange(kernel.finish_points, dtype=np.int64)
+    env = {**unravel(flat // (m_size * n_size), view.batch)} if view.batch else {}
+    env.update(unravel((flat // n_size) % m_size, view.m))
+    env.update(unravel(flat % n_size, view.n))
+    offsets = np.broadcast_to(np.asarray(index.evaluate(view.out_offset, env), dtype=np.int64), flat.shape)
+    body = view.epilogue if view.epilogue is not None else view.reduce
+    result = evaluate_at(body, env, arrays, view.op.name, reduction=workspace[offsets])
+    out[offsets] = result.astype(out.dtype, copy=False)
+
+
+def _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, out, workspace) -> None:
     """The epilogue: each lane's accumulator registers to the output, where the plan's
     accumulator formula and the piece's offset say, under the row and column guards."""
     view, tiles = kernel.view, kernel.tiles
@@ -205,13 +222,13 @@ def _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, o
     live = (rows < m_size) & (cols < n_size)
     rows, cols, values = rows[live], cols[live], np.broadcast_to(values, live.shape)[live]
     env = {**unravel(rows, view.m), **unravel(cols, view.n), **batch_env}
-    body = view.epilogue if view.epilogue is not None else view.reduce
-    result = evaluate_at(body, env, arrays, view.op.name, reduction=values)
     offsets = np.broadcast_to(np.asarray(index.evaluate(view.out_offset, env), dtype=np.int64), rows.shape)
     if kernel.splits > 1:  # each split adds its partial sums (atomically, on the GPU)
-        np.add.at(out, offsets, result.astype(out.dtype, copy=False))
-    else:
-        out[offsets] = result.astype(out.dtype, copy=False)
+        np.add.at(workspace, offsets, values.astype(np.float32))
+        return
+    body = view.epilogue if view.epilogue is not None else view.reduce
+    result = evaluate_at(body, env, arrays, view.op.name, reduction=values)
+    out[offsets] = result.astype(out.dtype, copy=False)
 
 
 def run_plan(plan: OpPlan, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -223,6 +240,7 @@ def run_plan(plan: OpPlan, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
     out = np.zeros(op.output.size, dt.numpy_dtype(op.dtype))
     if not plan.zero_first:
         out[:] = np.nan  # an element no kernel writes shows up
+    workspace = np.zeros(op.output.size, np.float32) if plan.workspace else None
     for kernel in plan.kernels:
-        run_mma(kernel, inputs, out)
+        run_mma(kernel, inputs, out, workspace)
     return out.reshape(op.shape)

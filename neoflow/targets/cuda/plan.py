@@ -294,6 +294,11 @@ class MmaKernel:
         return -(-self.view.sizes[3] // self.tiles.block_k)
 
     @property
+    def finish_points(self) -> int:
+        """Points of the piece (its output elements) the finishing kernel of a split kernel computes."""
+        return math.prod(self.view.sizes[:3])
+
+    @property
     def split_tiles(self) -> int:
         """Depth tiles of one split (the last split may have fewer): with ``splits`` > 1 each
         block sums its share of the depth and adds it into the zeroed output atomically."""
@@ -411,11 +416,17 @@ Kernel = MmaKernel | SimtKernel
 @dataclass(frozen=True)
 class OpPlan:
     """How one graph op runs: its kernels in order; ``zero_first`` when the output must be
-    zeroed before them (a scatter op, or pieces that leave some elements unwritten)."""
+    zeroed before them (a scatter op, or pieces that leave some elements unwritten).  A kernel
+    whose depth is split adds its partial sums into a zeroed float32 workspace the size of the
+    output (``workspace``), and its finishing kernel applies the epilogue from there."""
 
     op: Op
     kernels: tuple[Kernel, ...]
     zero_first: bool
+
+    @property
+    def workspace(self) -> bool:
+        return any(isinstance(k, MmaKernel) and k.splits > 1 for k in self.kernels)
 
 
 def _rows_fastest(view: GemmView, side: str) -> bool:
@@ -474,8 +485,8 @@ def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest:
 
 
 def can_split(view: GemmView) -> bool:
-    """Whether partial sums of ``view`` may be added into its output: a float32 sum with no epilogue."""
-    return view.epilogue is None and view.op.dtype == "float32"
+    """Whether the depth of ``view`` may be split (partial sums in a float32 workspace): always."""
+    return True
 
 
 def make_kernel(name: str, view: GemmView, tiles: Tiles, precision: str, splits: int = 1) -> MmaKernel:
@@ -527,5 +538,4 @@ def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
         choose_kernel(name if k == 0 else f"{name}_{k}", view, precision, predict_kernel)
         for k, view in enumerate(views)
     ]
-    split = any(kernel.splits > 1 for kernel in kernels)
-    return OpPlan(op, tuple(kernels), split or not covers_output(op, views))
+    return OpPlan(op, tuple(kernels), not covers_output(op, views))

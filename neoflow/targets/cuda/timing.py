@@ -89,7 +89,10 @@ def predict_kernel(kernel, gpu: GpuFigures = H100) -> float:
     from neoflow.targets.cuda.plan import MmaKernel
 
     if isinstance(kernel, MmaKernel):
-        return gpu.launch_seconds + _mma_seconds(kernel, gpu)
+        finish = 0.0
+        if kernel.splits > 1:  # the finishing kernel reads the workspace and writes the output
+            finish = gpu.graph_launch_seconds + kernel.finish_points * 8.0 / gpu.hbm_bytes_per_s
+        return gpu.launch_seconds + _mma_seconds(kernel, gpu) + finish
     return gpu.launch_seconds + _simt_seconds(kernel, gpu)
 
 

@@ -46,7 +46,9 @@ def test_cuda_matches_interpreter_and_model(case: str, precision: str) -> None:
         reference = neoflow.evaluate(op, inputs).astype(np.float32)
         gpu = CudaExecutor(graph, [op.name], precision=precision).run(inputs)[op.name].astype(np.float32)
         scale = np.abs(reference).max()
-        assert np.abs(gpu - reference).max() <= TOLERANCE[precision] * scale, (op.name, precision)
+        # float16 tensors: the interpreter sums in float16, the kernels in float32
+        tolerance = TOLERANCE[precision] if op.dtype == "float32" else 2e-2
+        assert np.abs(gpu - reference).max() <= tolerance * scale, (op.name, precision)
         model = ModelExecutor(graph, [op.name], precision=precision).run(inputs)[op.name].astype(np.float32)
         same = 1e-5 if op.dtype == "float32" else 1e-3  # float16 outputs: one rounding apart at most
         assert np.abs(gpu - model).max() <= same * scale, (op.name, precision, "model")

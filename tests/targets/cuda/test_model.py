@@ -58,6 +58,10 @@ def test_padding_guards_bias_and_relu_epilogue() -> None:
     want = neoflow.evaluate(op, inputs)
     assert (want == 0).any() and (want > 0).any()  # the ReLU cuts some outputs
     _close(run_plan(plan, inputs), want)
+    # split depth: partial sums in the float32 workspace, the epilogue in the finishing kernel
+    split = OpPlan(op, (dataclasses.replace(kernel, splits=3),), plan.zero_first)
+    assert split.workspace
+    _close(run_plan(split, inputs), want)
 
 
 def test_float16_tensors_use_the_tensor_cores_directly() -> None:
