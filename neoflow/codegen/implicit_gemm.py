@@ -27,10 +27,10 @@ from functools import lru_cache
 import sympy
 
 from neoflow.codegen.hardware import Hardware
-from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice
+from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, mappings
 from neoflow.ir import index
-from neoflow.ir.expr import Binary, Const, Expr, Reduce, Select, index_variables
+from neoflow.ir.expr import Binary, Const, Expr, Index, Reduce, Select, conjuncts, index_variables, map_indices
 from neoflow.ir.op import Op
 
 Axis = tuple[tuple[str, int], ...]
@@ -78,6 +78,40 @@ def _factors(product: Expr) -> tuple[Expr, Expr] | None:
     return None
 
 
+def pin_axes(reduce: Reduce, extent: dict[str, int]) -> Reduce:
+    """``reduce`` without the axes its domain condition fixes to a constant (``e_mod2 == 0``,
+    left by a strided adjoint): each replaced by its value, its conjunct dropped."""
+    if reduce.where is None:
+        return reduce
+    fixed: dict[str, int] = {}
+    kept = []
+    for part in conjuncts(reduce.where):
+        if (
+            isinstance(part, Binary)
+            and part.op == "=="
+            and isinstance(part.a, Index)
+            and part.a.expr.is_Symbol
+            and part.a.expr.name in reduce.axes
+            and isinstance(part.b, Const)
+            and 0 <= int(part.b.value) < extent[part.a.expr.name]
+        ):
+            fixed[part.a.expr.name] = int(part.b.value)
+        else:
+            kept.append(part)
+    if not fixed:
+        return reduce
+    values = {index.var(name): value for name, value in fixed.items()}
+
+    def substitute(node: Expr) -> Expr:
+        return map_indices(node, lambda e: e.subs(values))
+
+    where = None
+    for part in kept:
+        where = substitute(part) if where is None else Binary("&&", where, substitute(part))
+    axes = [(a, e) for a, e in zip(reduce.axes, reduce.extents, strict=True) if a not in fixed]
+    return Reduce(reduce.kind, tuple(a for a, _ in axes), tuple(e for _, e in axes), substitute(reduce.body), where)
+
+
 def _ordered(variables: tuple[str, ...], order: tuple[str, ...], extent: dict[str, int]) -> Axis:
     return tuple((v, extent[v]) for v in order if v in variables)
 
@@ -100,6 +134,12 @@ def piece_view(piece: Piece, whole: Op, target: Hardware) -> GemmView | None:
     reduce, epilogue = parts
     if reduce.kind != "ReduceAdd" or any(isinstance(n, Reduce) for n in reduce.body.walk()):
         return None
+    pinned = pin_axes(reduce, op.extent)
+    if pinned is not reduce:  # the op without the pinned axes
+        body = with_reduce(epilogue, pinned) if epilogue is not None else pinned
+        ranges = tuple((v, e) for v, e in op.ranges if v in op.indices or v in pinned.axes or v not in reduce.axes)
+        op = Op(op.output, op.indices, body, op.inputs, ranges)
+        reduce, epilogue = pinned, (body if epilogue is not None else None)
     factors = _factors(reduce.body)
     if factors is None or not op.dtype.startswith("float"):
         return None

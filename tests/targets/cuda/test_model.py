@@ -123,3 +123,18 @@ def test_vector_loads_are_planned_only_where_runs_are_aligned() -> None:
     forced = dataclasses.replace(kernel, a_vector=4)
     with pytest.raises(AssertionError, match="not aligned"):
         run_plan(OpPlan(ragged, (forced,), False), inputs_for(ragged))
+
+
+def test_a_transposed_convs_input_adjoint_runs_on_the_tensor_cores() -> None:
+    # the adjoint of a stride-2 transposed conv sums over a residue its domain fixes to 0
+    op = neoflow.op(
+        "Y[n, k, l] = ReduceAdd({c, r}, Select((l - r) % 2 == 0 && (l - r) // 2 >= 0 && (l - r) // 2 < 6, "
+        "X[n, c, (l - r) // 2], 0) * W[c, k, r])",
+        shapes={"X": (2, 8, 6), "W": (8, 8, 4)},
+        out_shape=(2, 8, 14),
+    )
+    adjoint = neoflow.grad(op)["X"]
+    plan = plan_op(adjoint, "k", "fp16")
+    assert all(isinstance(k, MmaKernel) for k in plan.kernels)
+    inputs = _exact_inputs(adjoint, seed=7)
+    _close(run_plan(plan, inputs), neoflow.evaluate(adjoint, inputs))
