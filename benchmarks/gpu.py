@@ -145,6 +145,39 @@ def _kernel_rows(executor: CudaExecutor, inputs) -> list[tuple[str, float, float
     return rows
 
 
+def operator_case(operator, rounds: int, block: int) -> dict:
+    """One operator of the suite (``gpu_ops``), forward and backward in tf32, against PyTorch eager
+    (cuBLAS/cuDNN, TF32 allowed)."""
+    torch = _torch()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    op = neoflow.op(operator.text, shapes=operator.shapes, out_shape=operator.out_shape)
+    adjoints = neoflow.grad(op)
+    graph = Graph.from_ops([op, *adjoints.values()], outputs=[op.name, *(a.name for a in adjoints.values())])
+    rng = np.random.default_rng(0)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
+    executor = CudaExecutor(graph, graph.outputs, precision="tf32")
+    outputs = executor.run(inputs)
+    tensors = {name: torch.tensor(inputs[name], device="cuda", requires_grad=True) for name in operator.shapes}
+    dout = torch.tensor(inputs[f"d{op.name}"], device="cuda")
+
+    def eager():
+        for tensor in tensors.values():
+            tensor.grad = None
+        operator.torch(tensors).backward(dout)
+
+    eager()
+    reference = {op.name: operator.torch(tensors).detach().cpu().numpy()}
+    reference |= {adjoints[name].name: tensor.grad.cpu().numpy() for name, tensor in tensors.items()}
+    errors = {
+        name: float(np.abs(outputs[name] - value).max() / max(np.abs(value).max(), 1e-30))
+        for name, value in reference.items()
+    }
+    times = medians(
+        {"neoflow": lambda: neoflow_block(executor, block), "torch eager": lambda: torch_block(eager, block)}, rounds
+    )
+    return {"case": operator.name, "times": times, "errors": errors, "kernels": _kernel_rows(executor, inputs)}
+
+
 def hgemm_case(size: int, rounds: int, block: int) -> dict:
     """hgemm ``size``^3 (fp16 in, fp32 accumulate) against ``torch.matmul``."""
     torch = _torch()
@@ -181,6 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append(capsule_case(stride, precision, args.rounds, args.block))
     for size in (4096,) if args.quick else (4096, 8192):
         results.append(hgemm_case(size, args.rounds, max(2, args.block // 4)))
+    suite = []
+    if not args.quick:
+        from benchmarks.gpu_ops import operators
+
+        for operator in operators():
+            print(f"operator {operator.name} ...", file=sys.stderr, flush=True)
+            suite.append(operator_case(operator, args.rounds, args.block))
+        results += suite
     lines = [f"# neoflow cuda on {torch.cuda.get_device_name()} (torch {torch.__version__})", ""]
     for result in results:
         times = result["times"]
@@ -202,6 +243,25 @@ def main(argv: list[str] | None = None) -> int:
             for name, predicted, measured in result["kernels"]:
                 lines.append(f"| {name} | {predicted * 1e3:.3f} | {measured * 1e3:.3f} |")
         lines.append("")
+    if suite:
+        ratios = [r["times"]["torch eager"] / r["times"]["neoflow"] for r in suite]
+        geomean = float(np.exp(np.mean(np.log(ratios))))
+        lines.append("## operator suite (forward + backward, tf32) against PyTorch eager")
+        lines.append("")
+        lines.append("| operator | neoflow ms | torch ms | speed-up |")
+        lines.append("| --- | --- | --- | --- |")
+        for r, ratio in zip(suite, ratios, strict=True):
+            t = r["times"]
+            lines.append(f"| {r['case']} | {t['neoflow'] * 1e3:.3f} | {t['torch eager'] * 1e3:.3f} | {ratio:.2f}x |")
+        lines.append(f"\ngeomean {geomean:.2f}x, lowest {min(ratios):.2f}x")
+        lines.append("")
+    rows = [row for r in results for row in r["kernels"]]
+    if len(rows) >= 3:
+        from neoflow.runtime.fusion_report import spearman
+
+        rho = spearman([p for _, p, _ in rows], [m for _, _, m in rows])
+        lines.append(f"## tensor-core model: predicted against measured, {len(rows)} ops' kernels")
+        lines.append(f"\nSpearman rank correlation {rho:.3f}\n")
     text = "\n".join(lines)
     print(text)
     if args.out:
