@@ -234,6 +234,7 @@ def _reduction_printer(op: Op):
         counter[0] += 1
         acc = f"nf_acc{counter[0]}"
         dtype = dt.concrete(node.dtype)
+        dtype = "float32" if dtype in ("float16", "bfloat16") else dtype  # 16-bit floats sum in float32
         ctype = c_type(dtype, CUDA_TYPES)
         floating = dt.is_float(dtype)
         identity = _IDENTITY[node.kind] if floating or node.kind not in _INT_IDENTITY else _INT_IDENTITY[node.kind]
@@ -403,7 +404,7 @@ _PAIRS = {"float16": ("__half2", "__halves2half2"), "bfloat16": ("__nv_bfloat162
 def _operand_store(kernel: MmaKernel, side: str) -> str:
     """C storing the registers of operand ``side`` into shared-memory stage ``stage``; a vector's
     elements lie together there (the layout follows the load direction), stored in pairs of
-    16-bit elements or as a float4."""
+    16-bit elements or as one float2 or float4."""
     row, col, count = kernel.load_coords(side)
     width = kernel.vector(side)
     base = f"nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, small(row), small(col))}"
@@ -413,7 +414,7 @@ def _operand_store(kernel: MmaKernel, side: str) -> str:
     first = f"nf_reg_{side}[element * {width}"
     if kernel.storage == "tf32":
         lanes = ", ".join(f"{first} + {v}]" for v in range(width))
-        store = f"            *reinterpret_cast<float4 *>(&{base}]) = make_float4({lanes});\n"
+        store = f"            *reinterpret_cast<float{width} *>(&{base}]) = make_float{width}({lanes});\n"
         return head + "            const int vec = 0;\n" + store + "        }\n"
     pair, pack = _PAIRS[kernel.storage]
     return head + (

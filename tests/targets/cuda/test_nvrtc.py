@@ -37,6 +37,14 @@ def _plans() -> list[OpPlan]:
         for n, tiles in enumerate(allowed_tiles(base)):
             kernel = dataclasses.replace(base, name=f"tile{n}_{precision}", tiles=tiles, splits=1 + n % 3)
             plans.append(OpPlan(long_depth, (kernel,), True))
+    # a transposed conv: its input adjoint gathers float32 pairs (8-byte vectors) in tf32
+    transposed = neoflow.op(
+        "Y[n, k, l] = ReduceAdd({c, r}, Select((l - r) % 2 == 0 && (l - r) // 2 >= 0 && (l - r) // 2 < 16, "
+        "X[n, c, (l - r) // 2], 0) * W[c, k, r])",
+        shapes={"X": (4, 32, 16), "W": (32, 32, 4)},
+        out_shape=(4, 32, 34),
+    )
+    plans += [plan_op(op, f"tc{n}_{p}", p) for n, op in enumerate(all_ops(transposed)) for p in ("tf32", "fp16")]
     # float16 tensors: copied by cp.async, 8 bytes a copy
     plans += [plan_op(op, f"h{n}", "fp16") for n, op in enumerate(all_ops(capsule(1, channels=16, dtype="float16")))]
     return plans
