@@ -8,6 +8,8 @@ in order.  Expressions are printed by the shared C-syntax printers
 
 from __future__ import annotations
 
+import math
+
 import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, unflatten_index
@@ -27,6 +29,7 @@ from neoflow.targets.cuda.plan import (
     ldmatrix_a_address,
     ldmatrix_b_address,
     map_reads,
+    reduction_parts,
     tf32_a_coords,
     tf32_b_coords,
 )
@@ -252,8 +255,63 @@ def _reduction_printer(op: Op):
     return printer
 
 
+_COMBINE_TEXT = {"ReduceAdd": "{a} + {b}", "ReduceMul": "{a} * {b}"}
+
+
+def block_reduce_source(kernel: SimtKernel) -> str:
+    """The CUDA C++ of a ``SimtKernel`` with ``block_reduce``: a block per output point."""
+    op = kernel.op
+    reduce, epilogue = reduction_parts(op)
+    dtype = dt.concrete(reduce.dtype)
+    dtype = "float32" if dtype in ("float16", "bfloat16") else dtype
+    ctype = c_type(dtype, CUDA_TYPES)
+    floating = dt.is_float(dtype)
+    identity = _IDENTITY[reduce.kind] if floating or reduce.kind not in _INT_IDENTITY else _INT_IDENTITY[reduce.kind]
+    if reduce.kind in _COMBINE_TEXT:
+        combine = _COMBINE_TEXT[reduce.kind]
+    else:
+        combine = ("NF_F" if floating else "NF_I") + ("MAX" if reduce.kind == "ReduceMax" else "MIN") + "({a}, {b})"
+    printer = _reduction_printer(op)
+    term = printer(reduce.body, dtype)
+    guard = f"if ({printer(reduce.where, 'bool')}) " if reduce.where is not None else ""
+    finish = _printer(op, lambda node: "nf_total")
+    value = finish(epilogue if epilogue is not None else reduce, op.dtype)
+    axes = [(a, op.extent[a]) for a in reduce.axes]
+    terms = math.prod(e for _, e in axes)
+    decode = unflatten_index("nf_flat", [(v, op.extent[v]) for v in op.indices]) if op.indices else ""
+    threads = kernel.threads
+    signature = f'extern "C" __global__ void __launch_bounds__({threads}) {kernel.name}({_parameters(op)}) {{\n'
+    return signature + narrow_indices(
+        op,
+        f"    __shared__ {ctype} nf_partial[{threads // 32}];\n"
+        f"    for (int64_t nf_flat = blockIdx.x; nf_flat < {kernel.points}; nf_flat += gridDim.x) {{\n"
+        f"        {decode}\n"
+        f"        {ctype} nf_acc = {identity};\n"
+        f"        for (int64_t nf_term = threadIdx.x; nf_term < {terms}; nf_term += {threads}) {{\n"
+        f"            {_decode('nf_tt', 'nf_term', axes)}\n"
+        f"            {guard}nf_acc = {combine.format(a='nf_acc', b=f'({term})')};\n"
+        f"        }}\n"
+        f"        #pragma unroll\n"
+        f"        for (int nf_shift = 16; nf_shift > 0; nf_shift >>= 1)\n"
+        f"            nf_acc = {combine.format(a='nf_acc', b='__shfl_down_sync(0xffffffffu, nf_acc, nf_shift)')};\n"
+        f"        if ((threadIdx.x & 31) == 0) nf_partial[threadIdx.x >> 5] = nf_acc;\n"
+        f"        __syncthreads();\n"
+        f"        if (threadIdx.x == 0) {{\n"
+        f"            {ctype} nf_total = nf_partial[0];\n"
+        f"            for (int w = 1; w < {threads // 32}; ++w) nf_total = {combine.format(a='nf_total', b='nf_partial[w]')};\n"
+        f"            nf_out[nf_flat] = {value};\n"
+        f"        }}\n"
+        f"        __syncthreads();\n"
+        "    }\n"
+        "}\n",
+    )
+
+
 def simt_source(kernel: SimtKernel) -> str:
-    """The CUDA C++ of a ``SimtKernel``: a grid-stride loop, one point a thread."""
+    """The CUDA C++ of a ``SimtKernel``: a grid-stride loop, one point a thread (or, with
+    ``block_reduce``, one point a block)."""
+    if kernel.block_reduce:
+        return block_reduce_source(kernel)
     op = kernel.op
     printer = _reduction_printer(op)
     value = printer(op.body, op.dtype)

@@ -395,11 +395,15 @@ def tf32_b_coords() -> tuple[sympy.Expr, sympy.Expr]:
 
 @dataclass(frozen=True)
 class SimtKernel:
-    """``op`` on SIMT cores: one thread per output point (per source point for a scatter op)."""
+    """``op`` on SIMT cores: one thread per output point (per source point for a scatter op), or,
+    with ``block_reduce``, one block per output point summing (maxing, ...) its reduction in
+    parallel: the threads take turns over the flattened reduction domain (its last axis fastest,
+    so a warp reads along memory), then combine through warp shuffles and shared memory."""
 
     name: str
     op: Op
     threads: int = 256
+    block_reduce: bool = False
 
     @property
     def points(self) -> int:
@@ -407,7 +411,37 @@ class SimtKernel:
 
     @property
     def grid(self) -> tuple[int, int, int]:
+        if self.block_reduce:
+            return (max(1, min(self.points, 1 << 16)), 1, 1)
         return (max(1, min(-(-self.points // self.threads), 1 << 16)), 1, 1)
+
+
+#: a SIMT op reduces with a block per output point when its sum is at least this long ...
+BLOCK_REDUCE_TERMS = 512
+#: ... and it has at most this many output points (a thread each would leave the GPU idle)
+BLOCK_REDUCE_POINTS = 1 << 16
+
+
+def reduction_parts(op: Op):
+    """``(reduce, epilogue)`` where ``op`` is one top-level reduction under an element-wise
+    epilogue (``split_epilogue``), else None."""
+    from neoflow.codegen.lattice import split_epilogue
+
+    if op.scatter is not None:
+        return None
+    return split_epilogue(op.body, op)
+
+
+def simt_kernel(name: str, op: Op) -> SimtKernel:
+    """The SIMT kernel of ``op``: a block per output point where its one reduction is long
+    (``BLOCK_REDUCE_TERMS``) and its points few (``BLOCK_REDUCE_POINTS``), else a thread per point."""
+    parts = reduction_parts(op)
+    if parts is not None:
+        terms = math.prod(op.extent[a] for a in parts[0].axes)
+        points = math.prod(op.extent[v] for v in op.indices)
+        if terms >= BLOCK_REDUCE_TERMS and points <= BLOCK_REDUCE_POINTS:
+            return SimtKernel(name, op, block_reduce=True)
+    return SimtKernel(name, op)
 
 
 Kernel = MmaKernel | SimtKernel
@@ -533,7 +567,7 @@ def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
     if PRECISIONS[precision] is not None and all(t.dtype in ("float32", "float16", "bfloat16") for t in op.inputs):
         views = gemm_views(op, TENSOR_CORE)
     if views is None:
-        return OpPlan(op, (SimtKernel(name, op),), op.scatter is not None)
+        return OpPlan(op, (simt_kernel(name, op),), op.scatter is not None)
     kernels = [
         choose_kernel(name if k == 0 else f"{name}_{k}", view, precision, predict_kernel)
         for k, view in enumerate(views)

@@ -130,6 +130,8 @@ def _simt_seconds(kernel, gpu: GpuFigures) -> float:
     blocks = kernel.grid[0]
     resident = resident_blocks(kernel.threads, SIMT_REGISTERS, 0, gpu)
     occupancy = min(1.0, blocks / (resident * gpu.sms))
+    if not kernel.block_reduce and kernel.points < kernel.threads * gpu.sms:
+        occupancy = kernel.points / (kernel.threads * gpu.sms * resident)  # a thread a point: few threads
     compute = flops / (gpu.fp32_flops / 2.0 * max(occupancy, 1.0 / gpu.sms))
     memory = (touched + written) / gpu.hbm_bytes_per_s
     return max(compute, memory)
