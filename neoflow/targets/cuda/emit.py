@@ -389,10 +389,15 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
         value = printer(map_reads(gather.expr, lambda node: lane_read), "float32")
         pointer = f"nf_in{[t.name for t in view.op.inputs].index(gather.tensor)}"
         raw = {16: "uint4", 8: "uint2", 4: "uint32_t"}[width * (4 if tensor.dtype == "float32" else 2)]
+        guard_open, guard_close = "", ""
+        if gather.guard is not None:  # the vector is read only where its guard holds (zeros else)
+            guard_open = f"({printer(gather.guard, 'bool')}) ? "
+            guard_close = f" : {raw}{{}}"
         return head + (
             f"            if (nf_r < {limit} && nf_k < {view.sizes[3]}) {{\n"
             f"                {_table_lookup(kernel, side, gather, printer)}\n"
-            f"                const {raw} nf_raw = __ldg(reinterpret_cast<const {raw} *>({pointer} + v_{OFFSET}));\n"
+            f"                const {raw} nf_raw = {guard_open}"
+            f"__ldg(reinterpret_cast<const {raw} *>({pointer} + v_{OFFSET})){guard_close};\n"
             f"                const {c_type(tensor.dtype, CUDA_TYPES)} *nf_lanes = "
             f"reinterpret_cast<const {c_type(tensor.dtype, CUDA_TYPES)} *>(&nf_raw);\n"
             f"                #pragma unroll\n"
@@ -425,7 +430,8 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
 
 def _operand_copy(kernel: MmaKernel, side: str) -> str:
     """C issuing the ``cp.async`` copies of thread ``tid``'s vectors of operand ``side`` for depth
-    tile ``nf_k0`` into stage ``stage`` (vectors past the tensor's rows or depth are zero-filled)."""
+    tile ``nf_k0`` into stage ``stage`` (vectors past the tensor's rows or depth, or whose guard
+    fails, are zero-filled and read nothing)."""
     view = kernel.view
     gather = kernel.a_gather if side == "a" else kernel.b_gather
     row, col, count = kernel.load_coords(side)
@@ -435,8 +441,10 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
     printer = _printer(view.op, lambda node: _refuse(view.op), gather)
     pointer = f"nf_in{[t.name for t in view.op.inputs].index(gather.tensor)}"
     target = f"&nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, 'nf_row', 'nf_col')}]"
+    guard = "true" if gather.guard is None else printer(gather.guard, "bool")
+    unroll = "" if count <= 8 else " 4"  # many scalar copies: a few in flight keep registers free
     return (
-        f"        #pragma unroll\n"
+        f"        #pragma unroll{unroll}\n"
         f"        for (int element = 0; element < {count}; ++element) {{\n"
         f"            const int vec = 0;\n"
         f"            const int nf_row = {small(row)}, nf_col = {small(col)};\n"
@@ -444,7 +452,9 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
         f"            const bool nf_valid = nf_r < {limit} && nf_k < {view.sizes[3]};\n"
         f"            if (!nf_valid) nf_r = nf_k = 0;\n"
         f"            {_table_lookup(kernel, side, gather, printer)}\n"
-        f"            nf_copy<{kernel.copy_bytes(side)}>({target}, {pointer} + v_{OFFSET}, nf_valid);\n"
+        f"            const bool nf_copied = nf_valid && {guard};\n"
+        f"            nf_copy<{kernel.copy_bytes(side)}>({target}, {pointer} + (nf_copied ? v_{OFFSET} : 0), "
+        f"nf_copied);\n"
         f"        }}\n"
     )
 

@@ -35,7 +35,7 @@ from neoflow.codegen.hardware import TENSOR_CORE
 from neoflow.codegen.implicit_gemm import GemmView, covers_output, gemm_views
 from neoflow.errors import CompileError
 from neoflow.ir import index
-from neoflow.ir.expr import Const, Expr, Read, index_variables, map_children
+from neoflow.ir.expr import Const, Expr, Read, Select, index_variables, map_children
 from neoflow.ir.op import Op
 from neoflow.ir.simplify import read_offset
 
@@ -107,7 +107,9 @@ TILE_CHOICES = (
 )
 #: tiles only a kernel copying its operands by cp.async may take (64 x 32 warp tiles: the register
 #: path's gathers would spill)
-DIRECT_TILES = (Tiles(128, 128, 32, 2, 4),)
+DIRECT_TILES = (Tiles(128, 128, 32, 2, 4), Tiles(128, 128, 64, 2, 4), Tiles(128, 64, 64, 4, 2))
+#: shared memory one block may have (H100: 227 KiB)
+SHARED_LIMIT = 227 << 10
 #: shared memory rows are padded by this many bytes (one 16-byte vector) against bank conflicts
 ROW_PAD_BYTES = 16
 
@@ -132,6 +134,20 @@ class Gather:
     row_vars: tuple[str, ...]
     depth_vars: tuple[str, ...]
     expr: Expr
+
+    @property
+    def plain(self) -> bool:
+        """Whether the operand is the read itself or ``Select(guard, read, 0)`` (a padding or
+        domain guard): a copy of the tensor's elements, zeros where the guard fails."""
+        return isinstance(self.expr, Read) or self.guard is not None
+
+    @property
+    def guard(self) -> Expr | None:
+        """The condition of a guarded read ``Select(guard, read, 0)``, else None."""
+        expr = self.expr
+        if isinstance(expr, Select) and isinstance(expr.a, Read) and isinstance(expr.b, Const) and expr.b.value == 0:
+            return expr.cond
+        return None
 
 
 def gather_plan(view: GemmView, side: str) -> Gather | None:
@@ -320,7 +336,7 @@ class MmaKernel:
 
     def _direct_side(self, side: str) -> bool:
         gather = self.a_gather if side == "a" else self.b_gather
-        if gather is None or not isinstance(gather.expr, Read) or gather.row_vars or gather.depth_vars:
+        if gather is None or not gather.plain:
             return False
         dtype = next(t.dtype for t in self.view.op.inputs if t.name == gather.tensor)
         itemsize = 4 if dtype == "float32" else 2
@@ -487,13 +503,18 @@ MIN_SPLIT_TILES = 4
 
 def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest: bool, tiles: Tiles) -> int:
     """Elements of operand ``side`` a thread loads at once: the most of ``VECTOR_BYTES``, 8 or 4
-    bytes' worth (at least two elements; else 1) such that the operand is a bare table gather
-    (no guard), runs of that many elements lie together in memory along the direction it is
+    bytes' worth (at least two elements; else 1) such that the operand is a table gather whose
+    guard, if any, guards the read alone and stays the same along a run, runs of that many
+    elements lie together in memory along the direction it is
     loaded in (the innermost row variable when ``rows_fastest``, else the innermost depth
     variable: coefficient one, its extent a multiple of the width, every other coefficient too,
     so every run starts aligned), and the tile splits into whole runs."""
-    if gather is None or gather.row_vars or gather.depth_vars:
+    if gather is None:
         return 1
+    guarded = gather.depth_vars if not rows_fastest else gather.row_vars
+    axis_vars = (view.m if side == "a" else view.n) if rows_fastest else view.k
+    if (gather.row_vars or gather.depth_vars) and (gather.guard is None or axis_vars[-1][0] in guarded):
+        return 1  # a guard that changes along a run, or one not on the read alone
     tensor = next(t for t in view.op.inputs if t.name == gather.tensor)
     if tensor.dtype not in ("float32", "float16", "bfloat16"):
         return 1
@@ -546,7 +567,7 @@ def choose_kernel(name: str, view: GemmView, precision: str, predict) -> MmaKern
     candidates = []
     for tiles in TILE_CHOICES + DIRECT_TILES:
         kernel = make_kernel(name, view, tiles, precision)
-        if tiles not in allowed_tiles(kernel):
+        if tiles not in allowed_tiles(kernel) or kernel.shared_bytes > SHARED_LIMIT:
             continue
         for splits in SPLITS if can_split(view) else (1,):
             if splits > 1 and kernel.depth_tiles < splits * MIN_SPLIT_TILES:

@@ -56,6 +56,8 @@ H100 = GpuFigures()
 #: registers a thread of an MMA kernel is assumed to hold besides its accumulators
 MMA_BASE_REGISTERS = 64
 DIRECT_BASE_REGISTERS = 40
+#: cycles a block spends on each depth tile besides its multiply-adds (barrier, copy latency not hidden)
+TILE_CYCLES = 300
 #: registers a thread of a SIMT kernel is assumed to hold
 SIMT_REGISTERS = 32
 
@@ -109,6 +111,8 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
     # a block shares its SM with the others resident; a wave ends when its slowest SM does
     waves = _waves(blocks, resident, gpu)
     per_wave = min(resident, math.ceil(blocks / gpu.sms)) * block_flops / per_sm
+    # each depth tile costs a barrier and the wait for its copies: fewer, deeper tiles pay less
+    per_wave += kernel.split_tiles * TILE_CYCLES / gpu.clock_hz
     compute = waves * per_wave
     # gathers: each block reads its operand tiles once per depth tile (4-byte elements), from L2
     gathered = blocks * kernel.split_tiles * (tiles.block_m + tiles.block_n) * tiles.block_k * 4.0
