@@ -178,6 +178,110 @@ def operator_case(operator, rounds: int, block: int) -> dict:
     return {"case": operator.name, "times": times, "errors": errors, "kernels": _kernel_rows(executor, inputs)}
 
 
+def _capsule_conv_torch(x, k, stride: int):
+    """``Out[b,k,p,q,i,j] = sum_{c,r,s,t} x[b,c,p*stride+r,q*stride+s,i,t] * k[k,c,r,s,t,j]`` (unfold + einsum)."""
+    patches = x.unfold(2, 3, stride).unfold(3, 3, stride)  # b c p q i t r s
+    return __import__("torch").einsum("bcpqitrs,kcrstj->bkpqij", patches, k)
+
+
+def _capsule_conv_jax(x, k, stride: int):
+    import jax.numpy as jnp
+
+    p = (x.shape[2] - 3) // stride + 1
+    q = (x.shape[3] - 3) // stride + 1
+    out = 0
+    for r in range(3):
+        for s in range(3):
+            window = x[:, :, r : r + stride * (p - 1) + 1 : stride, s : s + stride * (q - 1) + 1 : stride]
+            out = out + jnp.einsum("bcpqit,kctj->bkpqij", window, k[:, :, r, s])
+    return out
+
+
+def capsule_network_case(rounds: int, block: int) -> dict:
+    """The training step (cross-entropy, SGD) of ``models/capsule28.onnx`` (batch 64, 28x28, two
+    capsule-conv layers), compiled with the neoflow fusion policy, against PyTorch eager and JAX jit."""
+    import jax
+    import jax.numpy as jnp
+
+    torch = _torch()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    lr = 0.01
+    path = Path(__file__).resolve().parents[1] / "models" / "capsule28.onnx"
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd", lr=lr)
+    model = neoflow.compile(path, target="cuda", train=spec, fusion="neoflow")
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((64, 1, 28, 28)).astype(np.float32), "y": rng.integers(0, 10, 64)}
+    start = {name: value.copy() for name, value in model.parameters().items()}
+    losses = [model.train_step(batch) for _ in range(3)]
+    executor, feed = model.executor_and_feed(batch, True)
+
+    params = {name: torch.tensor(value, device="cuda", requires_grad=True) for name, value in start.items()}
+    x = torch.tensor(batch["x"], device="cuda")
+    y = torch.tensor(batch["y"], device="cuda")
+    optimizer = torch.optim.SGD(params.values(), lr=lr)
+
+    def torch_forward(p, x):
+        h = torch.relu(_capsule_conv_torch(x.reshape(64, 1, 28, 28, 1, 1), p["k1"], 1))
+        return _capsule_conv_torch(h, p["k2"], 2).flatten(1) @ p["w"].T + p["b"]
+
+    def torch_step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(torch_forward(params, x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    torch_losses = [float(torch_step()) for _ in range(3)]
+
+    def jax_loss(p, x, y):
+        h = jax.nn.relu(_capsule_conv_jax(x.reshape(64, 1, 28, 28, 1, 1), p["k1"], 1))
+        logits = _capsule_conv_jax(h, p["k2"], 2).reshape(64, -1) @ p["w"].T + p["b"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    @jax.jit
+    def jax_step(p, x, y):
+        loss, grads = jax.value_and_grad(jax_loss)(p, x, y)
+        return jax.tree_util.tree_map(lambda a, g: a - lr * g, p, grads), loss
+
+    jp = {name: jnp.asarray(value) for name, value in start.items()}
+    jx, jy = jnp.asarray(batch["x"]), jnp.asarray(batch["y"])
+    jax_losses = []
+    state = jp
+    for _ in range(3):
+        state, loss = jax_step(state, jx, jy)
+        jax_losses.append(float(loss))
+
+    def jax_block():
+        import time
+
+        state = jp
+        jax_step(state, jx, jy)[1].block_until_ready()
+        begin = time.perf_counter()
+        for _ in range(block):
+            state, loss = jax_step(state, jx, jy)
+        loss.block_until_ready()
+        return (time.perf_counter() - begin) / block
+
+    times = medians(
+        {
+            "neoflow": lambda: sum(executor.time(feed, block)) / block,
+            "torch eager": lambda: torch_block(torch_step, block),
+            "jax jit": jax_block,
+        },
+        rounds,
+    )
+    errors = {
+        f"loss step {k + 1} vs torch": abs(ours - theirs) / abs(theirs)
+        for k, (ours, theirs) in enumerate(zip(losses, torch_losses, strict=True))
+    }
+    errors |= {
+        f"loss step {k + 1} vs jax": abs(ours - theirs) / abs(theirs)
+        for k, (ours, theirs) in enumerate(zip(losses, jax_losses, strict=True))
+    }
+    case = "capsule network training step (capsule28.onnx, batch 64, tf32, fusion neoflow)"
+    return {"case": case, "times": times, "errors": errors, "kernels": []}
+
+
 def hgemm_case(size: int, rounds: int, block: int) -> dict:
     """hgemm ``size``^3 (fp16 in, fp32 accumulate) against ``torch.matmul``."""
     torch = _torch()
@@ -212,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(1, "fp16")] if args.quick else [(s, p) for s in (1, 2) for p in ("fp16", "tf32")]
     for stride, precision in cases:
         results.append(capsule_case(stride, precision, args.rounds, args.block))
+    results.append(capsule_network_case(args.rounds, args.block))
     for size in (4096,) if args.quick else (4096, 8192):
         results.append(hgemm_case(size, args.rounds, max(2, args.block // 4)))
     suite = []

@@ -1,7 +1,8 @@
 """Build the example ONNX models with onnx.helper:  python models/build.py
 
 Writes mlp.onnx (64-128-10), cnn.onnx (LeNet-like, 1x8x8 digits), capsule.onnx
-(capsule-conv layers as neoflow custom ops + a classifier head),
+(capsule-conv layers as neoflow custom ops + a classifier head), capsule28.onnx (the same
+at 1x28x28, batch 64, for GPUs),
 upsampler.onnx (ConvTranspose, DepthToSpace, Concat) and four_op.onnx (the
 seed's four ops as custom ops).  Weights come from a fixed seed.
 """
@@ -92,6 +93,27 @@ def capsule() -> None:
     save("capsule", nodes, [value("x", 32, 1, 8, 8)], [value("logits", 32, 10)], inits)
 
 
+def capsule28() -> None:
+    """A capsule network at a GPU's batch: 1x28x28 inputs, batch 64, two capsule-conv layers
+    (32 capsule channels, 1x4 poses; stride 1 then 2) and a classifier head."""
+    nodes = [
+        helper.make_node("Reshape", ["x", "caps_shape"], ["x6"]),
+        helper.make_node("CapsuleConv", ["x6", "k1"], ["c1"], domain="neoflow", expression=CAPSULE.format(stride=1)),
+        helper.make_node("Relu", ["c1"], ["a1"]),
+        helper.make_node("CapsuleConv", ["a1", "k2"], ["c2"], domain="neoflow", expression=CAPSULE.format(stride=2)),
+        helper.make_node("Flatten", ["c2"], ["f"]),
+        helper.make_node("Gemm", ["f", "w", "b"], ["logits"], transB=1),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([64, 1, 28, 28, 1, 1], np.int64), "caps_shape"),
+        weight("k1", 32, 1, 3, 3, 1, 4),
+        weight("k2", 32, 32, 3, 3, 4, 4),
+        weight("w", 10, 32 * 12 * 12 * 4),
+        weight("b", 10),
+    ]
+    save("capsule28", nodes, [value("x", 64, 1, 28, 28)], [value("logits", 64, 10)], inits)
+
+
 def upsampler() -> None:
     nodes = [
         helper.make_node(
@@ -138,3 +160,4 @@ if __name__ == "__main__":
     capsule()
     upsampler()
     four_op()
+    capsule28()
