@@ -190,6 +190,39 @@ def _first_tensor(node: Expr) -> str | None:
     return reads[0].tensor if reads else None
 
 
+def _lattice_guarded(node: Expr) -> bool:
+    """Whether ``node`` holds a divisibility (``x % 2 == 0``) or a division in an index."""
+    return any(isinstance(n, Index) and n.expr.has(sympy.Mod, sympy.floor) for n in node.walk())
+
+
+def guards_to_domain(op: Op) -> Op:
+    """``op`` with a factor ``Select(cond, x, 0)`` of its sum, whose condition is a lattice
+    (a transposed convolution's ``(h - r) % 2 == 0`` and bounds), moved into the sum's domain
+    condition: the same sum (the terms it skips are zeros), and ``split_lattice`` then cuts the
+    domain into dense pieces whose reads are affine."""
+    parts = split_epilogue(op.body, op) if op.scatter is None else None
+    if parts is None:
+        return op
+    reduce, epilogue = parts
+    product = reduce.body
+    if reduce.kind != "ReduceAdd" or not isinstance(product, Binary) or product.op != "*":
+        return op
+    factors = [product.a, product.b]
+    for k, factor in enumerate(factors):
+        if (
+            isinstance(factor, Select)
+            and isinstance(factor.b, Const)
+            and factor.b.value == 0
+            and _lattice_guarded(factor.cond)
+            and index_variables(factor.cond) & set(reduce.axes)
+        ):
+            factors[k] = factor.a
+            where = factor.cond if reduce.where is None else Binary("&&", reduce.where, factor.cond)
+            moved = Reduce(reduce.kind, reduce.axes, reduce.extents, Binary("*", *factors), where)
+            return Op(op.output, op.indices, with_reduce(epilogue, moved), op.inputs, op.ranges)
+    return op
+
+
 @lru_cache(maxsize=1024)
 def gemm_views(op: Op, target: Hardware) -> tuple[GemmView, ...] | None:
     """Every non-empty piece of ``op`` as a ``GemmView`` (its empty pieces, whose output is
@@ -197,7 +230,7 @@ def gemm_views(op: Op, target: Hardware) -> tuple[GemmView, ...] | None:
     intrinsic of ``target`` can run whole."""
     if op.scatter is not None:
         return None
-    pieces = split_lattice(op)
+    pieces = split_lattice(guards_to_domain(op))
     if not pieces:
         return None
     views = []

@@ -138,3 +138,20 @@ def test_a_transposed_convs_input_adjoint_runs_on_the_tensor_cores() -> None:
     assert all(isinstance(k, MmaKernel) for k in plan.kernels)
     inputs = _exact_inputs(adjoint, seed=7)
     _close(run_plan(plan, inputs), neoflow.evaluate(adjoint, inputs))
+
+
+def test_a_transposed_conv_runs_as_dense_pieces_of_its_lattice() -> None:
+    # the parity guard of a stride-2 transposed conv becomes the sum's domain: 4 dense products
+    op = neoflow.op(
+        "Y[n, k, h, w] = ReduceAdd({c, r, s}, Select((h - r) % 2 == 0 && (w - s) % 2 == 0 && (h - r) // 2 >= 0 && "
+        "(h - r) // 2 < 5 && (w - s) // 2 >= 0 && (w - s) // 2 < 5, X[n, c, (h - r) // 2, (w - s) // 2], 0) * "
+        "K[c, k, r, s])",
+        shapes={"X": (2, 8, 5, 5), "K": (8, 8, 4, 4)},
+        out_shape=(2, 8, 12, 12),
+    )
+    for each in all_ops(op):
+        plan = plan_op(each, "k", "tf32")
+        assert all(isinstance(k, MmaKernel) and k.a_gather and k.b_gather for k in plan.kernels), each.name
+        inputs = _exact_inputs(each, seed=11)
+        _close(run_plan(plan, inputs), neoflow.evaluate(each, inputs))
+    assert len(plan_op(op, "k", "tf32").kernels) == 4
