@@ -133,7 +133,10 @@ def capsule_case(stride: int, precision: str, rounds: int, block: int) -> dict:
 
 
 def _kernel_rows(executor: CudaExecutor, inputs) -> list[tuple[str, float, float]]:
-    """Per kernel of ``executor``: name, predicted and measured seconds (each kernel alone in a graph)."""
+    """Per op of ``executor``: name, predicted and measured seconds of its kernels (each op alone in a
+    graph, on the values the whole graph computed before it)."""
+    everything = [t.name for t in executor.graph.inputs] + [op.name for op in executor.graph.ops]
+    inputs = CudaExecutor(executor.graph, everything, precision=executor.precision).run(inputs)
     rows = []
     for plan in executor.plans:
         single = Graph.from_ops([plan.op])
@@ -279,7 +282,7 @@ def capsule_network_case(rounds: int, block: int) -> dict:
         for k, (ours, theirs) in enumerate(zip(losses, jax_losses, strict=True))
     }
     case = "capsule network training step (capsule28.onnx, batch 64, tf32, fusion neoflow)"
-    return {"case": case, "times": times, "errors": errors, "kernels": []}
+    return {"case": case, "times": times, "errors": errors, "kernels": _kernel_rows(executor, feed)}
 
 
 def hgemm_case(size: int, rounds: int, block: int) -> dict:
@@ -309,24 +312,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--block", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="capsule stride 1 fp16 and hgemm 4096 only")
+    parser.add_argument("--only", default=None, help="run only the cases whose name holds this text")
     parser.add_argument("--out", default=None, help="write <out>.md")
     args = parser.parse_args(argv)
     torch = _torch()
-    results = []
+    rounds, block = args.rounds, args.block
     cases = [(1, "fp16")] if args.quick else [(s, p) for s in (1, 2) for p in ("fp16", "tf32")]
-    for stride, precision in cases:
-        results.append(capsule_case(stride, precision, args.rounds, args.block))
-    results.append(capsule_network_case(args.rounds, args.block))
-    for size in (4096,) if args.quick else (4096, 8192):
-        results.append(hgemm_case(size, args.rounds, max(2, args.block // 4)))
-    suite = []
+    runs = [(f"capsule {s} {p}", lambda s=s, p=p: capsule_case(s, p, rounds, block)) for s, p in cases]
+    runs.append(("capsule network", lambda: capsule_network_case(rounds, block)))
+    runs += [
+        (f"hgemm {n}", lambda n=n: hgemm_case(n, rounds, max(2, block // 4)))
+        for n in ((4096,) if args.quick else (4096, 8192))
+    ]
+    suite_runs = []
     if not args.quick:
         from benchmarks.gpu_ops import operators
 
-        for operator in operators():
-            print(f"operator {operator.name} ...", file=sys.stderr, flush=True)
-            suite.append(operator_case(operator, args.rounds, args.block))
-        results += suite
+        suite_runs = [(o.name, lambda o=o: operator_case(o, rounds, block)) for o in operators()]
+    results, suite = [], []
+    for name, run in [*runs, *suite_runs]:
+        if args.only and args.only not in name:
+            continue
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        result = run()
+        results.append(result)
+        if (name, run) in suite_runs:
+            suite.append(result)
     lines = [f"# neoflow cuda on {torch.cuda.get_device_name()} (torch {torch.__version__})", ""]
     for result in results:
         times = result["times"]
