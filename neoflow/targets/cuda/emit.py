@@ -28,6 +28,7 @@ from neoflow.targets.cuda.plan import (
     accumulator_coords,
     ldmatrix_a_address,
     ldmatrix_b_address,
+    loop_order,
     map_reads,
     reduction_parts,
     tf32_a_coords,
@@ -247,7 +248,16 @@ def _reduction_printer(op: Op):
         else:
             macro = ("NF_F" if floating else "NF_I") + ("MAX" if node.kind == "ReduceMax" else "MIN")
             update = f"{macro}({acc}, ({value}))"
-        loops = "".join(f"for (int64_t v_{axis} = 0; v_{axis} < {op.extent[axis]}; ++v_{axis}) " for axis in node.axes)
+        loops = ""
+        for axis, stride in loop_order(node, op.extent):
+            if stride is None:
+                loops += f"for (int64_t v_{axis} = 0; v_{axis} < {op.extent[axis]}; ++v_{axis}) "
+            else:  # only the residue class the divisibility condition allows
+                start = printer.index(sympy.expand(-stride.sign * stride.rest))
+                loops += (
+                    f"for (int64_t v_{axis} = nf_mod({start}, {stride.modulus}); v_{axis} < {op.extent[axis]}; "
+                    f"v_{axis} += {stride.modulus}) "
+                )
         guard = f"if ({printer(node.where, 'bool')}) " if node.where is not None else ""
         return f"([&]() {{ {ctype} {acc} = {identity}; {loops}{{ {guard}{acc} = {update}; }} return {acc}; }}())"
 

@@ -432,6 +432,71 @@ class SimtKernel:
         return (max(1, min(-(-self.points // self.threads), 1 << 16)), 1, 1)
 
 
+@dataclass(frozen=True)
+class StridedAxis:
+    """A reduction axis a divisibility condition ``(c * axis + rest) % modulus == 0`` (``c`` = ±1)
+    steps: it runs from ``(-c * rest) mod modulus`` in steps of ``modulus``."""
+
+    axis: str
+    rest: sympy.Expr
+    sign: int
+    modulus: int
+
+
+def strided_axes(reduce, extent: dict[str, int]) -> tuple[StridedAxis, ...]:
+    """The axes of ``reduce`` that divisibility conjuncts of its domain condition step (each
+    conjunct at most one axis, one whose coefficient is ±1 and which the remainder does not
+    name); a loop over such an axis visits only the points that can satisfy it (a reshape's
+    adjoint otherwise tries every one of a 576 x 48 domain for its one term)."""
+    from neoflow.ir.expr import Binary, Index, conjuncts
+
+    if reduce.where is None:
+        return ()
+    found: dict[str, StridedAxis] = {}
+    for part in conjuncts(reduce.where):
+        if not (
+            isinstance(part, Binary)
+            and part.op == "=="
+            and isinstance(part.a, Index)
+            and isinstance(part.a.expr, sympy.Mod)
+            and isinstance(part.b, Const)
+            and part.b.value == 0
+        ):
+            continue
+        expr, modulus = part.a.expr.args
+        if not modulus.is_Integer or int(modulus) < 2:
+            continue
+        expr = sympy.expand(expr)
+        for axis in reduce.axes:
+            symbol = index.var(axis)
+            coefficient = expr.coeff(symbol)
+            rest = sympy.expand(expr - coefficient * symbol)
+            if axis in found or coefficient not in (1, -1) or rest.has(symbol) or extent[axis] < 2:
+                continue
+            if not expr.is_polynomial(symbol):
+                continue
+            found[axis] = StridedAxis(axis, rest, int(coefficient), int(modulus))
+            break
+    return tuple(found.values())
+
+
+def loop_order(reduce, extent: dict[str, int]) -> list[tuple[str, StridedAxis | None]]:
+    """The loops of ``reduce``'s axes: plain ones first, then strided ones, each after the axes
+    its start depends on (None where that cannot be ordered: every axis plain)."""
+    strided = {s.axis: s for s in strided_axes(reduce, extent)}
+    order: list[tuple[str, StridedAxis | None]] = [(a, None) for a in reduce.axes if a not in strided]
+    placed = {a for a, _ in order}
+    pending = dict(strided)
+    while pending:
+        ready = [a for a, s in pending.items() if {v.name for v in s.rest.free_symbols} & set(pending) <= {a}]
+        if not ready:
+            return [(a, None) for a in reduce.axes]
+        for axis in ready:
+            order.append((axis, pending.pop(axis)))
+            placed.add(axis)
+    return order
+
+
 #: a SIMT op reduces with a block per output point when its sum is at least this long ...
 BLOCK_REDUCE_TERMS = 512
 #: ... and it has at most this many output points (a thread each would leave the GPU idle)
@@ -452,7 +517,7 @@ def simt_kernel(name: str, op: Op) -> SimtKernel:
     """The SIMT kernel of ``op``: a block per output point where its one reduction is long
     (``BLOCK_REDUCE_TERMS``) and its points few (``BLOCK_REDUCE_POINTS``), else a thread per point."""
     parts = reduction_parts(op)
-    if parts is not None:
+    if parts is not None and not strided_axes(parts[0], op.extent):
         terms = math.prod(op.extent[a] for a in parts[0].axes)
         points = math.prod(op.extent[v] for v in op.indices)
         if terms >= BLOCK_REDUCE_TERMS and points <= BLOCK_REDUCE_POINTS:

@@ -52,3 +52,20 @@ def test_cuda_matches_interpreter_and_model(case: str, precision: str) -> None:
         model = ModelExecutor(graph, [op.name], precision=precision).run(inputs)[op.name].astype(np.float32)
         same = 1e-5 if op.dtype == "float32" else 1e-3  # float16 outputs: one rounding apart at most
         assert np.abs(gpu - model).max() <= same * scale, (op.name, precision, "model")
+
+
+@pytest.mark.parametrize("model", ["mlp.onnx", "cnn.onnx", "capsule.onnx"])
+def test_training_step_on_the_gpu_matches_the_interpreter(model: str) -> None:
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parents[3] / "models"
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.05)
+    shape = {"mlp.onnx": (32, 64)}.get(model, (32, 1, 8, 8))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal(shape).astype(np.float32), "y": rng.integers(0, 10, 32)}
+    ours = neoflow.compile(models / model, target="cuda", train=spec, fusion="neoflow", precision="fp32")
+    reference = neoflow.compile(models / model, target="interp", train=spec, fusion="neoflow")
+    got, want = ours.gradients(batch), reference.gradients(batch)
+    for name in want:
+        assert np.abs(got[name] - want[name]).max() <= 1e-4 * np.abs(want[name]).max(), name
+    assert ours.train_step(batch) == pytest.approx(reference.train_step(batch), rel=1e-5)
