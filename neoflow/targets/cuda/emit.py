@@ -69,25 +69,18 @@ typedef unsigned long long uint64_t;
 #ifndef NAN
 #define NAN __int_as_float(0x7fffffff)
 #endif
-static __device__ __forceinline__ int64_t nf_fdiv(int64_t a, int64_t b) {
+/* Python's floor division and modulo, in the wider of the two operands' integer types */
+template <typename A, typename B> static __device__ __forceinline__ auto nf_fdiv(A a, B b) -> decltype(a + b) {
+    typedef decltype(a + b) T;
     if (b == 0) return 0;
-    int64_t q = a / b;
-    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+    T q = (T)a / (T)b;
+    return ((T)a % (T)b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-static __device__ __forceinline__ int64_t nf_mod(int64_t a, int64_t b) {
+template <typename A, typename B> static __device__ __forceinline__ auto nf_mod(A a, B b) -> decltype(a + b) {
+    typedef decltype(a + b) T;
     if (b == 0) return 0;
-    int64_t r = a % b;
-    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
-}
-static __device__ __forceinline__ int nf_fdiv(int a, int b) {
-    if (b == 0) return 0;
-    int q = a / b;
-    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
-}
-static __device__ __forceinline__ int nf_mod(int a, int b) {
-    if (b == 0) return 0;
-    int r = a % b;
-    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+    T r = (T)a % (T)b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + (T)b : r;
 }
 static __device__ __forceinline__ double nf_fmod(double a, double b) {
     double r = fmod(a, b);

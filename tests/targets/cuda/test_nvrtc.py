@@ -88,3 +88,17 @@ def test_a_graph_module_names_each_op_kernel() -> None:
     for k in range(len(graph.ops)):
         assert f" nf_op{k}(" in source
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in source
+
+
+@pytest.mark.parametrize("model", ["mlp.onnx", "cnn.onnx", "capsule.onnx", "capsule28.onnx"])
+def test_training_steps_of_the_shipped_models_compile(model: str) -> None:
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parents[3] / "models"
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd")
+    for precision in ("tf32", "fp32"):
+        compiled = neoflow.compile(models / model, target="cuda", train=spec, fusion="neoflow", precision=precision)
+        for executor in (compiled._run, compiled._train):
+            mma = {k.name for plan in executor.plans for k in plan.kernels if isinstance(k, MmaKernel)}
+            spilled = {name: size for name, size in executor.cubin.spills.items() if size and name in mma}
+            assert not spilled, f"{model} {precision}: tensor-core kernels spill {spilled}"
