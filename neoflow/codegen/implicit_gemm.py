@@ -68,9 +68,16 @@ class GemmView:
 
 
 def _factors(product: Expr) -> tuple[Expr, Expr] | None:
-    """The two factors of a product, ``Select(c, x * y, 0)`` read as ``Select(c, x, 0) * y``."""
+    """The two factors of a product, ``Select(c, x * y, 0)`` read as ``Select(c, x, 0) * y``, and
+    ``(x * y) * z`` as ``x * (y * z)`` where ``y`` and ``z`` read at the same variables and ``x``
+    at others (so each factor is one operand)."""
     if isinstance(product, Binary) and product.op == "*":
-        return product.a, product.b
+        a, b = product.a, product.b
+        if isinstance(a, Binary) and a.op == "*" and not _same_point(a) and _same_point(Binary("*", a.b, b)):
+            return a.a, Binary("*", a.b, b)
+        if isinstance(a, Binary) and a.op == "*" and not _same_point(a) and _same_point(Binary("*", a.a, b)):
+            return a.b, Binary("*", a.a, b)
+        return a, b
     if isinstance(product, Select) and isinstance(product.b, Const) and product.b.value == 0:
         inner = _factors(product.a)
         if inner is not None:
@@ -112,8 +119,27 @@ def pin_axes(reduce: Reduce, extent: dict[str, int]) -> Reduce:
     return Reduce(reduce.kind, tuple(a for a, _ in axes), tuple(e for _, e in axes), substitute(reduce.body), where)
 
 
+def _same_point(node: Expr) -> bool:
+    """Whether every read of ``node`` uses the same index variables."""
+    return len({frozenset(index_variables(r)) for r in node.reads()}) <= 1
+
+
 def _ordered(variables: tuple[str, ...], order: tuple[str, ...], extent: dict[str, int]) -> Axis:
     return tuple((v, extent[v]) for v in order if v in variables)
+
+
+def _representative(factor: Expr) -> Expr:
+    """What the mapper sees of an operand: the factor itself, or, where it reads several tensors
+    at the same variables (a gradient masked by its ReLU's output), its first read alone (the
+    access pattern is the same; the kernel still evaluates the whole factor)."""
+    reads = factor.reads()
+    if (
+        len(reads) > 1
+        and len({frozenset(index_variables(r)) for r in reads}) == 1
+        and not any(isinstance(n, Reduce) for n in factor.walk())
+    ):
+        return reads[0]
+    return factor
 
 
 def _best(found: list[Mapping], batch_ok: set[str]) -> Mapping | None:
@@ -144,7 +170,7 @@ def piece_view(piece: Piece, whole: Op, target: Hardware) -> GemmView | None:
     if factors is None or not op.dtype.startswith("float"):
         return None
     left, right = factors
-    bare = Reduce("ReduceAdd", reduce.axes, reduce.extents, Binary("*", left, right))
+    bare = Reduce("ReduceAdd", reduce.axes, reduce.extents, Binary("*", _representative(left), _representative(right)))
     probe = Op(op.output, op.indices, bare, op.inputs, op.ranges)
     extent = op.extent
     used_left, used_right = index_variables(left), index_variables(right)

@@ -155,3 +155,15 @@ def test_a_transposed_conv_runs_as_dense_pieces_of_its_lattice() -> None:
         inputs = _exact_inputs(each, seed=11)
         _close(run_plan(plan, inputs), neoflow.evaluate(each, inputs))
     assert len(plan_op(op, "k", "tf32").kernels) == 4
+
+
+def test_a_gradient_masked_by_its_relu_is_one_operand() -> None:
+    # G * [A > 0] reads two tensors at the same point: one operand of the matrix product
+    op = neoflow.op(
+        "dW[k, c] = ReduceAdd({n}, G[n, k] * Select(A[n, k] > 0, 1, 0) * X[n, c])",
+        shapes={"G": (96, 40), "A": (96, 40), "X": (96, 24)},
+    )
+    plan = plan_op(op, "k", "fp16")
+    assert all(isinstance(k, MmaKernel) for k in plan.kernels)
+    inputs = _exact_inputs(op, seed=13)
+    _close(run_plan(plan, inputs), neoflow.evaluate(op, inputs))
