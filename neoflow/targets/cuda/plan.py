@@ -658,4 +658,10 @@ def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
         choose_kernel(name if k == 0 else f"{name}_{k}", view, precision, predict_kernel)
         for k, view in enumerate(views)
     ]
+    untabled = any(k.a_gather is None or k.b_gather is None for k in kernels)
+    if untabled and simt_kernel(name, op).block_reduce:
+        # an operand decoded variable by variable at every element (no index tables) costs the
+        # tensor-core kernel more than a block-per-output sum (capsule28's k1 update: 0.48 ms
+        # on the tensor cores, 0.17 ms summed a block per output, on an H100)
+        return OpPlan(op, (simt_kernel(name, op),), False)
     return OpPlan(op, tuple(kernels), not covers_output(op, views))
