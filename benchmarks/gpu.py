@@ -382,7 +382,35 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(f"{args.out}.md").write_text(text + "\n")
+        _plot(results, Path(f"{args.out}.png"), torch.cuda.get_device_name())
     return 0
+
+
+def _plot(results: list[dict], path: Path, device: str) -> None:
+    """Bars of neoflow's speed-up over each peer, case by case (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [
+        (r["case"].split(" (")[0], peer, t / r["times"]["neoflow"])
+        for r in results
+        for peer, t in r["times"].items()
+        if peer != "neoflow"
+    ]
+    fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1))
+    labels = [f"{case} vs {peer}" for case, peer, _ in rows]
+    ratios = [ratio for _, _, ratio in rows]
+    ax.barh(range(len(rows)), ratios, color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("neoflow speed-up (x, log scale)")
+    ax.set_title(f"neoflow cuda on {device}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

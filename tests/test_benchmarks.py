@@ -26,3 +26,23 @@ def test_rounds_keep_each_block_and_ratios_compare_round_by_round() -> None:
     fake = {"slow": [[4.0, 6.0, 5.0], [9.0, 8.0, 10.0]], "fast": [[2.0, 2.5, 3.0], [4.0, 5.0, 6.0]]}
     assert round_ratios(fake, "slow", "fast") == [2.0, 1.8]
     assert pooled_medians(fake) == {"slow": 7.0, "fast": 3.5}  # over every call of every round
+
+
+def test_the_gpu_operator_suite_matches_pytorch_on_the_cpu() -> None:
+    import numpy as np
+    import torch
+
+    import neoflow
+    from benchmarks.gpu_ops import operators
+
+    cheap = {"gemv", "bilinear", "conv1d", "conv1d_transposed"}
+    for operator in operators():
+        op = neoflow.op(operator.text, shapes=operator.shapes, out_shape=operator.out_shape)
+        rng = np.random.default_rng(0)
+        arrays = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in operator.shapes.items()}
+        with torch.no_grad():
+            theirs = operator.torch({name: torch.from_numpy(a) for name, a in arrays.items()}).numpy()
+        assert op.shape == theirs.shape, operator.name
+        if operator.name in cheap:  # the same values (the convolutions' sizes are for a GPU)
+            ours = neoflow.evaluate(op, arrays)
+            assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max(), operator.name
