@@ -32,6 +32,7 @@ from neoflow.codegen.mapping import Mapping, mappings
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Const, Expr, Index, Reduce, Select, conjuncts, index_variables, map_indices
 from neoflow.ir.op import Op
+from neoflow.ir.simplify import read_offset
 
 Axis = tuple[tuple[str, int], ...]
 
@@ -128,6 +129,27 @@ def _ordered(variables: tuple[str, ...], order: tuple[str, ...], extent: dict[st
     return tuple((v, extent[v]) for v in order if v in variables)
 
 
+def _memory_order(variables: tuple[str, ...], operands: tuple[Expr, ...], op: Op) -> tuple[str, ...]:
+    """``variables`` (the depth's) from the largest stride to the smallest in the first operand that
+    reads them affinely (ties by the next): a depth tile then runs along memory where it can, so its
+    loads coalesce and the kernel can move runs of it as vectors."""
+    shapes = {t.name: t.shape for t in op.inputs}
+    keys: dict[str, list[int]] = {v: [] for v in variables}
+    for operand in operands:
+        reads = operand.reads()
+        if len(reads) != 1:
+            continue
+        offset = sympy.expand(read_offset(reads[0].indices, shapes[reads[0].tensor], op.extent))
+        symbols = [index.var(v) for v in variables]
+        if not offset.is_polynomial(*symbols) or any(sympy.degree(offset, s) > 1 for s in symbols):
+            continue
+        for v, symbol in zip(variables, symbols, strict=True):
+            coefficient = offset.coeff(symbol)
+            keys[v].append(-abs(int(coefficient)) if coefficient.is_Integer else 0)
+    position = {v: k for k, v in enumerate(variables)}
+    return tuple(sorted(variables, key=lambda v: (*keys[v], position[v])))
+
+
 def _representative(factor: Expr) -> Expr:
     """What the mapper sees of an operand: the factor itself, or, where it reads several tensors
     at the same variables (a gradient masked by its ReLU's output), its first read alone (the
@@ -202,7 +224,7 @@ def piece_view(piece: Piece, whole: Op, target: Hardware) -> GemmView | None:
         _ordered(mapping.outer, op.indices, extent),
         _ordered(axes["i"], op.indices, extent),
         _ordered(axes["j"], op.indices, extent),
-        _ordered(axes["k"], reduce.axes, extent),
+        _ordered(axes["k"], _memory_order(tuple(reduce.axes), (a_expr, b_expr), op), extent),
         a_expr,
         b_expr,
         Reduce("ReduceAdd", reduce.axes, reduce.extents, Binary("*", a_expr, b_expr)),
