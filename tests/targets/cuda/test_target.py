@@ -103,3 +103,19 @@ def test_cli_runs_the_model_target_and_prints_predicted_kernel_times(tmp_path: P
     assert main(["run", str(tmp_path), "--random"]) == 0
     printed = capsys.readouterr().out
     assert "predicted on H100" in printed and "mma tf32" in printed
+
+
+def test_fuse_compares_policies_by_the_models_predicted_gpu_time(capsys) -> None:
+    from neoflow.cli import main
+
+    model = str(MODELS_DIR / "capsule.onnx")
+    assert main(["fuse", model, "--train", "--labels", "y", "--target", "tensorcore", "--compare", "none,neoflow"]) == 0
+    out = capsys.readouterr().out
+    assert "(target tensorcore)" in out and "policies compared" in out
+    ours = neoflow.compile(MODELS_DIR / "capsule.onnx", target="tensorcore", train=neoflow.TrainSpec(labels="y"))
+    predicted = ours._train.predicted
+    # the "measured" column of a model target is its predicted GPU time, not numpy's wall clock
+    from neoflow.runtime.fusion_report import fusion_report
+
+    report = fusion_report(ours, training=True)
+    assert report.step_seconds == pytest.approx(sum(predicted.values()), rel=1e-9)
