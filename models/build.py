@@ -74,7 +74,11 @@ CAPSULE = (
 )
 
 
-def capsule() -> None:
+def capsule_network(name: str, batch: int, size: int, channels: int, poses: tuple[int, int]) -> None:
+    """Two capsule-conv layers (``neoflow`` custom nodes holding their expression; stride 1 then 2;
+    ``channels`` capsule channels; poses 1 x p then 1 x q for ``poses`` = (p, q)) on 1 x ``size`` x
+    ``size`` inputs, a ReLU between them, flattened into a Gemm classifier head over 10 classes."""
+    first, second = poses
     nodes = [
         helper.make_node("Reshape", ["x", "caps_shape"], ["x6"]),
         helper.make_node("CapsuleConv", ["x6", "k1"], ["c1"], domain="neoflow", expression=CAPSULE.format(stride=1)),
@@ -83,35 +87,25 @@ def capsule() -> None:
         helper.make_node("Flatten", ["c2"], ["f"]),
         helper.make_node("Gemm", ["f", "w", "b"], ["logits"], transB=1),
     ]
+    out = (size - 2 - 3) // 2 + 1  # after the 3x3 stride-1 and the 3x3 stride-2 layers
     inits = [
-        numpy_helper.from_array(np.array([32, 1, 8, 8, 1, 1], np.int64), "caps_shape"),
-        weight("k1", 4, 1, 3, 3, 1, 2),
-        weight("k2", 4, 4, 3, 3, 2, 2),
-        weight("w", 10, 4 * 2 * 2 * 2),
+        numpy_helper.from_array(np.array([batch, 1, size, size, 1, 1], np.int64), "caps_shape"),
+        weight("k1", channels, 1, 3, 3, 1, first),
+        weight("k2", channels, channels, 3, 3, first, second),
+        weight("w", 10, channels * out * out * second),
         weight("b", 10),
     ]
-    save("capsule", nodes, [value("x", 32, 1, 8, 8)], [value("logits", 32, 10)], inits)
+    save(name, nodes, [value("x", batch, 1, size, size)], [value("logits", batch, 10)], inits)
+
+
+def capsule() -> None:
+    """The capsule network for 8x8 digits: 4 channels, poses 1x2 then 2x2, batch 32."""
+    capsule_network("capsule", 32, 8, 4, (2, 2))
 
 
 def capsule28() -> None:
-    """A capsule network at a GPU's batch: 1x28x28 inputs, batch 64, two capsule-conv layers
-    (32 capsule channels, 1x4 poses; stride 1 then 2) and a classifier head."""
-    nodes = [
-        helper.make_node("Reshape", ["x", "caps_shape"], ["x6"]),
-        helper.make_node("CapsuleConv", ["x6", "k1"], ["c1"], domain="neoflow", expression=CAPSULE.format(stride=1)),
-        helper.make_node("Relu", ["c1"], ["a1"]),
-        helper.make_node("CapsuleConv", ["a1", "k2"], ["c2"], domain="neoflow", expression=CAPSULE.format(stride=2)),
-        helper.make_node("Flatten", ["c2"], ["f"]),
-        helper.make_node("Gemm", ["f", "w", "b"], ["logits"], transB=1),
-    ]
-    inits = [
-        numpy_helper.from_array(np.array([64, 1, 28, 28, 1, 1], np.int64), "caps_shape"),
-        weight("k1", 32, 1, 3, 3, 1, 4),
-        weight("k2", 32, 32, 3, 3, 4, 4),
-        weight("w", 10, 32 * 12 * 12 * 4),
-        weight("b", 10),
-    ]
-    save("capsule28", nodes, [value("x", 64, 1, 28, 28)], [value("logits", 64, 10)], inits)
+    """A capsule network at a GPU's batch: 1x28x28 inputs, batch 64, 32 capsule channels, 1x4 poses."""
+    capsule_network("capsule28", 64, 28, 32, (4, 4))
 
 
 def upsampler() -> None:

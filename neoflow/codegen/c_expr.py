@@ -106,11 +106,19 @@ def cast(text: str, source: str, target: str, types: Mapping[str, str] = C_TYPES
 
 class IndexPrinter:
     """sympy index expressions as C ``int64_t`` expressions.  ``variable`` maps an
-    index variable to its C name; ``read`` renders a data-dependent read."""
+    index variable to its C name; ``read`` renders a data-dependent read.  With
+    ``plain_division`` (for expressions whose every term is non-negative: a thread's
+    coordinates) floor division and modulo print as C's ``/`` and ``%``."""
 
-    def __init__(self, variable: Callable[[str], str], read: Callable[[str, Sequence[str]], str]) -> None:
+    def __init__(
+        self,
+        variable: Callable[[str], str],
+        read: Callable[[str, Sequence[str]], str],
+        plain_division: bool = False,
+    ) -> None:
         self.variable = variable
         self.read = read
+        self.plain_division = plain_division
 
     def __call__(self, expr: sympy.Expr) -> str:
         if expr.is_Integer:
@@ -124,8 +132,12 @@ class IndexPrinter:
             den = sympy.fraction(sympy.together(inner))[1]
             if not den.is_Integer:
                 raise CompileError(f"index expression {expr} divides by a non-constant")
+            if self.plain_division:
+                return f"(({self(sympy.expand(inner * den))}) / {int(den)})"
             return f"nf_fdiv({self(sympy.expand(inner * den))}, {int(den)})"
         if isinstance(expr, sympy.Mod):
+            if self.plain_division:
+                return f"(({self(expr.args[0])}) % {self(expr.args[1])})"
             return f"nf_mod({self(expr.args[0])}, {self(expr.args[1])})"
         if expr.is_Add:
             return "(" + " + ".join(self(a) for a in expr.args) + ")"

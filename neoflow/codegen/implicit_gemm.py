@@ -27,7 +27,7 @@ from functools import lru_cache
 import sympy
 
 from neoflow.codegen.hardware import Hardware
-from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice, with_reduce
+from neoflow.codegen.lattice import Piece, piece_target, product_sum, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, mappings
 from neoflow.ir import index
 from neoflow.ir.expr import Binary, Const, Expr, Index, Reduce, Select, conjuncts, index_variables, map_indices
@@ -248,13 +248,10 @@ def guards_to_domain(op: Op) -> Op:
     (a transposed convolution's ``(h - r) % 2 == 0`` and bounds), moved into the sum's domain
     condition: the same sum (the terms it skips are zeros), and ``split_lattice`` then cuts the
     domain into dense pieces whose reads are affine."""
-    parts = split_epilogue(op.body, op) if op.scatter is None else None
+    parts = product_sum(op)
     if parts is None:
         return op
-    reduce, epilogue = parts
-    product = reduce.body
-    if reduce.kind != "ReduceAdd" or not isinstance(product, Binary) or product.op != "*":
-        return op
+    reduce, epilogue, product = parts
     factors = [product.a, product.b]
     for k, factor in enumerate(factors):
         if (

@@ -140,19 +140,26 @@ def _reads_in_bounds(reduce: Reduce, op: Op) -> bool:
         return False
 
 
-def sum_of_product(op: Op) -> tuple[Reduce, Expr | None, Read, Read] | None:
-    """``(sum, epilogue, left, right)`` for a float32 op (not a scatter) whose body is a
-    ``ReduceAdd`` of ``left * right``, two reads, under an optional epilogue
-    (``split_epilogue``); None for any other op."""
-    if op.scatter is not None or op.dtype != "float32":
-        return None
-    parts = split_epilogue(op.body, op)
+def product_sum(op: Op) -> tuple[Reduce, Expr | None, Binary] | None:
+    """``(sum, epilogue, product)`` for an op (not a scatter) whose body is a ``ReduceAdd`` of a
+    product under an optional epilogue (``split_epilogue``); None for any other op."""
+    parts = split_epilogue(op.body, op) if op.scatter is None else None
     if parts is None:
         return None
     reduce, epilogue = parts
     product = reduce.body
     if reduce.kind != "ReduceAdd" or not isinstance(product, Binary) or product.op != "*":
         return None
+    return reduce, epilogue, product
+
+
+def sum_of_product(op: Op) -> tuple[Reduce, Expr | None, Read, Read] | None:
+    """``(sum, epilogue, left, right)`` for a float32 op whose body is a ``product_sum`` of two
+    reads ``left * right``; None for any other op."""
+    parts = product_sum(op) if op.dtype == "float32" else None
+    if parts is None:
+        return None
+    reduce, epilogue, product = parts
     if not (isinstance(product.a, Read) and isinstance(product.b, Read)):
         return None
     return reduce, epilogue, product.a, product.b

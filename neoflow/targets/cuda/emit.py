@@ -12,7 +12,7 @@ import math
 
 import sympy
 
-from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, unflatten_index
+from neoflow.codegen.c_expr import C_TYPES, IndexPrinter, ValuePrinter, c_type, unflatten_index
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
@@ -35,21 +35,8 @@ from neoflow.targets.cuda.plan import (
     tf32_b_coords,
 )
 
-CUDA_TYPES = {
-    "float16": "__half",
-    "bfloat16": "__nv_bfloat16",
-    "float32": "float",
-    "float64": "double",
-    "int8": "int8_t",
-    "int16": "int16_t",
-    "int32": "int32_t",
-    "int64": "int64_t",
-    "uint8": "uint8_t",
-    "uint16": "uint16_t",
-    "uint32": "uint32_t",
-    "uint64": "uint64_t",
-    "bool": "bool",
-}
+#: C types in CUDA C++: C's, but CUDA's 16-bit floats and C++'s bool
+CUDA_TYPES = {**C_TYPES, "float16": "__half", "bfloat16": "__nv_bfloat16", "bool": "bool"}
 
 PRELUDE = r"""
 #include <cuda_fp16.h>
@@ -145,22 +132,12 @@ _INT_IDENTITY = {"ReduceMax": "(-INT64_C(9223372036854775807) - 1)", "ReduceMin"
 _COMBINE = {"ReduceAdd": "{a} + {x}", "ReduceMul": "{a} * {x}"}
 
 
-def small(expr: sympy.Expr) -> str:
-    """A formula of thread coordinates (all non-negative) as C ``int`` arithmetic."""
-    if expr.is_Integer:
-        return str(int(expr))
-    if expr.is_Symbol:
-        return expr.name
-    if isinstance(expr, sympy.floor):
-        numerator, denominator = sympy.fraction(sympy.together(expr.args[0]))
-        return f"(({small(sympy.expand(numerator))}) / {int(denominator)})"
-    if isinstance(expr, sympy.Mod):
-        return f"(({small(expr.args[0])}) % {small(expr.args[1])})"
-    if expr.is_Add:
-        return "(" + " + ".join(small(a) for a in expr.args) + ")"
-    if expr.is_Mul:
-        return "(" + " * ".join(small(a) for a in expr.args) + ")"
-    raise CompileError(f"thread formula {expr} has no C form")
+def _no_reads(tensor: str, indices) -> str:
+    raise CompileError(f"a thread formula reads '{tensor}'")
+
+
+#: a formula of thread coordinates (all non-negative) as C ``int`` arithmetic
+small = IndexPrinter(lambda name: name, _no_reads, plain_division=True)
 
 
 #: index arithmetic runs in 32-bit integers where every offset fits

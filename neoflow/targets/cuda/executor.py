@@ -30,11 +30,10 @@ def graph_plans(graph: Graph, precision: str) -> list[OpPlan]:
     return [plan_op(op, f"nf_op{k}", precision) for k, op in enumerate(graph.ops)]
 
 
-class ModelExecutor:
-    """Runs ``graph`` on the tensor-core model: each op's kernels executed in numpy;
-    ``predicted`` holds each op's predicted seconds on the GPU (``timing``)."""
-
-    target = "tensorcore"
+class PlannedExecutor:
+    """What both executors hold: ``graph``, the tensors to ``keep``, the ``precision``, the memory
+    ``plan`` and every op's kernel plan (``op_plans``, in order).  A fusion plan's kernel groups
+    and sliced kernels change nothing: every op runs as its own kernels."""
 
     def __init__(
         self,
@@ -48,7 +47,18 @@ class ModelExecutor:
         self.keep = tuple(dict.fromkeys(keep))
         self.precision = check_precision(precision)
         self.plan: MemoryPlan = plan_memory(graph, self.keep)
-        self.plans = {p.op.name: p for p in graph_plans(graph, self.precision)}
+        self.op_plans = graph_plans(graph, self.precision)
+
+
+class ModelExecutor(PlannedExecutor):
+    """Runs ``graph`` on the tensor-core model: each op's kernels executed in numpy;
+    ``predicted`` holds each op's predicted seconds on the GPU (``timing``)."""
+
+    target = "tensorcore"
+
+    def __init__(self, graph: Graph, keep: Collection[str], groups=(), sliced=(), precision=DEFAULT_PRECISION) -> None:
+        super().__init__(graph, keep, groups, sliced, precision)
+        self.plans = {p.op.name: p for p in self.op_plans}
         self.predicted = {name: sum(predict_kernel(k) for k in p.kernels) for name, p in self.plans.items()}
 
     def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -84,7 +94,7 @@ class ModelExecutor:
         return rows
 
 
-class CudaExecutor:
+class CudaExecutor(PlannedExecutor):
     """Runs ``graph`` on the GPU: one NVRTC module of every op's kernels; every tensor in
     device memory (``arch``: the architecture compiled for before a GPU is found; default the GPU's,
     else ``sm_90``); a run uploads the inputs, replays the captured CUDA graph of all the
@@ -96,19 +106,16 @@ class CudaExecutor:
         self,
         graph: Graph,
         keep: Collection[str],
-        groups: Collection[Collection[str]] = (),
-        sliced: Collection = (),
+        groups=(),
+        sliced=(),
         precision: str = DEFAULT_PRECISION,
         arch: str | None = None,
     ) -> None:
         from neoflow.targets.cuda import driver
         from neoflow.targets.cuda.nvrtc import compile_cubin
 
-        self.graph = graph
-        self.keep = tuple(dict.fromkeys(keep))
-        self.precision = check_precision(precision)
-        self.plan: MemoryPlan = plan_memory(graph, self.keep)
-        self.plans = graph_plans(graph, self.precision)
+        super().__init__(graph, keep, groups, sliced, precision)
+        self.plans = self.op_plans
         self.source = module_source(self.plans)
         self.cubin = compile_cubin(self.source, arch or driver.default_arch())
         self.device = None  # the GPU is found at the first run: compiling needs NVRTC only
