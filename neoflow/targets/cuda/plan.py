@@ -340,8 +340,10 @@ class MmaKernel:
             return False
         dtype = next(t.dtype for t in self.view.op.inputs if t.name == gather.tensor)
         itemsize = 4 if dtype == "float32" else 2
-        if self.vector(side) * itemsize < 8:
-            return False  # cp.async copies 4, 8 or 16 bytes; scalar copies spilled (NVRTC 13.0, sm_80)
+        if self.vector(side) * itemsize < 4:
+            return False  # cp.async copies 4, 8 or 16 bytes
+        if self.vector(side) * itemsize == 4 and self.tiles.threads < 128:
+            return False  # scalar copies, many a thread: spilled under NVRTC 13.0 for sm_80 (32x64, 2 warps)
         return dtype == self.storage or (dtype == "float32" and self.storage == "tf32")
 
     def copy_bytes(self, side: str) -> int:
