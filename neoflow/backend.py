@@ -4,7 +4,8 @@
     rep = backend.prepare(model, "CPU")
     outputs = rep.run([x])
 
-Models run through the reference interpreter, or compiled C with ``prepare(model, target="cpu")``.
+Models run through the reference interpreter, or compiled code with ``prepare(model, target=...)``:
+``cpu`` (C), ``cuda`` (CUDA on an NVIDIA GPU) or ``tensorcore`` (the tensor-core model).
 A model is imported when it first runs, for the shapes of its inputs (and the
 values of its integer and scalar inputs); other shapes import it again, once each.
 """
@@ -101,7 +102,7 @@ class NeoflowBackend(Backend):
     @classmethod
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", target: str = "interp", **kwargs: Any) -> NeoflowRep:
         """Prepare ``model`` to run on ``target`` (``interp``, the reference
-        interpreter, or ``cpu``, compiled C)."""
+        interpreter; ``cpu``, compiled C; ``cuda`` or ``tensorcore``, see docs/cuda.md)."""
         super().prepare(model, device, **kwargs)
         return NeoflowRep(read_model(model), target=target)
 
