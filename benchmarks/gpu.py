@@ -46,14 +46,11 @@ def torch_block(fn, block: int) -> float:
 
 
 def neoflow_block(executor: CudaExecutor, block: int) -> float:
-    """Seconds a replay of ``executor``'s CUDA graph takes, from CUDA events around ``block`` replays."""
-    return sum(executor_times(executor, block)) / block
-
-
-def executor_times(executor: CudaExecutor, block: int) -> list[float]:
+    """Seconds a replay of ``executor``'s CUDA graph takes, from CUDA events around each of ``block``
+    replays (the executor has run once, so its graph is captured and its inputs are on the GPU)."""
     from neoflow.targets.cuda import driver
 
-    return driver.time_replays(executor._graph, block)
+    return sum(driver.time_replays(executor.replay_graph, block)) / block
 
 
 def medians(systems: dict, rounds: int) -> dict[str, float]:
@@ -184,7 +181,7 @@ def operator_case(operator, rounds: int, block: int) -> dict:
 def _capsule_conv_torch(x, k, stride: int):
     """``Out[b,k,p,q,i,j] = sum_{c,r,s,t} x[b,c,p*stride+r,q*stride+s,i,t] * k[k,c,r,s,t,j]`` (unfold + einsum)."""
     patches = x.unfold(2, 3, stride).unfold(3, 3, stride)  # b c p q i t r s
-    return __import__("torch").einsum("bcpqitrs,kcrstj->bkpqij", patches, k)
+    return _torch().einsum("bcpqitrs,kcrstj->bkpqij", patches, k)
 
 
 def _capsule_conv_jax(x, k, stride: int):

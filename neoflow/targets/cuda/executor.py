@@ -208,13 +208,20 @@ class CudaExecutor(PlannedExecutor):
             out[name] = self.buffers[name].download(tensor.shape, dt.numpy_dtype(tensor.dtype))
         return out
 
+    @property
+    def replay_graph(self):
+        """The captured CUDA graph of a run (after the first run), for timing its replays."""
+        if self._graph is None:
+            raise CompileError("the cuda executor has not run yet: its CUDA graph is captured by the first run")
+        return self._graph
+
     def time(self, inputs: Mapping[str, np.ndarray], repeats: int = 50) -> list[float]:
         """Seconds of each of ``repeats`` replays of the run's CUDA graph on ``inputs`` (uploaded once;
         no copies timed), after one warm-up run."""
         from neoflow.targets.cuda import driver
 
         self.run(inputs)
-        return driver.time_replays(self._graph, repeats)
+        return driver.time_replays(self.replay_graph, repeats)
 
     def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
         raise CompileError("the cuda executor runs whole graphs (run), not single ops", op=op.name)
