@@ -135,7 +135,7 @@ def _kernel_rows(executor: CudaExecutor, inputs) -> list[tuple[str, float, float
     everything = [t.name for t in executor.graph.inputs] + [op.name for op in executor.graph.ops]
     inputs = CudaExecutor(executor.graph, everything, precision=executor.precision).run(inputs)
     rows = []
-    for plan in executor.plans:
+    for plan in executor.plans.values():
         single = Graph.from_ops([plan.op])
         alone = CudaExecutor(single, [plan.op.name], precision=executor.precision)
         feed = {t.name: inputs[t.name] for t in single.inputs}

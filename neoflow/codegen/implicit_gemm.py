@@ -155,11 +155,7 @@ def _representative(factor: Expr) -> Expr:
     at the same variables (a gradient masked by its ReLU's output), its first read alone (the
     access pattern is the same; the kernel still evaluates the whole factor)."""
     reads = factor.reads()
-    if (
-        len(reads) > 1
-        and len({frozenset(index_variables(r)) for r in reads}) == 1
-        and not any(isinstance(n, Reduce) for n in factor.walk())
-    ):
+    if len(reads) > 1 and _same_point(factor) and not any(isinstance(n, Reduce) for n in factor.walk()):
         return reads[0]
     return factor
 
@@ -184,10 +180,10 @@ def piece_view(piece: Piece, whole: Op, target: Hardware) -> GemmView | None:
         return None
     pinned = pin_axes(reduce, op.extent)
     if pinned is not reduce:  # the op without the pinned axes
-        body = with_reduce(epilogue, pinned) if epilogue is not None else pinned
+        epilogue = with_reduce(epilogue, pinned) if epilogue is not None else None
         ranges = tuple((v, e) for v, e in op.ranges if v in op.indices or v in pinned.axes or v not in reduce.axes)
-        op = Op(op.output, op.indices, body, op.inputs, ranges)
-        reduce, epilogue = pinned, (body if epilogue is not None else None)
+        op = Op(op.output, op.indices, epilogue if epilogue is not None else pinned, op.inputs, ranges)
+        reduce = pinned
     factors = _factors(reduce.body)
     if factors is None or not op.dtype.startswith("float"):
         return None
@@ -228,7 +224,7 @@ def piece_view(piece: Piece, whole: Op, target: Hardware) -> GemmView | None:
         a_expr,
         b_expr,
         Reduce("ReduceAdd", reduce.axes, reduce.extents, Binary("*", a_expr, b_expr)),
-        epilogue if epilogue is not None and not isinstance(epilogue, Reduce) else None,
+        epilogue,
         offset,
     )
 

@@ -47,7 +47,17 @@ def sequential_call(executor, names: Collection[str], values: Mapping[str, np.nd
     return lambda: {name: call() for name, call in calls}
 
 
-class InterpreterExecutor:
+class OpByOpExecutor:
+    """What an executor running ``graph`` op by op holds: the graph, the tensors to ``keep``
+    (each once) and the memory ``plan`` that frees every other tensor after its last reader."""
+
+    def __init__(self, graph: Graph, keep: Collection[str]) -> None:
+        self.graph = graph
+        self.keep = tuple(dict.fromkeys(keep))
+        self.plan: MemoryPlan = plan_memory(graph, self.keep)
+
+
+class InterpreterExecutor(OpByOpExecutor):
     """Runs ``graph`` with the reference interpreter, handing back the tensors in
     ``keep`` and dropping every other tensor after its last reader (``plan``).
     A plan's kernel ``groups`` and ``sliced`` kernels change nothing here: every op
@@ -58,9 +68,7 @@ class InterpreterExecutor:
     def __init__(
         self, graph: Graph, keep: Collection[str], groups: Collection[Collection[str]] = (), sliced: Collection = ()
     ) -> None:
-        self.graph = graph
-        self.keep = tuple(dict.fromkeys(keep))
-        self.plan: MemoryPlan = plan_memory(graph, self.keep)
+        super().__init__(graph, keep)
 
     def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
         """The value of ``op`` (one of the graph's) from its inputs' ``values``."""

@@ -140,16 +140,17 @@ class View:
         self.pointer = buffer.pointer + offset
 
 
-def launch(function, grid, threads: int, shared: int, pointers: list[int], stream) -> np.ndarray:
+def launch(function, grid, threads: int, shared: int, pointers: list[int], stream) -> tuple[np.ndarray, np.ndarray]:
     """Launch ``function`` on ``grid`` blocks of ``threads`` with device ``pointers`` as its
-    arguments; returns the argument block (keep it alive until the launch is captured or done)."""
+    arguments; returns the argument values and their addresses (keep them alive until the launch
+    is captured or done)."""
     values = np.array(pointers, dtype=np.uint64)
     addresses = np.array([values.ctypes.data + 8 * k for k in range(len(pointers))], dtype=np.uint64)
     check(
         _driver().cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, addresses.ctypes.data, 0),
         "cuLaunchKernel",
     )
-    return np.stack([values, addresses]) if len(pointers) else values
+    return values, addresses
 
 
 def synchronize(stream) -> None:

@@ -129,7 +129,21 @@ _MMA = {
 }
 _IDENTITY = {"ReduceAdd": "0", "ReduceMul": "1", "ReduceMax": "(-INFINITY)", "ReduceMin": "INFINITY"}
 _INT_IDENTITY = {"ReduceMax": "(-INT64_C(9223372036854775807) - 1)", "ReduceMin": "INT64_C(9223372036854775807)"}
-_COMBINE = {"ReduceAdd": "{a} + {x}", "ReduceMul": "{a} * {x}"}
+_COMBINE = {"ReduceAdd": "{a} + {b}", "ReduceMul": "{a} * {b}"}
+
+
+def _accumulator(node: Reduce) -> tuple[str, str, str, str]:
+    """``(dtype, C type, identity, combine)`` of the accumulator of ``node``: 16-bit floats sum in
+    float32; ``combine`` formats ``{a}`` (the accumulator) and ``{b}`` (a term) into the update."""
+    dtype = dt.concrete(node.dtype)
+    dtype = "float32" if dtype in ("float16", "bfloat16") else dtype
+    floating = dt.is_float(dtype)
+    identity = _IDENTITY[node.kind] if floating or node.kind not in _INT_IDENTITY else _INT_IDENTITY[node.kind]
+    if node.kind in _COMBINE:
+        combine = _COMBINE[node.kind]
+    else:
+        combine = ("NF_F" if floating else "NF_I") + ("MAX" if node.kind == "ReduceMax" else "MIN") + "({a}, {b})"
+    return dtype, c_type(dtype, CUDA_TYPES), identity, combine
 
 
 def _no_reads(tensor: str, indices) -> str:
@@ -169,11 +183,8 @@ def _parameters(op: Op, tables: tuple[str, ...] = ()) -> str:
 
 def table_names(kernel: MmaKernel) -> tuple[str, ...]:
     """The C names of ``kernel.tables``, in order."""
-    names: list[str] = []
-    for side, gather in (("a", kernel.a_gather), ("b", kernel.b_gather)):
-        if gather is not None:
-            names += [f"nf_tab_{side}_rows", f"nf_tab_{side}_depth"]
-    return tuple(names)
+    gathered = [side for side in ("a", "b") if kernel.gather(side) is not None]
+    return tuple(name for side in gathered for name in (f"nf_tab_{side}_rows", f"nf_tab_{side}_depth"))
 
 
 #: the name a vector load's elements have in an operand expression (``nf_lanes[v_vec]`` in C)
@@ -207,17 +218,8 @@ def _reduction_printer(op: Op):
     def reduction(node: Reduce) -> str:
         counter[0] += 1
         acc = f"nf_acc{counter[0]}"
-        dtype = dt.concrete(node.dtype)
-        dtype = "float32" if dtype in ("float16", "bfloat16") else dtype  # 16-bit floats sum in float32
-        ctype = c_type(dtype, CUDA_TYPES)
-        floating = dt.is_float(dtype)
-        identity = _IDENTITY[node.kind] if floating or node.kind not in _INT_IDENTITY else _INT_IDENTITY[node.kind]
-        value = printer(node.body, dtype)
-        if node.kind in _COMBINE:
-            update = _COMBINE[node.kind].format(a=acc, x=f"({value})")
-        else:
-            macro = ("NF_F" if floating else "NF_I") + ("MAX" if node.kind == "ReduceMax" else "MIN")
-            update = f"{macro}({acc}, ({value}))"
+        dtype, ctype, identity, combine = _accumulator(node)
+        update = combine.format(a=acc, b=f"({printer(node.body, dtype)})")
         loops = ""
         for axis, stride in loop_order(node, op.extent):
             if stride is None:
@@ -235,22 +237,11 @@ def _reduction_printer(op: Op):
     return printer
 
 
-_COMBINE_TEXT = {"ReduceAdd": "{a} + {b}", "ReduceMul": "{a} * {b}"}
-
-
 def block_reduce_source(kernel: SimtKernel) -> str:
     """The CUDA C++ of a ``SimtKernel`` with ``block_reduce``: a block per output point."""
     op = kernel.op
     reduce, epilogue = reduction_parts(op)
-    dtype = dt.concrete(reduce.dtype)
-    dtype = "float32" if dtype in ("float16", "bfloat16") else dtype
-    ctype = c_type(dtype, CUDA_TYPES)
-    floating = dt.is_float(dtype)
-    identity = _IDENTITY[reduce.kind] if floating or reduce.kind not in _INT_IDENTITY else _INT_IDENTITY[reduce.kind]
-    if reduce.kind in _COMBINE_TEXT:
-        combine = _COMBINE_TEXT[reduce.kind]
-    else:
-        combine = ("NF_F" if floating else "NF_I") + ("MAX" if reduce.kind == "ReduceMax" else "MIN") + "({a}, {b})"
+    dtype, ctype, identity, combine = _accumulator(reduce)
     printer = _reduction_printer(op)
     term = printer(reduce.body, dtype)
     guard = f"if ({printer(reduce.where, 'bool')}) " if reduce.where is not None else ""
@@ -329,6 +320,11 @@ def _decode(prefix: str, flat: str, variables) -> str:
     return unflatten_index(flat, list(variables)).replace("rest_", f"{prefix}_rest")
 
 
+def _pointer(op: Op, tensor: str) -> str:
+    """The C name of input ``tensor`` of ``op``."""
+    return f"nf_in{[t.name for t in op.inputs].index(tensor)}"
+
+
 def _table_lookup(kernel: MmaKernel, side: str, gather: Gather, printer: ValuePrinter) -> str:
     """C declaring the gathered element's offset and guard variables from the index tables."""
     row_width, depth_width = 1 + len(gather.row_vars), 1 + len(gather.depth_vars)
@@ -347,7 +343,7 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
     through the index tables where the operand has a table gather (a vector of ``vector(side)``
     elements at a time where its plan says so), else decoding every variable."""
     view = kernel.view
-    gather = kernel.a_gather if side == "a" else kernel.b_gather
+    gather = kernel.gather(side)
     row, col, count = kernel.load_coords(side)
     row, col = row.subs(VEC, 0), col.subs(VEC, 0)
     width = kernel.vector(side)
@@ -367,8 +363,8 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
         printer = _printer(view.op, lambda node: _refuse(view.op), gather, lanes)
         lane_read = Read(LANES, (index.var("vec"),), tensor.dtype)
         value = printer(map_reads(gather.expr, lambda node: lane_read), "float32")
-        pointer = f"nf_in{[t.name for t in view.op.inputs].index(gather.tensor)}"
-        raw = {16: "uint4", 8: "uint2", 4: "uint32_t"}[width * (4 if tensor.dtype == "float32" else 2)]
+        pointer = _pointer(view.op, gather.tensor)
+        raw = {16: "uint4", 8: "uint2", 4: "uint32_t"}[width * dt.numpy_dtype(tensor.dtype).itemsize]
         guard_open, guard_close = "", ""
         if gather.guard is not None:  # the vector is read only where its guard holds (zeros else)
             guard_open = f"({printer(gather.guard, 'bool')}) ? "
@@ -413,14 +409,14 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
     tile ``nf_k0`` into stage ``stage`` (vectors past the tensor's rows or depth, or whose guard
     fails, are zero-filled and read nothing)."""
     view = kernel.view
-    gather = kernel.a_gather if side == "a" else kernel.b_gather
+    gather = kernel.gather(side)
     row, col, count = kernel.load_coords(side)
     row, col = row.subs(VEC, 0), col.subs(VEC, 0)
     origin = "nf_m0" if side == "a" else "nf_n0"
     limit = view.sizes[1] if side == "a" else view.sizes[2]
     printer = _printer(view.op, lambda node: _refuse(view.op), gather)
-    pointer = f"nf_in{[t.name for t in view.op.inputs].index(gather.tensor)}"
-    target = f"&nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, 'nf_row', 'nf_col')}]"
+    pointer = _pointer(view.op, gather.tensor)
+    target = f"&nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, ROW, COL)}]"
     guard = "true" if gather.guard is None else printer(gather.guard, "bool")
     unroll = "" if count <= 8 else " 4"  # many scalar copies: a few in flight keep registers free
     return (
@@ -439,11 +435,16 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
     )
 
 
-def _at(kernel: MmaKernel, side: str, row: str, col: str) -> str:
-    """C for the place of tile element (``row``, ``col``) of operand ``side`` in a stage."""
-    if kernel.layout(side) == "rows":
-        return f"({row}) * {kernel.stride(side)} + {col}"
-    return f"({col}) * {kernel.stride(side)} + {row}"
+#: the C variables of the fragment and tile loops that shared-memory places are printed in
+FM, FP, FN, KK, ROW, COL, WARP_M, WARP_N = sympy.symbols(
+    "fm fp fn kk nf_row nf_col nf_warp_m nf_warp_n", integer=True, nonnegative=True
+)
+
+
+def _at(kernel: MmaKernel, side: str, row: sympy.Expr, col: sympy.Expr) -> str:
+    """C for the place of tile element (``row``, ``col``) of operand ``side`` in a stage: the plan's
+    ``smem_index``, the formula the tensor-core model executes."""
+    return small(kernel.smem_index(side, row, col))
 
 
 #: per storage dtype: the type two 16-bit elements pack into, and the packing function
@@ -456,7 +457,7 @@ def _operand_store(kernel: MmaKernel, side: str) -> str:
     16-bit elements or as one float2 or float4."""
     row, col, count = kernel.load_coords(side)
     width = kernel.vector(side)
-    base = f"nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, small(row), small(col))}"
+    base = f"nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, row, col)}"
     head = f"        #pragma unroll\n        for (int element = 0; element < {count}; ++element) {{\n"
     if width == 1:
         return head + f"            const int vec = 0;\n            {base}] = nf_reg_{side}[element];\n        }}\n"
@@ -481,8 +482,8 @@ def _fragments(kernel: MmaKernel) -> str:
     if kernel.storage == "tf32":
         a_row, a_col = tf32_a_coords()
         b_row, b_col = tf32_b_coords()
-        a_at = _at(kernel, "a", f"fm * 16 + {small(a_row)}", f"kk + {small(a_col)}")
-        b_at = _at(kernel, "b", f"fn * 8 + {small(b_row)}", f"kk + {small(b_col)}")
+        a_at = _at(kernel, "a", FM * 16 + a_row, KK + a_col)
+        b_at = _at(kernel, "b", FN * 8 + b_row, KK + b_col)
         lines += [
             f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
             "                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg)",
@@ -496,8 +497,8 @@ def _fragments(kernel: MmaKernel) -> str:
         b_row, b_col = ldmatrix_b_address(kernel.layout("b"))
         a_load = "nf_ldmatrix_x4" if kernel.layout("a") == "rows" else "nf_ldmatrix_x4_trans"
         b_load = "nf_ldmatrix_x4" if kernel.layout("b") == "rows" else "nf_ldmatrix_x4_trans"
-        a_at = _at(kernel, "a", f"fm * 16 + {small(a_row)}", f"kk + {small(a_col)}")
-        b_at = _at(kernel, "b", f"fp * 16 + {small(b_row)}", f"kk + {small(b_col)}")
+        a_at = _at(kernel, "a", FM * 16 + a_row, KK + a_col)
+        b_at = _at(kernel, "b", FP * 16 + b_row, KK + b_col)
         lines += [
             f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
             f"                {a_load}(nf_af[fm], nf_wa + {a_at});",
@@ -584,8 +585,8 @@ def mma_source(kernel: MmaKernel) -> str:
     op = view.op
     printer = _printer(op, lambda node: _refuse(op))
     storage = _STORAGE[kernel.storage][0]
-    a_warp = _at(kernel, "a", f"nf_warp_m * {tiles.warp_m}", "0")
-    b_warp = _at(kernel, "b", f"nf_warp_n * {tiles.warp_n}", "0")
+    a_warp = _at(kernel, "a", WARP_M * tiles.warp_m, sympy.Integer(0))
+    b_warp = _at(kernel, "b", WARP_N * tiles.warp_n, sympy.Integer(0))
     splits = kernel.splits
     batch = _decode("nf_bb", f"(int64_t)(blockIdx.z / {splits})", view.batch) if view.batch else ""
     first = f"(blockIdx.z % {splits}) * {kernel.split_tiles}"

@@ -17,12 +17,12 @@ from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
-from neoflow.targets.base import run_graph, sequential_call
+from neoflow.targets.base import OpByOpExecutor, run_graph, sequential_call
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.model import run_plan
 from neoflow.targets.cuda.plan import DEFAULT_PRECISION, MmaKernel, OpPlan, check_precision, plan_op
 from neoflow.targets.cuda.timing import predict_kernel
-from neoflow.targets.memory import MemoryPlan, nbytes, plan_memory
+from neoflow.targets.memory import nbytes
 
 
 def graph_plans(graph: Graph, precision: str) -> list[OpPlan]:
@@ -30,10 +30,10 @@ def graph_plans(graph: Graph, precision: str) -> list[OpPlan]:
     return [plan_op(op, f"nf_op{k}", precision) for k, op in enumerate(graph.ops)]
 
 
-class PlannedExecutor:
-    """What both executors hold: ``graph``, the tensors to ``keep``, the ``precision``, the memory
-    ``plan`` and every op's kernel plan (``op_plans``, in order).  A fusion plan's kernel groups
-    and sliced kernels change nothing: every op runs as its own kernels."""
+class PlannedExecutor(OpByOpExecutor):
+    """What both executors hold besides the graph, the kept tensors and the memory plan: the
+    ``precision`` and every op's kernel plan (``plans``, by op name, in the graph's order).  A
+    fusion plan's kernel groups and sliced kernels change nothing: every op runs as its own kernels."""
 
     def __init__(
         self,
@@ -43,11 +43,9 @@ class PlannedExecutor:
         sliced: Collection = (),
         precision: str = DEFAULT_PRECISION,
     ) -> None:
-        self.graph = graph
-        self.keep = tuple(dict.fromkeys(keep))
+        super().__init__(graph, keep)
         self.precision = check_precision(precision)
-        self.plan: MemoryPlan = plan_memory(graph, self.keep)
-        self.op_plans = graph_plans(graph, self.precision)
+        self.plans = {plan.op.name: plan for plan in graph_plans(graph, self.precision)}
 
 
 class ModelExecutor(PlannedExecutor):
@@ -58,7 +56,6 @@ class ModelExecutor(PlannedExecutor):
 
     def __init__(self, graph: Graph, keep: Collection[str], groups=(), sliced=(), precision=DEFAULT_PRECISION) -> None:
         super().__init__(graph, keep, groups, sliced, precision)
-        self.plans = {p.op.name: p for p in self.op_plans}
         self.predicted = {name: sum(predict_kernel(k) for k in p.kernels) for name, p in self.plans.items()}
 
     def run_op(self, op: Op, values: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -115,8 +112,7 @@ class CudaExecutor(PlannedExecutor):
         from neoflow.targets.cuda.nvrtc import compile_cubin
 
         super().__init__(graph, keep, groups, sliced, precision)
-        self.plans = self.op_plans
-        self.source = module_source(self.plans)
+        self.source = module_source(list(self.plans.values()))
         self.cubin = compile_cubin(self.source, arch or driver.default_arch())
         self.device = None  # the GPU is found at the first run: compiling needs NVRTC only
         self.module = None
@@ -145,10 +141,10 @@ class CudaExecutor(PlannedExecutor):
                 self.buffers[tensor.name] = driver.Buffer(nbytes(tensor))
         # a split op's float32 workspace (each its own: ops of a captured graph run in order)
         self.workspaces = {
-            plan.op.name: driver.Buffer(plan.op.output.size * 4) for plan in self.plans if plan.workspace
+            name: driver.Buffer(plan.op.output.size * 4) for name, plan in self.plans.items() if plan.workspace
         }
         self.tables: dict[str, list[driver.Buffer]] = {}  # each kernel's index tables, uploaded once
-        for plan in self.plans:
+        for plan in self.plans.values():
             for kernel in plan.kernels:
                 if isinstance(kernel, MmaKernel):
                     self.tables[kernel.name] = []
@@ -163,7 +159,7 @@ class CudaExecutor(PlannedExecutor):
 
         kept = []
         stream = self.device.stream
-        for plan in self.plans:
+        for plan in self.plans.values():
             op = plan.op
             pointers = [self.buffers[op.name].pointer, *(self.buffers[t.name].pointer for t in op.inputs)]
             if plan.zero_first:

@@ -113,10 +113,9 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
     depth = np.broadcast_to(k0 + col[None], flat_rows.shape)
     limit = view.sizes[1] if side == "a" else view.sizes[2]
     live = (flat_rows < limit) & (depth < view.sizes[3])
-    gather = kernel.a_gather if side == "a" else kernel.b_gather
+    gather = kernel.gather(side)
     if gather is not None:  # the kernel's index tables: offsets and guard variables
-        first = 0 if side == "a" or kernel.a_gather is None else 2
-        row_table, depth_table = kernel.tables[first], kernel.tables[first + 1]
+        row_table, depth_table = kernel.side_tables[side]
         rows_at, depth_at = np.where(live, flat_rows, 0), np.where(live, depth, 0)
         rest = np.asarray(index.evaluate(gather.rest, batch_env), dtype=np.int64)
         env = {OFFSET: row_table[rows_at, 0].astype(np.int64) + depth_table[depth_at, 0] + rest}
@@ -146,7 +145,6 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
     whole output, flat) or, for a split kernel, adding into ``workspace`` (float32, flat) and
     then finishing from there."""
     view, tiles = kernel.view, kernel.tiles
-    _batch, _m_size, _n_size, _ = view.sizes
     gx, gy, gz = kernel.grid
     mk = kernel.mma_shape[2]
     a_rows, a_cols = _a_table(kernel)

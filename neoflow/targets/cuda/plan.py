@@ -34,10 +34,12 @@ import sympy
 from neoflow.codegen.hardware import TENSOR_CORE
 from neoflow.codegen.implicit_gemm import GemmView, covers_output, gemm_views
 from neoflow.errors import CompileError
+from neoflow.ir import dtypes as dt
 from neoflow.ir import index
 from neoflow.ir.expr import Const, Expr, Read, Select, index_variables, map_children
 from neoflow.ir.op import Op
 from neoflow.ir.simplify import read_offset
+from neoflow.targets.cuda.timing import H100, predict_kernel
 
 #: precision name -> (operand storage dtype, MMA shape m, n, k); ``fp32`` runs contractions on SIMT cores
 PRECISIONS: dict[str, tuple[str, tuple[int, int, int]] | None] = {
@@ -108,8 +110,6 @@ TILE_CHOICES = (
 #: tiles only a kernel copying its operands by cp.async may take (64 x 32 warp tiles: the register
 #: path's gathers would spill)
 DIRECT_TILES = (Tiles(128, 128, 32, 2, 4), Tiles(128, 128, 64, 2, 4), Tiles(128, 64, 64, 4, 2))
-#: shared memory one block may have (H100: 227 KiB)
-SHARED_LIMIT = 227 << 10
 #: shared memory rows are padded by this many bytes (one 16-byte vector) against bank conflicts
 ROW_PAD_BYTES = 16
 
@@ -156,7 +156,7 @@ def gather_plan(view: GemmView, side: str) -> Gather | None:
     division) or an offset reaches 2^31."""
     expr = view.a if side == "a" else view.b
     reads = expr.reads()
-    if len({r.tensor for r in reads}) != 1 or len(reads) != 1:
+    if len(reads) != 1:
         return None
     read = reads[0]
     tensor = next(t for t in view.op.inputs if t.name == read.tensor)
@@ -249,15 +249,21 @@ class MmaKernel:
     a_vector: int = 1
     b_vector: int = 1
 
+    def gather(self, side: str) -> Gather | None:
+        return self.a_gather if side == "a" else self.b_gather
+
+    def rows_fastest(self, side: str) -> bool:
+        return self.a_rows_fastest if side == "a" else self.b_rows_fastest
+
     @cached_property
+    def side_tables(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per gathered operand, its row table and its depth table (``gather_tables``)."""
+        return {side: gather_tables(self.view, side, self.gather(side)) for side in ("a", "b") if self.gather(side)}
+
+    @property
     def tables(self) -> tuple[np.ndarray, ...]:
-        """The index tables the kernel takes after the op's tensors: per gathered operand (``a``
-        then ``b``), its row table and its depth table (``gather_tables``)."""
-        out: list[np.ndarray] = []
-        for side, gather in (("a", self.a_gather), ("b", self.b_gather)):
-            if gather is not None:
-                out += gather_tables(self.view, side, gather)
-        return tuple(out)
+        """The index tables the kernel takes after the op's tensors: ``side_tables`` in order."""
+        return tuple(table for pair in self.side_tables.values() for table in pair)
 
     @property
     def mma_shape(self) -> tuple[int, int, int]:
@@ -277,7 +283,7 @@ class MmaKernel:
         depth contiguous) or, for an operand loaded row-fastest, ``depth`` (``[block_k][rows]``):
         consecutive threads then store to consecutive addresses, and ``ldmatrix.trans`` (or, for
         tf32, scalar loads) hands the warps their fragments."""
-        return "depth" if (self.a_rows_fastest if side == "a" else self.b_rows_fastest) else "rows"
+        return "depth" if self.rows_fastest(side) else "rows"
 
     def tile_rows(self, side: str) -> int:
         return self.tiles.block_m if side == "a" else self.tiles.block_n
@@ -317,7 +323,7 @@ class MmaKernel:
     @property
     def split_tiles(self) -> int:
         """Depth tiles of one split (the last split may have fewer): with ``splits`` > 1 each
-        block sums its share of the depth and adds it into the zeroed output atomically."""
+        block adds the sum of its share of the depth into the float32 workspace, atomically."""
         return -(-self.depth_tiles // self.splits)
 
     @property
@@ -335,11 +341,11 @@ class MmaKernel:
         return all(self._direct_side(side) for side in ("a", "b"))
 
     def _direct_side(self, side: str) -> bool:
-        gather = self.a_gather if side == "a" else self.b_gather
+        gather = self.gather(side)
         if gather is None or not gather.plain:
             return False
         dtype = next(t.dtype for t in self.view.op.inputs if t.name == gather.tensor)
-        itemsize = 4 if dtype == "float32" else 2
+        itemsize = dt.numpy_dtype(dtype).itemsize
         if self.vector(side) * itemsize < 4:
             return False  # cp.async copies 4, 8 or 16 bytes
         if self.vector(side) * itemsize == 4 and self.tiles.threads < 128:
@@ -364,11 +370,9 @@ class MmaKernel:
         """``(row, col, count)``: the tile row and column (depth) that thread ``TID`` loads as
         element ``VEC`` of its ``ELEMENT``-th vector of operand ``side`` (``a``: ``block_m`` rows,
         ``b``: ``block_n`` rows), ``count`` vectors a thread (of ``vector(side)`` elements)."""
-        rows = self.tiles.block_m if side == "a" else self.tiles.block_n
-        depth = self.tiles.block_k
-        width = self.vector(side)
+        rows, depth, width = self.tile_rows(side), self.tiles.block_k, self.vector(side)
         slot = TID + ELEMENT * self.tiles.threads
-        if self.a_rows_fastest if side == "a" else self.b_rows_fastest:
+        if self.rows_fastest(side):
             row, col = (slot % (rows // width)) * width + VEC, slot // (rows // width)
         else:
             row, col = slot // (depth // width), (slot % (depth // width)) * width + VEC
@@ -487,15 +491,12 @@ def loop_order(reduce, extent: dict[str, int]) -> list[tuple[str, StridedAxis | 
     its start depends on (None where that cannot be ordered: every axis plain)."""
     strided = {s.axis: s for s in strided_axes(reduce, extent)}
     order: list[tuple[str, StridedAxis | None]] = [(a, None) for a in reduce.axes if a not in strided]
-    placed = {a for a, _ in order}
     pending = dict(strided)
     while pending:
         ready = [a for a, s in pending.items() if {v.name for v in s.rest.free_symbols} & set(pending) <= {a}]
         if not ready:
             return [(a, None) for a in reduce.axes]
-        for axis in ready:
-            order.append((axis, pending.pop(axis)))
-            placed.add(axis)
+        order += [(axis, pending.pop(axis)) for axis in ready]
     return order
 
 
@@ -578,16 +579,15 @@ def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest:
     so every run starts aligned), and the tile splits into whole runs."""
     if gather is None:
         return 1
-    guarded = gather.depth_vars if not rows_fastest else gather.row_vars
-    axis_vars = (view.m if side == "a" else view.n) if rows_fastest else view.k
-    if (gather.row_vars or gather.depth_vars) and (gather.guard is None or axis_vars[-1][0] in guarded):
+    guarded = gather.row_vars if rows_fastest else gather.depth_vars
+    axis = (view.m if side == "a" else view.n) if rows_fastest else view.k
+    name, extent = axis[-1]
+    if (gather.row_vars or gather.depth_vars) and (gather.guard is None or name in guarded):
         return 1  # a guard that changes along a run, or one not on the read alone
     tensor = next(t for t in view.op.inputs if t.name == gather.tensor)
     if tensor.dtype not in ("float32", "float16", "bfloat16"):
         return 1
-    itemsize = 4 if tensor.dtype == "float32" else 2
-    axis = (view.m if side == "a" else view.n) if rows_fastest else view.k
-    name, extent = axis[-1]
+    itemsize = dt.numpy_dtype(tensor.dtype).itemsize
     inner = index.var(name)
     offset = sympy.expand(gather.row_part + gather.depth_part + gather.rest)
     if offset.coeff(inner) != 1:
@@ -606,12 +606,7 @@ def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest:
     return 1
 
 
-def can_split(view: GemmView) -> bool:
-    """Whether the depth of ``view`` may be split (partial sums in a float32 workspace): always."""
-    return True
-
-
-def make_kernel(name: str, view: GemmView, tiles: Tiles, precision: str, splits: int = 1) -> MmaKernel:
+def make_kernel(name: str, view: GemmView, tiles: Tiles, precision: str) -> MmaKernel:
     """The ``MmaKernel`` of ``view`` with ``tiles``: load directions, table gathers and vector widths."""
     gathers = (gather_plan(view, "a"), gather_plan(view, "b"))
     rows_fastest = (_rows_fastest(view, "a"), _rows_fastest(view, "b"))
@@ -619,7 +614,7 @@ def make_kernel(name: str, view: GemmView, tiles: Tiles, precision: str, splits:
         vector_width(view, "a", gathers[0], rows_fastest[0], tiles),
         vector_width(view, "b", gathers[1], rows_fastest[1], tiles),
     )
-    return MmaKernel(name, view, tiles, precision, *rows_fastest, *gathers, splits, *vectors)
+    return MmaKernel(name, view, tiles, precision, *rows_fastest, *gathers, 1, *vectors)
 
 
 def allowed_tiles(kernel: MmaKernel) -> tuple[Tiles, ...]:
@@ -629,14 +624,14 @@ def allowed_tiles(kernel: MmaKernel) -> tuple[Tiles, ...]:
 
 def choose_kernel(name: str, view: GemmView, precision: str, predict) -> MmaKernel:
     """The kernel of ``view`` with the tiles (``TILE_CHOICES``, ``DIRECT_TILES`` where its operands
-    are copied directly) and depth splits (``SPLITS``, where ``can_split``) the timing model
-    ``predict(kernel) -> seconds`` likes best."""
+    are copied directly, within the shared memory a block may have) and depth splits (``SPLITS``)
+    the timing model ``predict(kernel) -> seconds`` likes best."""
     candidates = []
     for tiles in TILE_CHOICES + DIRECT_TILES:
         kernel = make_kernel(name, view, tiles, precision)
-        if tiles not in allowed_tiles(kernel) or kernel.shared_bytes > SHARED_LIMIT:
+        if tiles not in allowed_tiles(kernel) or kernel.shared_bytes > H100.shared_bytes_per_block:
             continue
-        for splits in SPLITS if can_split(view) else (1,):
+        for splits in SPLITS:
             if splits > 1 and kernel.depth_tiles < splits * MIN_SPLIT_TILES:
                 break
             candidates.append(dataclasses.replace(kernel, splits=splits))
@@ -648,8 +643,6 @@ def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
     """The kernels of ``op`` (named ``name``, ``name_1``, ...): its contraction pieces on
     the tensor cores where the precision has an MMA and every operand is floating, else
     one SIMT kernel."""
-    from neoflow.targets.cuda.timing import predict_kernel
-
     check_precision(precision)
     views = None
     if PRECISIONS[precision] is not None and all(t.dtype in ("float32", "float16", "bfloat16") for t in op.inputs):

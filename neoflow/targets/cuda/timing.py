@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from neoflow.fusion.work import op_work
-from neoflow.ir import dtypes as dt
+from neoflow.targets.memory import nbytes
 
 
 @dataclass(frozen=True)
@@ -117,25 +117,24 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
     # gathers: each block reads its operand tiles once per depth tile (4-byte elements), from L2
     gathered = blocks * kernel.split_tiles * (tiles.block_m + tiles.block_n) * tiles.block_k * 4.0
     l2 = gathered / gpu.l2_bytes_per_s
-    view = kernel.view
-    touched = sum(t.size * dt.numpy_dtype(t.dtype).itemsize for t in view.op.inputs)
-    written = view.op.output.size * dt.numpy_dtype(view.op.dtype).itemsize
-    hbm = (touched + written) / gpu.hbm_bytes_per_s
+    hbm = _compulsory_bytes(kernel.view.op) / gpu.hbm_bytes_per_s
     # the operand gathers' index arithmetic and conversions: about 8 instructions an element
     issue = gathered / 4.0 * 8.0 / (gpu.fp32_flops / 2.0)
     return max(compute, l2, hbm, issue)
 
 
+def _compulsory_bytes(op) -> float:
+    """Bytes ``op`` moves at least: every input read once, its output written once."""
+    return float(sum(nbytes(t) for t in (*op.inputs, op.output)))
+
+
 def _simt_seconds(kernel, gpu: GpuFigures) -> float:
     op = kernel.op
     flops = max(op_work(op).flops, 1.0)
-    touched = sum(t.size * dt.numpy_dtype(t.dtype).itemsize for t in op.inputs)
-    written = op.output.size * dt.numpy_dtype(op.dtype).itemsize
     blocks = kernel.grid[0]
     resident = resident_blocks(kernel.threads, SIMT_REGISTERS, 0, gpu)
     occupancy = min(1.0, blocks / (resident * gpu.sms))
     if not kernel.block_reduce and kernel.points < kernel.threads * gpu.sms:
         occupancy = kernel.points / (kernel.threads * gpu.sms * resident)  # a thread a point: few threads
     compute = flops / (gpu.fp32_flops / 2.0 * max(occupancy, 1.0 / gpu.sms))
-    memory = (touched + written) / gpu.hbm_bytes_per_s
-    return max(compute, memory)
+    return max(compute, _compulsory_bytes(op) / gpu.hbm_bytes_per_s)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import pytest
 
 import neoflow
 from neoflow.ir.op import Op
+from neoflow.targets.cuda import nvrtc
+
+#: tests that compile CUDA: skipped where NVRTC is missing, except in CI (``NEOFLOW_REQUIRE_NVRTC``
+#: set by ``.ci/run``), where the test extras install it and a missing NVRTC is a failure
+needs_nvrtc = pytest.mark.skipif(
+    not nvrtc.available() and not os.environ.get("NEOFLOW_REQUIRE_NVRTC"),
+    reason="NVRTC is not installed (pip install '.[cuda]')",
+)
 
 
 def capsule(stride: int, batch: int = 2, channels: int = 8, out: int = 5, dtype: str = "float32") -> Op:
@@ -45,3 +56,8 @@ def inputs_for(op: Op, seed: int = 0, round_to: str | None = None) -> dict[str, 
 def all_ops(op: Op) -> list[Op]:
     """``op`` and its adjoints."""
     return [op, *neoflow.grad(op).values()]
+
+
+def long_sums() -> Op:
+    """A sum long enough for a block per output point, under an epilogue: ``1 / Σ_k exp(A[i, k] x[k])``."""
+    return neoflow.op("Y[i] = 1 / ReduceAdd({k}, exp(A[i, k] * X[k]))", shapes={"A": (48, 1500), "X": (1500,)})

@@ -167,3 +167,27 @@ def test_a_gradient_masked_by_its_relu_is_one_operand() -> None:
     assert all(isinstance(k, MmaKernel) for k in plan.kernels)
     inputs = _exact_inputs(op, seed=13)
     _close(run_plan(plan, inputs), neoflow.evaluate(op, inputs))
+
+
+def test_long_sums_with_few_outputs_reduce_a_block_per_point() -> None:
+    from neoflow.targets.cuda.plan import SimtKernel
+    from tests.targets.cuda.gpu_cases import long_sums
+
+    (kernel,) = plan_op(long_sums(), "k", "tf32").kernels
+    assert isinstance(kernel, SimtKernel) and kernel.block_reduce and kernel.grid == (48, 1, 1)
+    short = neoflow.op("Y[i] = ReduceAdd({k}, A[i, k])", shapes={"A": (4096, 16)})
+    assert not plan_op(short, "k", "tf32").kernels[0].block_reduce
+
+
+def test_a_sum_over_a_lattice_steps_through_it() -> None:
+    from neoflow.targets.cuda.emit import kernel_source
+    from neoflow.targets.cuda.plan import SimtKernel
+
+    # as a reshape's adjoint does: of 576 terms only those with e = 4 i (mod 48) count
+    op = neoflow.op(
+        "Y[i] = ReduceAdd({e: 576 | (e - 4 * i) % 48 == 0}, A[e] * 2)", shapes={"A": (576,)}, out_shape=(12,)
+    )
+    (kernel,) = plan_op(op, "k", "tf32").kernels
+    assert isinstance(kernel, SimtKernel) and not kernel.block_reduce
+    source = kernel_source(kernel)
+    assert "v_e = nf_mod(" in source and "v_e += 48" in source  # from its residue, in steps of 48

@@ -14,9 +14,9 @@ from neoflow.targets.cuda import nvrtc
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.executor import graph_plans
 from neoflow.targets.cuda.plan import MmaKernel, OpPlan, allowed_tiles, plan_op
-from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu
+from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, long_sums, needs_nvrtc
 
-pytestmark = pytest.mark.skipif(not nvrtc.available(), reason="NVRTC is not installed (pip install '.[cuda]')")
+pytestmark = needs_nvrtc
 
 ARCHS = ("sm_90", "sm_80")
 
@@ -25,7 +25,7 @@ def _plans() -> list[OpPlan]:
     """The kernels of the model tests: capsule conv and adjoints (both strides), the padded conv with
     its epilogue (and its adjoints' SIMT kernels), float16 matrix products, each precision, and a
     long-depth product in every tile and a split depth."""
-    ops = [*all_ops(capsule(1)), *all_ops(capsule(2)), *all_ops(conv_relu())]
+    ops = [*all_ops(capsule(1)), *all_ops(capsule(2)), *all_ops(conv_relu()), *all_ops(long_sums())]
     plans = [plan_op(op, f"k{n}_{p}", p) for n, op in enumerate(ops) for p in ("fp16", "tf32", "bf16", "fp32")]
     half = neoflow.op(
         "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (70, 40), "B": (40, 50)}, dtype="float16"
@@ -99,6 +99,8 @@ def test_training_steps_of_the_shipped_models_compile(model: str) -> None:
     for precision in ("tf32", "fp32"):
         compiled = neoflow.compile(models / model, target="cuda", train=spec, fusion="neoflow", precision=precision)
         for executor in (compiled._run, compiled._train):
-            mma = {k.name for plan in executor.plans for k in plan.kernels if isinstance(k, MmaKernel)}
+            mma = {k.name for plan in executor.plans.values() for k in plan.kernels if isinstance(k, MmaKernel)}
+            if executor is compiled._train and precision == "tf32":
+                assert mma, f"{model}: no contraction of the training step runs on the tensor cores"
             spilled = {name: size for name, size in executor.cubin.spills.items() if size and name in mma}
             assert not spilled, f"{model} {precision}: tensor-core kernels spill {spilled}"

@@ -10,10 +10,9 @@ import pytest
 
 import neoflow
 from neoflow.errors import CompileError
-from neoflow.targets.cuda import nvrtc
 from neoflow.targets.cuda.model import round_to
 from neoflow.targets.cuda.plan import MmaKernel
-from tests.targets.cuda.gpu_cases import capsule, inputs_for
+from tests.targets.cuda.gpu_cases import capsule, inputs_for, needs_nvrtc
 
 MODELS_DIR = Path(__file__).resolve().parents[3] / "models"
 
@@ -87,7 +86,7 @@ def test_a_precision_needs_tensor_cores() -> None:
         neoflow.compile(op, target="tensorcore", precision="fp8")
 
 
-@pytest.mark.skipif(not nvrtc.available(), reason="NVRTC is not installed")
+@needs_nvrtc
 def test_cuda_build_directory_compiles_without_a_gpu(tmp_path: Path) -> None:
     model = neoflow.compile(MODELS_DIR / "mlp.onnx", target="cuda", train=neoflow.TrainSpec(labels="y"))
     out = model.save(tmp_path / "build")
