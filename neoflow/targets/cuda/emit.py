@@ -19,6 +19,7 @@ from neoflow.ir import index
 from neoflow.ir.expr import Const, Expr, Index, Read, Reduce
 from neoflow.ir.op import Op, Tensor
 from neoflow.targets.cuda.plan import (
+    ELEMENT,
     OFFSET,
     VEC,
     Gather,
@@ -187,18 +188,21 @@ def table_names(kernel: MmaKernel) -> tuple[str, ...]:
     return tuple(name for side in gathered for name in (f"nf_tab_{side}_rows", f"nf_tab_{side}_depth"))
 
 
-#: the name a vector load's elements have in an operand expression (``nf_lanes[v_vec]`` in C)
-LANES = "nf_lanes__"
+def lanes_name(position: int) -> str:
+    """The name the elements of a vector load of the ``position``-th gathered tensor have in an
+    operand expression (``nf_lanes<position>[v_vec]`` in C)."""
+    return f"nf_lanes{position}__"
 
 
-def _printer(op: Op, reduction, gather: Gather | None = None, lanes: Tensor | None = None) -> ValuePrinter:
+def _printer(op: Op, reduction, gather: Gather | None = None, lanes: tuple[Tensor, ...] = ()) -> ValuePrinter:
     names = {t.name: f"nf_in{k}" for k, t in enumerate(op.inputs)}
     tensors: dict[str, Tensor] = {t.name: t for t in op.inputs}
-    if lanes is not None:
-        names[lanes.name], tensors[lanes.name] = "nf_lanes", lanes
-    if gather is not None:  # the gathered tensor, read flat at the offset the tables give
-        names[gather.flat] = names[gather.tensor]
-        tensors[gather.flat] = Tensor(gather.flat, (tensors[gather.tensor].size,), tensors[gather.tensor].dtype)
+    for position, tensor in enumerate(lanes):
+        names[tensor.name], tensors[tensor.name] = f"nf_lanes{position}", tensor
+    for name in gather.tensors if gather is not None else ():  # read flat at the offset the tables give
+        flat = Gather.flat(name)
+        names[flat] = names[name]
+        tensors[flat] = Tensor(flat, (tensors[name].size,), tensors[name].dtype)
     printer: ValuePrinter
 
     def read(tensor: str, indices) -> str:
@@ -358,24 +362,33 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
         f"            const int64_t nf_r = {origin} + nf_row, nf_k = nf_k0 + nf_col;\n"
     )
     if gather is not None and width > 1:
-        tensor = next(t for t in view.op.inputs if t.name == gather.tensor)
-        lanes = Tensor(LANES, (width,), tensor.dtype)
+        gathered = [next(t for t in view.op.inputs if t.name == name) for name in gather.tensors]
+        dtype = gathered[0].dtype
+        lanes = tuple(Tensor(lanes_name(k), (width,), dtype) for k in range(len(gathered)))
         printer = _printer(view.op, lambda node: _refuse(view.op), gather, lanes)
-        lane_read = Read(LANES, (index.var("vec"),), tensor.dtype)
-        value = printer(map_reads(gather.expr, lambda node: lane_read), "float32")
-        pointer = _pointer(view.op, gather.tensor)
-        raw = {16: "uint4", 8: "uint2", 4: "uint32_t"}[width * dt.numpy_dtype(tensor.dtype).itemsize]
+        position = {Gather.flat(name): k for k, name in enumerate(gather.tensors)}
+
+        def lane_read(node: Read) -> Read:
+            return Read(lanes_name(position[node.tensor]), (index.var("vec"),), node.tensor_dtype)
+
+        value = printer(map_reads(gather.expr, lane_read), "float32")
+        raw = {16: "uint4", 8: "uint2", 4: "uint32_t"}[width * dt.numpy_dtype(dtype).itemsize]
         guard_open, guard_close = "", ""
         if gather.guard is not None:  # the vector is read only where its guard holds (zeros else)
             guard_open = f"({printer(gather.guard, 'bool')}) ? "
             guard_close = f" : {raw}{{}}"
+        element_type = c_type(dtype, CUDA_TYPES)
+        loads = "".join(
+            f"                const {raw} nf_raw{k} = {guard_open}"
+            f"__ldg(reinterpret_cast<const {raw} *>({_pointer(view.op, tensor.name)} + v_{OFFSET})){guard_close};\n"
+            f"                const {element_type} *nf_lanes{k} = "
+            f"reinterpret_cast<const {element_type} *>(&nf_raw{k});\n"
+            for k, tensor in enumerate(gathered)
+        )
         return head + (
             f"            if (nf_r < {limit} && nf_k < {view.sizes[3]}) {{\n"
             f"                {_table_lookup(kernel, side, gather, printer)}\n"
-            f"                const {raw} nf_raw = {guard_open}"
-            f"__ldg(reinterpret_cast<const {raw} *>({pointer} + v_{OFFSET})){guard_close};\n"
-            f"                const {c_type(tensor.dtype, CUDA_TYPES)} *nf_lanes = "
-            f"reinterpret_cast<const {c_type(tensor.dtype, CUDA_TYPES)} *>(&nf_raw);\n"
+            f"{loads}"
             f"                #pragma unroll\n"
             f"                for (int v_vec = 0; v_vec < {width}; ++v_vec)\n"
             f"                    nf_reg_{side}[element * {width} + v_vec] = {convert.format(value)};\n"
@@ -404,34 +417,108 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
     )
 
 
+#: a thread hoists its copies' row-table entries out of the main loop when it has at most this many
+#: copies of an operand a tile (more would go to local memory)
+HOISTED_COPIES = 8
+
+
+def _hoisted(kernel: MmaKernel, side: str) -> bool:
+    return kernel.load_coords(side)[2] <= HOISTED_COPIES
+
+
+def _row_entries(kernel: MmaKernel, side: str) -> str:
+    """C, before the main loop, reading once the row-table entries of thread ``tid``'s copies of
+    operand ``side`` (the rows a thread copies are the same in every depth tile): the offset
+    part ``nf_<side>_roff[e]`` (0 past the last row, ``nf_<side>_rok[e]`` false) and the row
+    variables its guard uses."""
+    view, gather = kernel.view, kernel.gather(side)
+    row, _, count = kernel.load_coords(side)
+    origin = "nf_m0" if side == "a" else "nf_n0"
+    limit = view.sizes[1] if side == "a" else view.sizes[2]
+    width = 1 + len(gather.row_vars)
+    names = [f"nf_{side}_roff", *(f"nf_{side}_rv{i}" for i in range(len(gather.row_vars)))]
+    declare = "".join(f"    int {name}[{count}];\n" for name in names)
+    reads = "".join(f"        {name}[element] = __ldg(nf_rt + {i});\n" for i, name in enumerate(names))
+    return (
+        f"{declare}    bool nf_{side}_rok[{count}];\n"
+        f"    #pragma unroll\n"
+        f"    for (int element = 0; element < {count}; ++element) {{\n"
+        f"        const int vec = 0;\n"
+        f"        const int64_t nf_r = {origin} + {small(row.subs(VEC, 0))};\n"
+        f"        nf_{side}_rok[element] = nf_r < {limit};\n"
+        f"        const int *nf_rt = nf_tab_{side}_rows + (nf_{side}_rok[element] ? nf_r : 0) * {width};\n"
+        f"{reads}"
+        f"    }}\n"
+    )
+
+
 def _operand_copy(kernel: MmaKernel, side: str) -> str:
     """C issuing the ``cp.async`` copies of thread ``tid``'s vectors of operand ``side`` for depth
     tile ``nf_k0`` into stage ``stage`` (vectors past the tensor's rows or depth, or whose guard
-    fails, are zero-filled and read nothing)."""
+    fails, are zero-filled and read nothing).  With its row entries hoisted (``_row_entries``)
+    a copy reads only its depth-table entry in a tile, and where all of a thread's copies
+    share their depth column, one entry serves them all."""
     view = kernel.view
     gather = kernel.gather(side)
     row, col, count = kernel.load_coords(side)
     row, col = row.subs(VEC, 0), col.subs(VEC, 0)
-    origin = "nf_m0" if side == "a" else "nf_n0"
-    limit = view.sizes[1] if side == "a" else view.sizes[2]
     printer = _printer(view.op, lambda node: _refuse(view.op), gather)
     pointer = _pointer(view.op, gather.tensor)
     target = f"&nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, ROW, COL)}]"
     guard = "true" if gather.guard is None else printer(gather.guard, "bool")
-    unroll = "" if count <= 8 else " 4"  # many scalar copies: a few in flight keep registers free
-    return (
-        f"        #pragma unroll{unroll}\n"
-        f"        for (int element = 0; element < {count}; ++element) {{\n"
-        f"            const int vec = 0;\n"
-        f"            const int nf_row = {small(row)}, nf_col = {small(col)};\n"
-        f"            int64_t nf_r = {origin} + nf_row, nf_k = nf_k0 + nf_col;\n"
-        f"            const bool nf_valid = nf_r < {limit} && nf_k < {view.sizes[3]};\n"
-        f"            if (!nf_valid) nf_r = nf_k = 0;\n"
-        f"            {_table_lookup(kernel, side, gather, printer)}\n"
-        f"            const bool nf_copied = nf_valid && {guard};\n"
+    copy = (
         f"            nf_copy<{kernel.copy_bytes(side)}>({target}, {pointer} + (nf_copied ? v_{OFFSET} : 0), "
         f"nf_copied);\n"
-        f"        }}\n"
+    )
+    if not _hoisted(kernel, side):
+        origin = "nf_m0" if side == "a" else "nf_n0"
+        limit = view.sizes[1] if side == "a" else view.sizes[2]
+        unroll = "" if count <= 8 else " 4"  # many scalar copies: a few in flight keep registers free
+        return (
+            f"        #pragma unroll{unroll}\n"
+            f"        for (int element = 0; element < {count}; ++element) {{\n"
+            f"            const int vec = 0;\n"
+            f"            const int nf_row = {small(row)}, nf_col = {small(col)};\n"
+            f"            int64_t nf_r = {origin} + nf_row, nf_k = nf_k0 + nf_col;\n"
+            f"            const bool nf_valid = nf_r < {limit} && nf_k < {view.sizes[3]};\n"
+            f"            if (!nf_valid) nf_r = nf_k = 0;\n"
+            f"            {_table_lookup(kernel, side, gather, printer)}\n"
+            f"            const bool nf_copied = nf_valid && {guard};\n"
+            f"{copy}"
+            f"        }}\n"
+        )
+    depth_width = 1 + len(gather.depth_vars)
+    depth_lookup = (
+        f"const int64_t nf_k = nf_k0 + nf_col;\n"
+        f"const bool nf_k_ok = nf_k < {view.sizes[3]};\n"
+        f"const int *nf_dt = nf_tab_{side}_depth + (nf_k_ok ? nf_k : 0) * {depth_width};\n"
+        f"const int nf_doff = __ldg(nf_dt);\n"
+        + "".join(f"const int64_t v_{v} = __ldg(nf_dt + {1 + i});\n" for i, v in enumerate(gather.depth_vars))
+    )
+    shared_column = not col.has(ELEMENT)
+    column = f"const int nf_col = {small(col)};\n"
+
+    def indent(text: str, spaces: int) -> str:
+        return "".join(" " * spaces + line + "\n" for line in text.splitlines())
+
+    row_vars = "".join(f"const int64_t v_{v} = nf_{side}_rv{i}[element];\n" for i, v in enumerate(gather.row_vars))
+    body = (
+        "const int vec = 0;\n"
+        f"const int nf_row = {small(row)};\n"
+        + ("" if shared_column else column + depth_lookup)
+        + row_vars
+        + f"const int64_t v_{OFFSET} = (int64_t)nf_{side}_roff[element] + nf_doff + {printer.index(gather.rest)};\n"
+        f"const bool nf_copied = nf_{side}_rok[element] && nf_k_ok && {guard};\n"
+    )
+    shared = "const int element = 0, vec = 0;\n" + column + depth_lookup if shared_column else ""
+    return (
+        "        {\n" + indent(shared, 12) + f"            #pragma unroll\n"
+        f"            for (int element = 0; element < {count}; ++element) {{\n"
+        + indent(body, 16)
+        + "    "
+        + copy
+        + "            }\n"
+        "        }\n"
     )
 
 
@@ -476,38 +563,64 @@ def _operand_store(kernel: MmaKernel, side: str) -> str:
 
 
 def _fragments(kernel: MmaKernel) -> str:
-    """C loading a warp's A and B fragments for depth step ``kk`` of the current stage."""
+    """C loading a warp's A and B fragments for depth step ``kk`` of the current stage: by
+    ``ldmatrix`` where the plan says so (tf32 registers then rounded by ``cvt.rna``), else
+    element by element."""
     tiles = kernel.tiles
+    tf32 = kernel.storage == "tf32"
+    unit = kernel.ldmatrix_unit
     lines = [f"            uint32_t nf_af[{tiles.frags_m}][4], nf_bf[{tiles.frags_n}][2];"]
-    if kernel.storage == "tf32":
-        a_row, a_col = tf32_a_coords()
-        b_row, b_col = tf32_b_coords()
+
+    def rounded(registers: str) -> str:
+        """A loop rounding the four tf32 registers ``registers[reg]`` (``cvt.rna``)."""
+        register = f"{registers}[reg]"
+        return (
+            "                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg) "
+            f"{register} = __float_as_uint(nf_tf32(__uint_as_float({register})));"
+        )
+
+    if kernel.by_ldmatrix("a"):
+        a_row, a_col = ldmatrix_a_address(kernel.layout("a"), unit)
+        a_load = "nf_ldmatrix_x4" if kernel.layout("a") == "rows" else "nf_ldmatrix_x4_trans"
         a_at = _at(kernel, "a", FM * 16 + a_row, KK + a_col)
-        b_at = _at(kernel, "b", FN * 8 + b_row, KK + b_col)
+        lines += [
+            f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm) {{",
+            f"                {a_load}(nf_af[fm], nf_wa + {a_at});",
+        ]
+        if tf32:
+            lines.append(rounded("nf_af[fm]"))
+        lines.append("            }")
+    else:
+        a_row, a_col = tf32_a_coords()
+        a_at = _at(kernel, "a", FM * 16 + a_row, KK + a_col)
         lines += [
             f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
             "                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg)",
             f"                    nf_af[fm][reg] = __float_as_uint(nf_tf32(nf_wa[{a_at}]));",
-            f"            #pragma unroll\n            for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
-            "                #pragma unroll\n                for (int reg = 0; reg < 2; ++reg)",
-            f"                    nf_bf[fn][reg] = __float_as_uint(nf_tf32(nf_wb[{b_at}]));",
         ]
-    else:
-        a_row, a_col = ldmatrix_a_address(kernel.layout("a"))
-        b_row, b_col = ldmatrix_b_address(kernel.layout("b"))
-        a_load = "nf_ldmatrix_x4" if kernel.layout("a") == "rows" else "nf_ldmatrix_x4_trans"
+    if kernel.by_ldmatrix("b"):
+        b_row, b_col = ldmatrix_b_address(kernel.layout("b"), unit)
         b_load = "nf_ldmatrix_x4" if kernel.layout("b") == "rows" else "nf_ldmatrix_x4_trans"
-        a_at = _at(kernel, "a", FM * 16 + a_row, KK + a_col)
         b_at = _at(kernel, "b", FP * 16 + b_row, KK + b_col)
         lines += [
-            f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
-            f"                {a_load}(nf_af[fm], nf_wa + {a_at});",
             f"            #pragma unroll\n            for (int fp = 0; fp < {tiles.frags_n // 2}; ++fp) {{",
             "                uint32_t nf_r4[4];",
             f"                {b_load}(nf_r4, nf_wb + {b_at});",
+        ]
+        if tf32:
+            lines.append(rounded("nf_r4"))
+        lines += [
             "                nf_bf[2 * fp][0] = nf_r4[0]; nf_bf[2 * fp][1] = nf_r4[1];",
             "                nf_bf[2 * fp + 1][0] = nf_r4[2]; nf_bf[2 * fp + 1][1] = nf_r4[3];",
             "            }",
+        ]
+    else:
+        b_row, b_col = tf32_b_coords()
+        b_at = _at(kernel, "b", FN * 8 + b_row, KK + b_col)
+        lines += [
+            f"            #pragma unroll\n            for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
+            "                #pragma unroll\n                for (int reg = 0; reg < 2; ++reg)",
+            f"                    nf_bf[fn][reg] = __float_as_uint(nf_tf32(nf_wb[{b_at}]));",
         ]
     lines += [
         f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
@@ -661,7 +774,8 @@ def _direct_loop(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
     """The main loop through ``cp.async``: ``stages - 1`` tiles in flight while the warps multiply one."""
     stages, block_k = kernel.stages, kernel.tiles.block_k
     return (
-        f"    auto nf_issue = [&](int kt, int stage) {{\n"
+        "".join(_row_entries(kernel, side) for side in ("a", "b") if _hoisted(kernel, side))
+        + f"    auto nf_issue = [&](int kt, int stage) {{\n"
         f"        const int64_t nf_k0 = (int64_t)kt * {block_k};\n"
         f"{_operand_copy(kernel, 'a')}"
         f"{_operand_copy(kernel, 'b')}"

@@ -26,6 +26,7 @@ from neoflow.ir import index
 from neoflow.ir.interpreter import evaluate_at, evaluate_op
 from neoflow.targets.cuda.plan import (
     OFFSET,
+    Gather,
     MmaKernel,
     OpPlan,
     accumulator_coords,
@@ -62,39 +63,42 @@ def _a_table(kernel: MmaKernel) -> tuple[np.ndarray, np.ndarray]:
     """Tile row (m, from the fragment's first row) and column (depth, from the depth step) that
     each element ``[row, col]`` of the logical A fragment the mma multiplies comes from."""
     rows, cols = np.meshgrid(np.arange(16), np.arange(kernel.mma_shape[2]), indexing="ij")
-    if kernel.storage == "tf32":
+    if not kernel.by_ldmatrix("a"):  # tf32 element by element
         lane, reg = 4 * (rows % 8) + cols % 4, rows // 8 + 2 * (cols // 4)
         r, c = tf32_a_coords()
         return _evaluate(r, lane=lane, reg=reg), _evaluate(c, lane=lane, reg=reg)
-    # the mma reads register j of lane 4g + t as rows 8(j % 2) + g, columns 8(j // 2) + 2t (+1)
-    # (PTX's m16n8k16 A layout); ldmatrix.x4 fills register j from matrix j, whose lines lanes
-    # 8j .. 8j + 7 address: without .trans lane 4g + t gets line g, elements 2t, 2t + 1; with
-    # .trans (a tile stored depth-major) lines 2t, 2t + 1, element g of each
-    g, j, t, p = rows % 8, rows // 8 + 2 * (cols // 8), (cols % 8) // 2, cols % 2
-    r, c = ldmatrix_a_address(kernel.layout("a"))
+    # the mma reads register j as rows 8(j % 2) + g, columns u(j // 2) + (0 .. u-1) (PTX's
+    # m16n8k16 and m16n8k8 A layouts; u elements in 16 bytes); ldmatrix.x4 fills register j
+    # from matrix j, whose lines lanes 8j .. 8j + 7 address: without .trans lane 4g + t gets
+    # line g, its 32-bit word t; with .trans (16-bit, a tile stored depth-major) lines 2t,
+    # 2t + 1, element g of each
+    unit = kernel.ldmatrix_unit
+    g, j, within = rows % 8, rows // 8 + 2 * (cols // unit), cols % unit
+    r, c = ldmatrix_a_address(kernel.layout("a"), unit)
     if kernel.layout("a") == "rows":
         source = 8 * j + g
-        return _evaluate(r, lane=source), _evaluate(c, lane=source) + 2 * t + p
-    source = 8 * j + 2 * t + p
+        return _evaluate(r, lane=source), _evaluate(c, lane=source) + within
+    source = 8 * j + within
     return _evaluate(r, lane=source) + g, _evaluate(c, lane=source)
 
 
 def _b_table(kernel: MmaKernel, half: int) -> tuple[np.ndarray, np.ndarray]:
     """Tile row (n) and column (k) that each element ``[k, n]`` of the logical B fragment comes
-    from (for 16-bit operands, fragment ``half`` of the pair one ``ldmatrix.x4`` loads)."""
+    from (by ``ldmatrix``: fragment ``half`` of the pair one ``ldmatrix.x4`` loads)."""
     ks, ns = np.meshgrid(np.arange(kernel.mma_shape[2]), np.arange(8), indexing="ij")
-    if kernel.storage == "tf32":
+    if not kernel.by_ldmatrix("b"):  # tf32 element by element
         lane, reg = 4 * ns + ks % 4, ks // 4
         r, c = tf32_b_coords()
         return _evaluate(r, lane=lane, reg=reg), _evaluate(c, lane=lane, reg=reg)
     # register i of B fragment ``half`` is matrix 2 half + i, which the mma reads as depths
-    # 8i + 2t (+1) of column n = g (PTX's m16n8k16 B layout); ldmatrix as for A
-    i, t, p = ks // 8, (ks % 8) // 2, ks % 2
-    r, c = ldmatrix_b_address(kernel.layout("b"))
+    # u i + (0 .. u-1) of column n = g (PTX's B layouts); ldmatrix as for A
+    unit = kernel.ldmatrix_unit
+    i, within = ks // unit, ks % unit
+    r, c = ldmatrix_b_address(kernel.layout("b"), unit)
     if kernel.layout("b") == "rows":
         source = 8 * (2 * half + i) + ns
-        return _evaluate(r, lane=source), _evaluate(c, lane=source) + 2 * t + p
-    source = 8 * (2 * half + i) + 2 * t + p
+        return _evaluate(r, lane=source), _evaluate(c, lane=source) + within
+    source = 8 * (2 * half + i) + within
     return _evaluate(r, lane=source) + ns, _evaluate(c, lane=source)
 
 
@@ -127,7 +131,7 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
         env.update({v: row_table[rows_at, 1 + i] for i, v in enumerate(gather.row_vars)})
         env.update({v: depth_table[depth_at, 1 + i] for i, v in enumerate(gather.depth_vars)})
         env.update(batch_env)
-        flat = {**arrays, gather.flat: arrays[gather.tensor].reshape(-1)}
+        flat = {**arrays, **{Gather.flat(name): arrays[name].reshape(-1) for name in gather.tensors}}
         values = evaluate_at(gather.expr, env, flat, owner, live=live)
     else:
         env = {**unravel(np.where(live, flat_rows, 0), view.m if side == "a" else view.n)}
@@ -148,7 +152,7 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
     gx, gy, gz = kernel.grid
     mk = kernel.mma_shape[2]
     a_rows, a_cols = _a_table(kernel)
-    b_tables = [_b_table(kernel, half) for half in range(2 if kernel.storage != "tf32" else 1)]
+    b_tables = [_b_table(kernel, half) for half in range(2 if kernel.by_ldmatrix("b") else 1)]
     lanes, regs = np.meshgrid(np.arange(32), np.arange(4), indexing="ij")
     acc_row_f, acc_col_f = accumulator_coords()
     dest_row = _evaluate(acc_row_f, lane=lanes, reg=regs)
@@ -172,7 +176,7 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
                 wn = np.arange(tiles.warps_n)[:, None, None]
                 b = np.empty((gx, tiles.warps_n, tiles.frags_n, mk, 8), np.float32)
                 for f in range(tiles.frags_n):
-                    if kernel.storage == "tf32":
+                    if not kernel.by_ldmatrix("b"):
                         rows, cols = b_tables[0]
                         fragment_row = f * 8
                     else:  # one ldmatrix.x4 loads fragments 2p and 2p + 1

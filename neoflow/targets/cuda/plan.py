@@ -120,20 +120,31 @@ OFFSET = "nf_off"
 
 @dataclass(frozen=True)
 class Gather:
-    """How a kernel gathers an operand through index tables, where the operand reads one tensor
-    at an affine offset ``row_part + depth_part + rest`` (row variables, depth variables, batch
-    variables and the constant): a row table holds each row's ``row_part`` and the values of
-    ``row_vars`` (the row variables the operand's guards use), a depth table each depth's
-    ``depth_part`` and ``depth_vars``; ``expr`` is the operand reading the tensor flat at ``OFFSET``."""
+    """How a kernel gathers an operand through index tables, where the operand reads
+    ``tensors`` (one, or several of one shape read at the same indices, as a gradient and the
+    activation masking it) at an affine offset ``row_part + depth_part + rest`` (row
+    variables, depth variables, batch variables and the constant): a row table holds each
+    row's ``row_part`` and the values of ``row_vars`` (the row variables the operand's
+    guards use), a depth table each depth's ``depth_part`` and ``depth_vars``; ``expr`` is
+    the operand reading each tensor flat (``flat``) at ``OFFSET``."""
 
-    tensor: str
-    flat: str
+    tensors: tuple[str, ...]
     row_part: sympy.Expr
     depth_part: sympy.Expr
     rest: sympy.Expr
     row_vars: tuple[str, ...]
     depth_vars: tuple[str, ...]
     expr: Expr
+
+    @property
+    def tensor(self) -> str:
+        """The (first) tensor gathered."""
+        return self.tensors[0]
+
+    @staticmethod
+    def flat(tensor: str) -> str:
+        """The name ``expr`` reads ``tensor`` by, flat."""
+        return f"{tensor}__flat"
 
     @property
     def plain(self) -> bool:
@@ -152,17 +163,19 @@ class Gather:
 
 def gather_plan(view: GemmView, side: str) -> Gather | None:
     """The table gather of operand ``side`` (``a``: rows ``m``, ``b``: rows ``n``), or None where
-    its read is not one tensor at an affine offset (a data-dependent gather, a reshape's
-    division) or an offset reaches 2^31."""
+    its reads are not tensors of one shape at the same affine offset (a data-dependent gather,
+    a reshape's division, two different reads) or an offset reaches 2^31."""
     expr = view.a if side == "a" else view.b
     reads = expr.reads()
-    if len(reads) != 1:
+    if not reads:
         return None
+    shapes = {t.name: t.shape for t in view.op.inputs}
     read = reads[0]
-    tensor = next(t for t in view.op.inputs if t.name == read.tensor)
-    if tensor.size >= 1 << 31:
+    if any(r.indices != read.indices or shapes[r.tensor] != shapes[read.tensor] for r in reads):
         return None
-    offset = sympy.expand(read_offset(read.indices, tensor.shape, view.op.extent))
+    if math.prod(shapes[read.tensor]) >= 1 << 31:
+        return None
+    offset = sympy.expand(read_offset(read.indices, shapes[read.tensor], view.op.extent))
     rows = [v for v, _ in (view.m if side == "a" else view.n)]
     depth = [v for v, _ in view.k]
     batch = [v for v, _ in view.batch]
@@ -181,13 +194,15 @@ def gather_plan(view: GemmView, side: str) -> Gather | None:
     rest = sympy.expand(offset - row_part - depth_part)
     if rest.free_symbols - {index.var(v) for v in batch}:
         return None  # a term mixing rows and depth: not affine in the two apart
-    flat = f"{read.tensor}__flat"
-    flat_read = Read(flat, (index.var(OFFSET),), read.tensor_dtype)
-    replaced = map_reads(expr, lambda node: flat_read if node == read else node)
-    guards = index_variables(map_reads(expr, lambda node: Const(0.0) if node == read else node))
+    tensors = tuple(dict.fromkeys(r.tensor for r in reads))
+
+    def flat_read(node: Read) -> Read:
+        return Read(Gather.flat(node.tensor), (index.var(OFFSET),), node.tensor_dtype)
+
+    replaced = map_reads(expr, flat_read)
+    guards = index_variables(map_reads(expr, lambda node: Const(0.0)))
     return Gather(
-        read.tensor,
-        flat,
+        tensors,
         row_part,
         depth_part,
         rest,
@@ -285,6 +300,17 @@ class MmaKernel:
         tf32, scalar loads) hands the warps their fragments."""
         return "depth" if self.rows_fastest(side) else "rows"
 
+    def by_ldmatrix(self, side: str) -> bool:
+        """Whether the warps load operand ``side``'s fragments with ``ldmatrix`` (16-bit operands;
+        tf32 ones in the ``rows`` layout, whose lines hold four whole elements) rather than
+        element by element."""
+        return self.storage != "tf32" or self.layout(side) == "rows"
+
+    @property
+    def ldmatrix_unit(self) -> int:
+        """Elements in one 16-byte line of an ``ldmatrix`` matrix."""
+        return 16 // self.element_bytes
+
     def tile_rows(self, side: str) -> int:
         return self.tiles.block_m if side == "a" else self.tiles.block_n
 
@@ -379,24 +405,26 @@ class MmaKernel:
         return row, col, rows * depth // width // self.tiles.threads
 
 
-def ldmatrix_a_address(layout: str = "rows") -> tuple[sympy.Expr, sympy.Expr]:
-    """Row (m) and column (k) in a 16 x 16 A fragment whose address lane ``LANE`` hands
-    ``ldmatrix.x4``, whose matrices are (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
-    (m 8-15, k 8-15): in the ``rows`` layout lanes 0-15 give the rows of columns 0-7 and lanes
-    16-31 those of columns 8-15; in the ``depth`` layout (``.trans``) each lane gives one depth
-    line of its matrix (eight m a line)."""
+def ldmatrix_a_address(layout: str = "rows", unit: int = 8) -> tuple[sympy.Expr, sympy.Expr]:
+    """Row (m) and column (k) in a 16 x 2``unit`` A fragment whose address lane ``LANE`` hands
+    ``ldmatrix.x4``, whose matrices are (m 0-7, k 0-u), (m 8-15, k 0-u), (m 0-7, k u-2u),
+    (m 8-15, k u-2u), ``unit`` (u) elements a matrix line of 16 bytes (8 16-bit elements; 4 for
+    tf32, whose 32-bit elements ``ldmatrix`` moves as pairs of 16-bit halves): in the ``rows``
+    layout lanes 0-15 give the rows of the first columns and lanes 16-31 those of the
+    others; in the ``depth`` layout (``.trans``, 16-bit only) each lane gives one depth line
+    of its matrix (eight m a line)."""
     if layout == "rows":
-        return LANE % 16, (LANE // 16) * 8
+        return LANE % 16, (LANE // 16) * unit
     return 8 * ((LANE // 8) % 2), LANE % 8 + 8 * (LANE // 16)
 
 
-def ldmatrix_b_address(layout: str = "rows") -> tuple[sympy.Expr, sympy.Expr]:
-    """Row (n) and column (k) in a 16 (n) x 16 (k) tile of two B fragments whose address lane
-    ``LANE`` hands ``ldmatrix.x4``, whose matrices are (n 0-7, k 0-7), (n 0-7, k 8-15),
-    (n 8-15, k 0-7), (n 8-15, k 8-15); in the ``depth`` layout (``.trans``) each lane gives one
-    depth line of its matrix."""
+def ldmatrix_b_address(layout: str = "rows", unit: int = 8) -> tuple[sympy.Expr, sympy.Expr]:
+    """Row (n) and column (k) in a 16 (n) x 2``unit`` (k) tile of two B fragments whose address
+    lane ``LANE`` hands ``ldmatrix.x4``, whose matrices are (n 0-7, k 0-u), (n 0-7, k u-2u),
+    (n 8-15, k 0-u), (n 8-15, k u-2u) (``unit`` as for A); in the ``depth`` layout
+    (``.trans``, 16-bit only) each lane gives one depth line of its matrix."""
     if layout == "rows":
-        return LANE % 8 + (LANE // 16) * 8, ((LANE // 8) % 2) * 8
+        return LANE % 8 + (LANE // 16) * 8, ((LANE // 8) % 2) * unit
     return 8 * (LANE // 16), LANE % 8 + 8 * ((LANE // 8) % 2)
 
 
@@ -565,7 +593,7 @@ def _rows_fastest(view: GemmView, side: str) -> bool:
 
 
 #: depth splits a plan may choose; each split keeps at least ``MIN_SPLIT_TILES`` depth tiles
-SPLITS = (1, 2, 4, 8, 16, 32)
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_SPLIT_TILES = 4
 
 
@@ -578,6 +606,9 @@ def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest:
     variable: coefficient one, its extent a multiple of the width, every other coefficient too,
     so every run starts aligned), and the tile splits into whole runs."""
     if gather is None:
+        return 1
+    tensors = [t for t in view.op.inputs if t.name in gather.tensors]
+    if len({t.dtype for t in tensors}) > 1:
         return 1
     guarded = gather.row_vars if rows_fastest else gather.depth_vars
     axis = (view.m if side == "a" else view.n) if rows_fastest else view.k

@@ -58,6 +58,15 @@ def all_ops(op: Op) -> list[Op]:
     return [op, *neoflow.grad(op).values()]
 
 
+def masked_gradient() -> Op:
+    """A weight gradient whose output gradient is masked by its ReLU: ``G * [A > 0]`` reads two
+    tensors at the same point (one operand), over a long sum (split depth)."""
+    return neoflow.op(
+        "dW[k, c] = ReduceAdd({n}, G[n, k] * Select(A[n, k] > 0, 1, 0) * X[n, c])",
+        shapes={"G": (2048, 40), "A": (2048, 40), "X": (2048, 24)},
+    )
+
+
 def long_sums() -> Op:
     """A sum long enough for a block per output point, under an epilogue: ``1 / Σ_k exp(A[i, k] x[k])``."""
     return neoflow.op("Y[i] = 1 / ReduceAdd({k}, exp(A[i, k] * X[k]))", shapes={"A": (48, 1500), "X": (1500,)})

@@ -9,7 +9,7 @@ import pytest
 import neoflow
 from neoflow.ir.graph import Graph
 from neoflow.targets.cuda.executor import CudaExecutor, ModelExecutor
-from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, inputs_for, long_sums
+from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, inputs_for, long_sums, masked_gradient
 
 
 def _gpu_reason() -> str | None:
@@ -31,6 +31,7 @@ CASES = {
     "capsule1_half": lambda: capsule(1, channels=16, dtype="float16"),
     "conv_relu": conv_relu,
     "long_sums": long_sums,
+    "masked_gradient": masked_gradient,
 }
 #: largest error against the interpreter's float32, relative to the largest output, per precision
 TOLERANCE = {"fp32": 1e-5, "tf32": 3e-3, "fp16": 3e-3, "bf16": 2e-2}

@@ -157,14 +157,18 @@ def test_a_transposed_conv_runs_as_dense_pieces_of_its_lattice() -> None:
     assert len(plan_op(op, "k", "tf32").kernels) == 4
 
 
-def test_a_gradient_masked_by_its_relu_is_one_operand() -> None:
-    # G * [A > 0] reads two tensors at the same point: one operand of the matrix product
-    op = neoflow.op(
-        "dW[k, c] = ReduceAdd({n}, G[n, k] * Select(A[n, k] > 0, 1, 0) * X[n, c])",
-        shapes={"G": (96, 40), "A": (96, 40), "X": (96, 24)},
-    )
-    plan = plan_op(op, "k", "fp16")
-    assert all(isinstance(k, MmaKernel) for k in plan.kernels)
+@pytest.mark.parametrize("precision", ["fp16", "tf32"])
+def test_a_gradient_masked_by_its_relu_is_one_operand(precision: str) -> None:
+    from tests.targets.cuda.gpu_cases import masked_gradient
+
+    # G * [A > 0] reads two tensors at the same point: one operand of the matrix product,
+    # gathered through one pair of index tables, both tensors in vectors
+    op = masked_gradient()
+    plan = plan_op(op, "k", precision)
+    (kernel,) = plan.kernels
+    assert isinstance(kernel, MmaKernel)
+    (side,) = [side for side in ("a", "b") if kernel.gather(side).tensors == ("G", "A")]
+    assert kernel.vector(side) == 4
     inputs = _exact_inputs(op, seed=13)
     _close(run_plan(plan, inputs), neoflow.evaluate(op, inputs))
 

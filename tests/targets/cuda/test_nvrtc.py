@@ -14,7 +14,7 @@ from neoflow.targets.cuda import nvrtc
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.executor import graph_plans
 from neoflow.targets.cuda.plan import MmaKernel, OpPlan, allowed_tiles, plan_op
-from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, long_sums, needs_nvrtc
+from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, long_sums, masked_gradient, needs_nvrtc
 
 pytestmark = needs_nvrtc
 
@@ -25,7 +25,7 @@ def _plans() -> list[OpPlan]:
     """The kernels of the model tests: capsule conv and adjoints (both strides), the padded conv with
     its epilogue (and its adjoints' SIMT kernels), float16 matrix products, each precision, and a
     long-depth product in every tile and a split depth."""
-    ops = [*all_ops(capsule(1)), *all_ops(capsule(2)), *all_ops(conv_relu()), *all_ops(long_sums())]
+    ops = [*all_ops(capsule(1)), *all_ops(capsule(2)), *all_ops(conv_relu()), *all_ops(long_sums()), masked_gradient()]
     plans = [plan_op(op, f"k{n}_{p}", p) for n, op in enumerate(ops) for p in ("fp16", "tf32", "bf16", "fp32")]
     half = neoflow.op(
         "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (70, 40), "B": (40, 50)}, dtype="float16"
