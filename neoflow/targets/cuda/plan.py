@@ -669,25 +669,35 @@ def choose_kernel(name: str, view: GemmView, precision: str, predict) -> MmaKern
     return min(candidates, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
 
 
-@lru_cache(maxsize=512)
-def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
-    """The kernels of ``op`` (named ``name``, ``name_1``, ...): its contraction pieces on
-    the tensor cores where the precision has an MMA and every operand is floating, else
-    one SIMT kernel."""
+def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan | None:
+    """``op``'s contraction pieces on the tensor cores (kernels named ``name``, ``name_1``, ...),
+    each with the tiles and splits the timing model likes best; None where the precision has
+    no MMA, an operand is not floating or the op is no contraction the mapper places."""
     check_precision(precision)
-    views = None
-    if PRECISIONS[precision] is not None and all(t.dtype in ("float32", "float16", "bfloat16") for t in op.inputs):
-        views = gemm_views(op, TENSOR_CORE)
+    if PRECISIONS[precision] is None or any(t.dtype not in ("float32", "float16", "bfloat16") for t in op.inputs):
+        return None
+    views = gemm_views(op, TENSOR_CORE)
     if views is None:
-        return OpPlan(op, (simt_kernel(name, op),), op.scatter is not None)
-    kernels = [
+        return None
+    kernels = tuple(
         choose_kernel(name if k == 0 else f"{name}_{k}", view, precision, predict_kernel)
         for k, view in enumerate(views)
-    ]
-    untabled = any(k.a_gather is None or k.b_gather is None for k in kernels)
-    if untabled and simt_kernel(name, op).block_reduce:
-        # an operand decoded variable by variable at every element (no index tables) costs the
-        # tensor-core kernel more than a block-per-output sum (capsule28's k1 update: 0.48 ms
-        # on the tensor cores, 0.17 ms summed a block per output, on an H100)
-        return OpPlan(op, (simt_kernel(name, op),), False)
-    return OpPlan(op, tuple(kernels), not covers_output(op, views))
+    )
+    return OpPlan(op, kernels, not covers_output(op, views))
+
+
+@lru_cache(maxsize=512)
+def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
+    """The kernels of ``op`` (named ``name``, ``name_1``, ...): its ``tensor_core_plan`` where
+    it has one, else one SIMT kernel; a long sum with few outputs runs a block per output
+    point instead where the timing model expects that faster, and always where an operand
+    would be decoded variable by variable at every element (no index tables: capsule28's k1
+    update took 0.48 ms on the tensor cores, 0.17 ms a block per output, on an H100)."""
+    plan = tensor_core_plan(op, name, precision)
+    simt = simt_kernel(name, op)
+    if plan is None:
+        return OpPlan(op, (simt,), op.scatter is not None)
+    untabled = any(k.a_gather is None or k.b_gather is None for k in plan.kernels)
+    if simt.block_reduce and (untabled or predict_kernel(simt) < sum(predict_kernel(k) for k in plan.kernels)):
+        return OpPlan(op, (simt,), False)
+    return plan

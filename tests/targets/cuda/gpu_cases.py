@@ -60,10 +60,10 @@ def all_ops(op: Op) -> list[Op]:
 
 def masked_gradient() -> Op:
     """A weight gradient whose output gradient is masked by its ReLU: ``G * [A > 0]`` reads two
-    tensors at the same point (one operand), over a long sum (split depth)."""
+    tensors at the same point (one operand of the matrix product)."""
     return neoflow.op(
         "dW[k, c] = ReduceAdd({n}, G[n, k] * Select(A[n, k] > 0, 1, 0) * X[n, c])",
-        shapes={"G": (2048, 40), "A": (2048, 40), "X": (2048, 24)},
+        shapes={"G": (480, 40), "A": (480, 40), "X": (480, 24)},
     )
 
 
