@@ -270,13 +270,28 @@ def _chunks(shape: tuple[int, ...], per_point: int) -> Iterator[tuple[slice, ...
     yield from cover((), 0)
 
 
-def check_inputs(tensors: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray], owner: str) -> dict[str, np.ndarray]:
-    """``inputs`` for ``tensors``: each present, of the right shape, converted to its dtype."""
+def check_inputs(
+    tensors: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray], owner: str, as_is=None
+) -> dict[str, np.ndarray]:
+    """``inputs`` for ``tensors``: each present, of the right shape, converted to its dtype;
+    values ``as_is(value)`` holds for (a GPU target's device arrays) pass unconverted, their
+    shape checked."""
     arrays = {}
     for tensor in tensors:
         if tensor.name not in inputs:
             raise InputError(f"missing input '{tensor.name}' (expected shape {list(tensor.shape)})", op=owner)
-        array = np.asarray(inputs[tensor.name])
+        value = inputs[tensor.name]
+        if as_is is not None and as_is(value):
+            if tuple(value.shape) != tensor.shape:
+                raise InputError(
+                    f"input '{tensor.name}' has shape {list(value.shape)}, expected {list(tensor.shape)}", op=owner
+                )
+            arrays[tensor.name] = value
+            continue
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError, RuntimeError) as err:  # a GPU tensor for a host target, say
+            raise InputError(f"input '{tensor.name}' cannot be read as a host array ({err})", op=owner) from err
         if array.shape != tensor.shape:
             raise InputError(
                 f"input '{tensor.name}' has shape {list(array.shape)}, expected {list(tensor.shape)}", op=owner

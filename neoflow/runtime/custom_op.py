@@ -53,11 +53,25 @@ class CompiledOp:
             self._backward = build_executor(target, self.backward_graph, keep, self.fusion, precision)
 
     def _inputs(self, graph: Graph, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return check_inputs(graph.free_inputs, given, self.op.name)
+        as_is = None
+        if self.target == "cuda":  # GPU arrays are read where they lie
+            from neoflow.targets.cuda.interop import is_device_array as as_is
+        return check_inputs(graph.free_inputs, given, self.op.name, as_is)
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-        """The op's output on ``inputs`` (arrays by input name)."""
-        return self._forward.run(self._inputs(self.forward_graph, inputs))[self.op.name]
+    def _outputs(self, out: Mapping[str, object] | None) -> dict:
+        """The executor's ``out`` argument: GPU arrays to write outputs into (``cuda`` only)."""
+        if not out:
+            return {}
+        if self.target != "cuda":
+            raise CompileError(f"out= takes GPU arrays, for the cuda target (this op is compiled for {self.target})")
+        return {"out": out}
+
+    def run(self, inputs: Mapping[str, np.ndarray], out: object = None) -> np.ndarray:
+        """The op's output on ``inputs`` (arrays by input name: numpy, or on the ``cuda`` target
+        GPU arrays, read in place); with ``out`` (a GPU array, ``cuda``) the output is written
+        there and ``out`` returned."""
+        outputs = self._outputs(None if out is None else {self.op.name: out})
+        return self._forward.run(self._inputs(self.forward_graph, inputs), **outputs)[self.op.name]
 
     def forward_backward(
         self, inputs: Mapping[str, np.ndarray], output_grad: Mapping[str, np.ndarray]
@@ -72,11 +86,20 @@ class CompiledOp:
         return outputs[self.op.name], {name: outputs[a.name] for name, a in self.adjoints.items()}
 
     def backward(
-        self, inputs: Mapping[str, np.ndarray], output_grad: Mapping[str, np.ndarray]
+        self,
+        inputs: Mapping[str, np.ndarray],
+        output_grad: Mapping[str, np.ndarray],
+        out: Mapping[str, object] | None = None,
     ) -> dict[str, np.ndarray]:
         """Adjoints of the op's inputs, by input name, given the inputs and the output
-        adjoint (``{"d<Out>": array}``)."""
+        adjoint (``{"d<Out>": array}``); ``out`` (``cuda``): GPU arrays, by input name, to
+        write adjoints into."""
         if self._backward is None:
             raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
-        outputs = self._backward.run(self._inputs(self.backward_graph, {**inputs, **output_grad}))
+        unknown = sorted(set(out or {}) - set(self.adjoints))
+        if unknown:
+            raise CompileError(f"out names '{unknown[0]}', which has no adjoint", op=self.op.name)
+        targets = self._outputs({self.adjoints[name].name: value for name, value in (out or {}).items()})
+        given = self._inputs(self.backward_graph, {**inputs, **output_grad})
+        outputs = self._backward.run(given, **targets)
         return {name: outputs[adjoint.name] for name, adjoint in self.adjoints.items()}

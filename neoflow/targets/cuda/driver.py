@@ -157,6 +157,11 @@ def synchronize(stream) -> None:
     check(_driver().cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
+def synchronize_context() -> None:
+    """Wait for all work queued on the GPU (in every stream of the context)."""
+    check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
 def memset_zero(pointer: int, nbytes: int, stream) -> None:
     check(_driver().cuMemsetD8Async(pointer, 0, nbytes, stream), "cuMemsetD8Async")
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
-from neoflow.errors import CompileError
+from neoflow.errors import CompileError, InputError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
@@ -117,7 +117,8 @@ class CudaExecutor(PlannedExecutor):
         self.device = None  # the GPU is found at the first run: compiling needs NVRTC only
         self.module = None
         self.buffers: dict[str, driver.Buffer] = {}
-        self._graph = None
+        self._graphs: dict[tuple, driver.Graph] = {}  # by the caller's GPU arrays bound (name, pointer)
+        self._graph = None  # the last run's
 
     def artifacts(self) -> dict[str, bytes]:
         """What a build directory keeps of this executor, by file suffix: the CUDA and its cubin."""
@@ -153,17 +154,24 @@ class CudaExecutor(PlannedExecutor):
                         buffer.upload(table)
                         self.tables[kernel.name].append(buffer)
 
-    def _launch_all(self) -> list:
-        """Every op's kernels in order on the executor's stream (what the CUDA graph captures)."""
+    #: CUDA graphs kept for different sets of the caller's GPU arrays (the oldest dropped first)
+    GRAPHS_KEPT = 8
+
+    def _launch_all(self, bound: dict[str, int]) -> list:
+        """Every op's kernels in order on the executor's stream (what the CUDA graph captures);
+        ``bound``: the device pointers of tensors that live in the caller's GPU arrays."""
         from neoflow.targets.cuda import driver
+
+        def pointer(name: str) -> int:
+            return bound.get(name, self.buffers[name].pointer)
 
         kept = []
         stream = self.device.stream
         for plan in self.plans.values():
             op = plan.op
-            pointers = [self.buffers[op.name].pointer, *(self.buffers[t.name].pointer for t in op.inputs)]
+            pointers = [pointer(op.name), *(pointer(t.name) for t in op.inputs)]
             if plan.zero_first:
-                driver.memset_zero(pointers[0], self.buffers[op.name].nbytes, stream)
+                driver.memset_zero(pointers[0], nbytes(op.output), stream)
             workspace = self.workspaces.get(op.name)
             if workspace is not None:
                 driver.memset_zero(workspace.pointer, workspace.nbytes, stream)
@@ -184,25 +192,71 @@ class CudaExecutor(PlannedExecutor):
                     kept.append(driver.launch(finish, blocks, 256, 0, [*pointers, workspace.pointer], stream))
         return kept
 
-    def run(self, inputs: Mapping[str, np.ndarray], recycle: bool = False) -> dict[str, np.ndarray]:
-        """The kept tensors by name, from every graph input by name."""
+    def _bind(self, arrays: Mapping[str, object], role: str) -> dict[str, int]:
+        """The device pointers of the caller's GPU arrays among ``arrays`` (graph inputs, or kept
+        tensors to write for ``role`` ``output``), checked against the tensors' shapes and dtypes."""
+        from neoflow.targets.cuda.interop import device_array, is_device_array
+
+        tensors = {t.name: t for t in self.graph.inputs} | {op.name: op.output for op in self.graph.ops}
+        bound = {}
+        for name, value in arrays.items():
+            if not is_device_array(value):
+                continue
+            found = device_array(value, name)
+            tensor = tensors[name]
+            if found.shape != tensor.shape or found.dtype != dt.concrete(tensor.dtype):
+                raise InputError(
+                    f"{role} '{name}' on the GPU is {found.dtype} {list(found.shape)}, "
+                    f"expected {dt.concrete(tensor.dtype)} {list(tensor.shape)}"
+                )
+            bound[name] = found.pointer
+        return bound
+
+    def run(
+        self, inputs: Mapping[str, object], recycle: bool = False, out: Mapping[str, object] | None = None
+    ) -> dict[str, object]:
+        """The kept tensors by name, from every graph input by name.  Inputs are numpy arrays
+        (uploaded) or GPU arrays (``__cuda_array_interface__`` or DLPack: read where they are,
+        after the work pending on the GPU); kept tensors named in ``out`` are written into the
+        caller's GPU arrays there (and returned as they are), the others come back as numpy."""
         from neoflow.targets.cuda import driver
 
         if self.device is None:
             self._attach()
+        from neoflow.targets.cuda.interop import is_device_array
+
+        out = dict(out or {})
+        unknown = sorted(set(out) - set(self.keep))
+        if unknown:
+            raise InputError(f"'{unknown[0]}' is not an output of the graph (outputs: {', '.join(self.keep)})")
+        on_host = sorted(name for name, value in out.items() if not is_device_array(value))
+        if on_host:
+            raise InputError(f"out '{on_host[0]}' is not a GPU array (__cuda_array_interface__ or DLPack)")
+        bound = self._bind({t.name: inputs[t.name] for t in self.graph.inputs}, "input") | self._bind(out, "output")
         for tensor in self.graph.inputs:
-            array = np.ascontiguousarray(inputs[tensor.name], dtype=dt.numpy_dtype(tensor.dtype))
-            self.buffers[tensor.name].upload(array)
-        if self._graph is None:
-            self._graph = driver.Graph(self._launch_all, self.device.stream)
-        self._graph.replay()
+            if tensor.name not in bound:
+                array = np.ascontiguousarray(inputs[tensor.name], dtype=dt.numpy_dtype(tensor.dtype))
+                self.buffers[tensor.name].upload(array)
+        key = tuple(sorted(bound.items()))
+        graph = self._graphs.pop(key, None)
+        if graph is None:
+            graph = driver.Graph(lambda: self._launch_all(bound), self.device.stream)
+            if len(self._graphs) >= self.GRAPHS_KEPT:
+                self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = self._graph = graph  # the most recent last
+        if bound:
+            driver.synchronize_context()  # the caller's streams' work on these arrays comes first
+        graph.replay()
         driver.synchronize(self.device.stream)
         tensors = {t.name: t for t in self.graph.inputs} | {op.name: op.output for op in self.graph.ops}
-        out = {}
+        results: dict[str, object] = {}
         for name in self.keep:
-            tensor = tensors[name]
-            out[name] = self.buffers[name].download(tensor.shape, dt.numpy_dtype(tensor.dtype))
-        return out
+            if name in out:
+                results[name] = out[name]
+            else:
+                tensor = tensors[name]
+                results[name] = self.buffers[name].download(tensor.shape, dt.numpy_dtype(tensor.dtype))
+        return results
 
     @property
     def replay_graph(self):

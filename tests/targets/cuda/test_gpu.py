@@ -71,3 +71,43 @@ def test_training_step_on_the_gpu_matches_the_interpreter(model: str) -> None:
     for name in want:
         assert np.abs(got[name] - want[name]).max() <= 1e-4 * np.abs(want[name]).max(), name
     assert ours.train_step(batch) == pytest.approx(reference.train_step(batch), rel=1e-5)
+
+
+class _DlpackOnly:
+    """A GPU tensor seen through DLPack alone (as a JAX array is)."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor, self.shape = tensor, tuple(tensor.shape)
+
+    def __dlpack__(self, **kwargs):
+        return self.tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def test_gpu_arrays_are_read_and_written_where_they_are() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA here")
+    from neoflow.errors import InputError
+
+    op = capsule(1)
+    layer = neoflow.compile(op, target="cuda", grad=True, precision="tf32")
+    for round_ in range(2):  # new tensors (new addresses) the second time: a second CUDA graph
+        host = {name: value * 0.1 for name, value in inputs_for(op, seed=round_).items()}
+        device = {name: torch.from_numpy(value).cuda() for name, value in host.items()}
+        out = torch.empty(op.shape, device="cuda")
+        assert layer.run(device, out=out) is out
+        assert np.array_equal(out.cpu().numpy(), layer.run(host))  # the same kernels, bit for bit
+        dlpack_only = {name: _DlpackOnly(tensor) for name, tensor in device.items()}
+        assert np.array_equal(layer.run(dlpack_only), layer.run(host))
+        d_out = torch.randn(op.shape, device="cuda")
+        grads = {name: torch.empty(tuple(t.shape), device="cuda") for name, t in device.items()}
+        got = layer.backward(device, {f"d{op.name}": d_out}, out=grads)
+        want = layer.backward(host, {f"d{op.name}": d_out.cpu().numpy()})
+        for name in want:
+            assert got[name] is grads[name]
+            assert np.array_equal(grads[name].cpu().numpy(), want[name])
+    with pytest.raises(InputError, match="float64"):
+        layer.run({name: tensor.double() for name, tensor in device.items()})
