@@ -263,12 +263,22 @@ class MmaKernel:
     splits: int = 1
     a_vector: int = 1
     b_vector: int = 1
+    a_lanes_across: bool = False
+    b_lanes_across: bool = False
 
     def gather(self, side: str) -> Gather | None:
         return self.a_gather if side == "a" else self.b_gather
 
     def rows_fastest(self, side: str) -> bool:
         return self.a_rows_fastest if side == "a" else self.b_rows_fastest
+
+    def lanes_across(self, side: str) -> bool:
+        """Whether consecutive threads take consecutive vectors across the vectors' direction
+        (the depth for vectors along the rows, the rows for vectors along the depth) rather than
+        along it: where memory runs that way (a weight whose vectors run along its output
+        channels but whose depth lies contiguous behind them), a warp's copies then touch a few
+        whole lines instead of a sector each."""
+        return self.a_lanes_across if side == "a" else self.b_lanes_across
 
     @cached_property
     def side_tables(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -398,10 +408,15 @@ class MmaKernel:
         ``b``: ``block_n`` rows), ``count`` vectors a thread (of ``vector(side)`` elements)."""
         rows, depth, width = self.tile_rows(side), self.tiles.block_k, self.vector(side)
         slot = TID + ELEMENT * self.tiles.threads
-        if self.rows_fastest(side):
+        along_rows = self.rows_fastest(side)
+        if along_rows and not self.lanes_across(side):
             row, col = (slot % (rows // width)) * width + VEC, slot // (rows // width)
-        else:
+        elif along_rows:
+            row, col = (slot // depth) * width + VEC, slot % depth
+        elif not self.lanes_across(side):
             row, col = slot // (depth // width), (slot % (depth // width)) * width + VEC
+        else:
+            row, col = slot % rows, (slot // rows) * width + VEC
         return row, col, rows * depth // width // self.tiles.threads
 
 
@@ -638,14 +653,57 @@ def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest:
 
 
 def make_kernel(name: str, view: GemmView, tiles: Tiles, precision: str) -> MmaKernel:
-    """The ``MmaKernel`` of ``view`` with ``tiles``: load directions, table gathers and vector widths."""
+    """The ``MmaKernel`` of ``view`` with ``tiles``: load directions, table gathers, vector widths,
+    and per gathered operand the order of its threads' loads that touches fewer memory sectors."""
     gathers = (gather_plan(view, "a"), gather_plan(view, "b"))
     rows_fastest = (_rows_fastest(view, "a"), _rows_fastest(view, "b"))
     vectors = (
         vector_width(view, "a", gathers[0], rows_fastest[0], tiles),
         vector_width(view, "b", gathers[1], rows_fastest[1], tiles),
     )
-    return MmaKernel(name, view, tiles, precision, *rows_fastest, *gathers, 1, *vectors)
+    kernel = MmaKernel(name, view, tiles, precision, *rows_fastest, *gathers, 1, *vectors)
+    for side in ("a", "b"):
+        if kernel.gather(side) is None:
+            continue
+        across = dataclasses.replace(kernel, **{f"{side}_lanes_across": True})
+        if copy_footprint(across, side) < copy_footprint(kernel, side):
+            kernel = across
+    return kernel
+
+
+#: bytes of the memory sectors a warp's loads are served in, and of the cache lines they lie in
+SECTOR_BYTES, LINE_BYTES = 32, 128
+
+
+def copy_footprint(kernel: MmaKernel, side: str) -> tuple[float, float]:
+    """Memory sectors, then cache lines, one warp-wide load of operand ``side`` touches, on
+    average over the first block's warps and every load of its first depth tile (from the
+    index tables: the very addresses the kernel reads)."""
+    return sectors_per_copy(kernel, side), sectors_per_copy(kernel, side, LINE_BYTES)
+
+
+def sectors_per_copy(kernel: MmaKernel, side: str, sector_bytes: int = SECTOR_BYTES) -> float:
+    """Memory sectors of ``sector_bytes`` one warp-wide load of operand ``side`` touches, on
+    average over the first block's warps and every load of its first depth tile."""
+    row_f, col_f, count = kernel.load_coords(side)
+    rows_table, depth_table = kernel.side_tables[side]
+    gather = kernel.gather(side)
+    itemsize = dt.numpy_dtype(next(t.dtype for t in kernel.view.op.inputs if t.name == gather.tensor)).itemsize
+    threads = np.arange(kernel.tiles.threads)
+    rest = int(index.evaluate(gather.rest, dict.fromkeys((v for v, _ in kernel.view.batch), 0)))
+    limit = kernel.view.sizes[1] if side == "a" else kernel.view.sizes[2]
+    total = 0
+    for element in range(count):
+        env = {"tid": threads, "element": np.full_like(threads, element), "vec": np.zeros_like(threads)}
+        rows = np.broadcast_to(np.asarray(index.evaluate(row_f, env), dtype=np.int64), threads.shape)
+        cols = np.broadcast_to(np.asarray(index.evaluate(col_f, env), dtype=np.int64), threads.shape)
+        live = (rows < limit) & (cols < kernel.view.sizes[3])
+        offsets = rows_table[np.where(live, rows, 0), 0].astype(np.int64) + depth_table[np.where(live, cols, 0), 0]
+        sectors = (offsets + rest) * itemsize // sector_bytes
+        for warp in range(kernel.tiles.threads // 32):
+            part = slice(32 * warp, 32 * warp + 32)
+            total += len(np.unique(sectors[part][live[part]]))
+    return total / (count * kernel.tiles.threads // 32)
 
 
 def allowed_tiles(kernel: MmaKernel) -> tuple[Tiles, ...]:

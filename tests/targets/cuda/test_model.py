@@ -49,6 +49,37 @@ def test_every_tiling_and_split_computes_the_same(tiles) -> None:
         _close(run_plan(OpPlan(op, kernels, splits > 1 or plan.zero_first), inputs), want)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "tf32"])
+def test_either_order_of_a_warps_loads_computes_the_same(precision: str) -> None:
+    from neoflow.targets.cuda.plan import copy_footprint
+
+    # consecutive threads along a vector's direction or across it: both orders, both operands
+    for op in all_ops(capsule(2)):
+        inputs = _exact_inputs(op, seed=5)
+        want = neoflow.evaluate(op, inputs)
+        plan = plan_op(op, "k", precision)
+        for a_across in (False, True):
+            for b_across in (False, True):
+                kernels = tuple(
+                    dataclasses.replace(k, a_lanes_across=a_across, b_lanes_across=b_across) for k in plan.kernels
+                )
+                _close(run_plan(OpPlan(op, kernels, plan.zero_first), inputs), want)
+        for kernel in plan.kernels:  # the plan took the order touching fewer sectors, then lines
+            for side in ("a", "b"):
+                other = dataclasses.replace(kernel, **{f"{side}_lanes_across": not kernel.lanes_across(side)})
+                assert copy_footprint(kernel, side) <= copy_footprint(other, side)
+
+
+def test_a_weight_read_along_its_depth_is_loaded_in_whole_lines() -> None:
+    from neoflow.targets.cuda.plan import LINE_BYTES, sectors_per_copy
+
+    # the capsule conv's W[k, c, r, s, t, j]: vectors along j (rows), the depth (c, r, s, t)
+    # contiguous behind them: a warp's 32 vectors of 16 bytes make four whole lines
+    (kernel,) = tensor_core_plan(capsule(1, channels=32), "k", "tf32").kernels
+    assert kernel.rows_fastest("b") and kernel.lanes_across("b")
+    assert sectors_per_copy(kernel, "b", LINE_BYTES) == 4
+
+
 def test_padding_guards_bias_and_relu_epilogue() -> None:
     op = conv_relu()
     plan = plan_op(op, "k", "tf32")
