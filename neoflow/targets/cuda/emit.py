@@ -426,19 +426,30 @@ def _hoisted(kernel: MmaKernel, side: str) -> bool:
     return kernel.load_coords(side)[2] <= HOISTED_COPIES
 
 
-def _row_entries(kernel: MmaKernel, side: str) -> str:
-    """C, before the main loop, reading once the row-table entries of thread ``tid``'s copies of
-    operand ``side`` (the rows a thread copies are the same in every depth tile): the offset
+def _depth_lines(kernel: MmaKernel, side: str) -> int:
+    """How many depth-table entries a thread's copies of operand ``side`` read in a tile: one
+    where they all share their depth column, else one a copy."""
+    _, col, count = kernel.load_coords(side)
+    return count if col.has(ELEMENT) else 1
+
+
+def _hoisted_entries(kernel: MmaKernel, side: str) -> str:
+    """C, before the main loop, for thread ``tid``'s copies of operand ``side``: their row-table
+    entries, read once (the rows a thread copies are the same in every depth tile): the offset
     part ``nf_<side>_roff[e]`` (0 past the last row, ``nf_<side>_rok[e]`` false) and the row
-    variables its guard uses."""
+    variables its guard uses; and ``nf_<side>_depth_entries(kt)``, reading the depth-table
+    entries of tile ``kt`` into ``nf_<side>_dnext`` (one tile ahead of the copies, so their
+    latency hides behind a tile of multiplies), called here for the first tile."""
     view, gather = kernel.view, kernel.gather(side)
-    row, _, count = kernel.load_coords(side)
+    row, col, count = kernel.load_coords(side)
     origin = "nf_m0" if side == "a" else "nf_n0"
     limit = view.sizes[1] if side == "a" else view.sizes[2]
     width = 1 + len(gather.row_vars)
     names = [f"nf_{side}_roff", *(f"nf_{side}_rv{i}" for i in range(len(gather.row_vars)))]
     declare = "".join(f"    int {name}[{count}];\n" for name in names)
     reads = "".join(f"        {name}[element] = __ldg(nf_rt + {i});\n" for i, name in enumerate(names))
+    depth_width = 1 + len(gather.depth_vars)
+    lines = _depth_lines(kernel, side)
     return (
         f"{declare}    bool nf_{side}_rok[{count}];\n"
         f"    #pragma unroll\n"
@@ -449,15 +460,27 @@ def _row_entries(kernel: MmaKernel, side: str) -> str:
         f"        const int *nf_rt = nf_tab_{side}_rows + (nf_{side}_rok[element] ? nf_r : 0) * {width};\n"
         f"{reads}"
         f"    }}\n"
+        f"    int nf_{side}_dnext[{lines}][{depth_width}];\n"
+        f"    auto nf_{side}_depth_entries = [&](int kt) {{\n"
+        f"        #pragma unroll\n"
+        f"        for (int element = 0; element < {lines}; ++element) {{\n"
+        f"            const int vec = 0;\n"
+        f"            const int64_t nf_k = (int64_t)kt * {kernel.tiles.block_k} + {small(col.subs(VEC, 0))};\n"
+        f"            const int *nf_dt = nf_tab_{side}_depth + (nf_k < {view.sizes[3]} ? nf_k : 0) * {depth_width};\n"
+        f"            #pragma unroll\n"
+        f"            for (int i = 0; i < {depth_width}; ++i) nf_{side}_dnext[element][i] = __ldg(nf_dt + i);\n"
+        f"        }}\n"
+        f"    }};\n"
+        f"    nf_{side}_depth_entries(nf_first);\n"
     )
 
 
 def _operand_copy(kernel: MmaKernel, side: str) -> str:
     """C issuing the ``cp.async`` copies of thread ``tid``'s vectors of operand ``side`` for depth
-    tile ``nf_k0`` into stage ``stage`` (vectors past the tensor's rows or depth, or whose guard
-    fails, are zero-filled and read nothing).  With its row entries hoisted (``_row_entries``)
-    a copy reads only its depth-table entry in a tile, and where all of a thread's copies
-    share their depth column, one entry serves them all."""
+    tile ``kt`` (from ``nf_k0``) into stage ``stage`` (vectors past the tensor's rows or depth,
+    or whose guard fails, are zero-filled and read nothing).  With its table entries hoisted
+    (``_hoisted_entries``) a copy takes its row entry from registers and its depth entry from
+    those read the tile before, and reads the next tile's (tiles are issued in order)."""
     view = kernel.view
     gather = kernel.gather(side)
     row, col, count = kernel.load_coords(side)
@@ -487,37 +510,33 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
             f"{copy}"
             f"        }}\n"
         )
-    depth_width = 1 + len(gather.depth_vars)
-    depth_lookup = (
-        f"const int64_t nf_k = nf_k0 + nf_col;\n"
-        f"const bool nf_k_ok = nf_k < {view.sizes[3]};\n"
-        f"const int *nf_dt = nf_tab_{side}_depth + (nf_k_ok ? nf_k : 0) * {depth_width};\n"
-        f"const int nf_doff = __ldg(nf_dt);\n"
-        + "".join(f"const int64_t v_{v} = __ldg(nf_dt + {1 + i});\n" for i, v in enumerate(gather.depth_vars))
+    lines, depth_width = _depth_lines(kernel, side), 1 + len(gather.depth_vars)
+    line = "element" if lines > 1 else "0"
+    row_vars = "".join(
+        f"                const int64_t v_{v} = nf_{side}_rv{i}[element];\n" for i, v in enumerate(gather.row_vars)
     )
-    shared_column = not col.has(ELEMENT)
-    column = f"const int nf_col = {small(col)};\n"
-
-    def indent(text: str, spaces: int) -> str:
-        return "".join(" " * spaces + line + "\n" for line in text.splitlines())
-
-    row_vars = "".join(f"const int64_t v_{v} = nf_{side}_rv{i}[element];\n" for i, v in enumerate(gather.row_vars))
-    body = (
-        "const int vec = 0;\n"
-        f"const int nf_row = {small(row)};\n"
-        + ("" if shared_column else column + depth_lookup)
-        + row_vars
-        + f"const int64_t v_{OFFSET} = (int64_t)nf_{side}_roff[element] + nf_doff + {printer.index(gather.rest)};\n"
-        f"const bool nf_copied = nf_{side}_rok[element] && nf_k_ok && {guard};\n"
+    depth_vars = "".join(
+        f"                const int64_t v_{v} = nf_dcur[{line}][{1 + i}];\n" for i, v in enumerate(gather.depth_vars)
     )
-    shared = "const int element = 0, vec = 0;\n" + column + depth_lookup if shared_column else ""
     return (
-        "        {\n" + indent(shared, 12) + f"            #pragma unroll\n"
+        "        {\n"
+        f"            int nf_dcur[{lines}][{depth_width}];\n"
+        f"            #pragma unroll\n"
+        f"            for (int e = 0; e < {lines}; ++e)\n"
+        f"                #pragma unroll\n"
+        f"                for (int i = 0; i < {depth_width}; ++i) nf_dcur[e][i] = nf_{side}_dnext[e][i];\n"
+        f"            if (kt + 1 < nf_last) nf_{side}_depth_entries(kt + 1);\n"
+        f"            #pragma unroll\n"
         f"            for (int element = 0; element < {count}; ++element) {{\n"
-        + indent(body, 16)
-        + "    "
-        + copy
-        + "            }\n"
+        f"                const int vec = 0;\n"
+        f"                const int nf_row = {small(row)}, nf_col = {small(col)};\n"
+        f"                const bool nf_k_ok = nf_k0 + nf_col < {view.sizes[3]};\n"
+        f"{row_vars}{depth_vars}"
+        f"                const int64_t v_{OFFSET} = (int64_t)nf_{side}_roff[element] + nf_dcur[{line}][0] + "
+        f"{printer.index(gather.rest)};\n"
+        f"                const bool nf_copied = nf_{side}_rok[element] && nf_k_ok && {guard};\n"
+        f"    {copy}"
+        "            }\n"
         "        }\n"
     )
 
@@ -774,7 +793,7 @@ def _direct_loop(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
     """The main loop through ``cp.async``: ``stages - 1`` tiles in flight while the warps multiply one."""
     stages, block_k = kernel.stages, kernel.tiles.block_k
     return (
-        "".join(_row_entries(kernel, side) for side in ("a", "b") if _hoisted(kernel, side))
+        "".join(_hoisted_entries(kernel, side) for side in ("a", "b") if _hoisted(kernel, side))
         + f"    auto nf_issue = [&](int kt, int stage) {{\n"
         f"        const int64_t nf_k0 = (int64_t)kt * {block_k};\n"
         f"{_operand_copy(kernel, 'a')}"
