@@ -157,6 +157,36 @@ def synchronize(stream) -> None:
     check(_driver().cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
+class Branches:
+    """``count`` streams that launches fork onto from ``stream`` and join back (kernels that may run
+    at once: the dense pieces of one op write disjoint points); inside a stream capture the forks
+    become parallel branches of the CUDA graph."""
+
+    def __init__(self, stream, count: int) -> None:
+        driver = _driver()
+        flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value
+        self.stream = stream
+        self.streams = [check(driver.cuStreamCreate(flags), "cuStreamCreate") for _ in range(count)]
+        disable = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
+        self.fork_event = check(driver.cuEventCreate(disable), "cuEventCreate")
+        self.join_events = [check(driver.cuEventCreate(disable), "cuEventCreate") for _ in range(count)]
+
+    def fork(self, count: int) -> list:
+        """The first ``count`` branch streams, each after the work queued on the main stream so far."""
+        driver = _driver()
+        check(driver.cuEventRecord(self.fork_event, self.stream), "cuEventRecord")
+        for branch in self.streams[:count]:
+            check(driver.cuStreamWaitEvent(branch, self.fork_event, 0), "cuStreamWaitEvent")
+        return self.streams[:count]
+
+    def join(self, count: int) -> None:
+        """The main stream waits for the first ``count`` branches' work."""
+        driver = _driver()
+        for branch, event in zip(self.streams[:count], self.join_events, strict=False):
+            check(driver.cuEventRecord(event, branch), "cuEventRecord")
+            check(driver.cuStreamWaitEvent(self.stream, event, 0), "cuStreamWaitEvent")
+
+
 def synchronize_context() -> None:
     """Wait for all work queued on the GPU (in every stream of the context)."""
     check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")

@@ -144,6 +144,8 @@ class CudaExecutor(PlannedExecutor):
         self.workspaces = {
             name: driver.Buffer(plan.op.output.size * 4) for name, plan in self.plans.items() if plan.workspace
         }
+        pieces = max((len(plan.kernels) for plan in self.plans.values()), default=1)
+        self.branches = driver.Branches(self.device.stream, pieces) if pieces > 1 else None
         self.tables: dict[str, list[driver.Buffer]] = {}  # each kernel's index tables, uploaded once
         for plan in self.plans.values():
             for kernel in plan.kernels:
@@ -166,16 +168,19 @@ class CudaExecutor(PlannedExecutor):
             return bound.get(name, self.buffers[name].pointer)
 
         kept = []
-        stream = self.device.stream
+        main = self.device.stream
         for plan in self.plans.values():
             op = plan.op
             pointers = [pointer(op.name), *(pointer(t.name) for t in op.inputs)]
             if plan.zero_first:
-                driver.memset_zero(pointers[0], nbytes(op.output), stream)
+                driver.memset_zero(pointers[0], nbytes(op.output), main)
             workspace = self.workspaces.get(op.name)
             if workspace is not None:
-                driver.memset_zero(workspace.pointer, workspace.nbytes, stream)
-            for kernel in plan.kernels:
+                driver.memset_zero(workspace.pointer, workspace.nbytes, main)
+            # an op's dense pieces write disjoint points (their workspace sums too): they run at once
+            pieces = len(plan.kernels)
+            streams = self.branches.fork(pieces) if pieces > 1 else [main]
+            for kernel, stream in zip(plan.kernels, streams, strict=True):
                 if isinstance(kernel, MmaKernel):
                     threads, shared = kernel.tiles.threads, kernel.shared_bytes
                 else:
@@ -190,6 +195,8 @@ class CudaExecutor(PlannedExecutor):
                     finish = self.module.function(f"{kernel.name}_finish")
                     blocks = (max(1, min(-(-kernel.finish_points // 256), 1 << 16)), 1, 1)
                     kept.append(driver.launch(finish, blocks, 256, 0, [*pointers, workspace.pointer], stream))
+            if pieces > 1:
+                self.branches.join(pieces)
         return kept
 
     def _bind(self, arrays: Mapping[str, object], role: str) -> dict[str, int]:
