@@ -598,6 +598,14 @@ def _fragments(kernel: MmaKernel) -> str:
             f"{register} = __float_as_uint(nf_tf32(__uint_as_float({register})));"
         )
 
+    def by_element(array: str, fragment: str, fragments: int, registers: int, tile: str, at: str) -> list[str]:
+        """Lines loading the tf32 fragments ``array[fragment][reg]`` from ``tile`` one element a register."""
+        return [
+            f"            #pragma unroll\n            for (int {fragment} = 0; {fragment} < {fragments}; ++{fragment})",
+            f"                #pragma unroll\n                for (int reg = 0; reg < {registers}; ++reg)",
+            f"                    {array}[{fragment}][reg] = __float_as_uint(nf_tf32({tile}[{at}]));",
+        ]
+
     if kernel.by_ldmatrix("a"):
         a_row, a_col = ldmatrix_a_address(kernel.layout("a"), unit)
         a_load = "nf_ldmatrix_x4" if kernel.layout("a") == "rows" else "nf_ldmatrix_x4_trans"
@@ -611,12 +619,7 @@ def _fragments(kernel: MmaKernel) -> str:
         lines.append("            }")
     else:
         a_row, a_col = tf32_a_coords()
-        a_at = _at(kernel, "a", FM * 16 + a_row, KK + a_col)
-        lines += [
-            f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
-            "                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg)",
-            f"                    nf_af[fm][reg] = __float_as_uint(nf_tf32(nf_wa[{a_at}]));",
-        ]
+        lines += by_element("nf_af", "fm", tiles.frags_m, 4, "nf_wa", _at(kernel, "a", FM * 16 + a_row, KK + a_col))
     if kernel.by_ldmatrix("b"):
         b_row, b_col = ldmatrix_b_address(kernel.layout("b"), unit)
         b_load = "nf_ldmatrix_x4" if kernel.layout("b") == "rows" else "nf_ldmatrix_x4_trans"
@@ -635,12 +638,7 @@ def _fragments(kernel: MmaKernel) -> str:
         ]
     else:
         b_row, b_col = tf32_b_coords()
-        b_at = _at(kernel, "b", FN * 8 + b_row, KK + b_col)
-        lines += [
-            f"            #pragma unroll\n            for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
-            "                #pragma unroll\n                for (int reg = 0; reg < 2; ++reg)",
-            f"                    nf_bf[fn][reg] = __float_as_uint(nf_tf32(nf_wb[{b_at}]));",
-        ]
+        lines += by_element("nf_bf", "fn", tiles.frags_n, 2, "nf_wb", _at(kernel, "b", FN * 8 + b_row, KK + b_col))
     lines += [
         f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
         f"                #pragma unroll\n                for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
