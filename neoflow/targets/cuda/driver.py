@@ -179,6 +179,14 @@ class Branches:
             check(driver.cuStreamWaitEvent(branch, self.fork_event, 0), "cuStreamWaitEvent")
         return self.streams[:count]
 
+    def __del__(self) -> None:
+        driver = _driver()
+        with contextlib.suppress(Exception):
+            for event in (self.fork_event, *self.join_events):
+                driver.cuEventDestroy(event)
+            for branch in self.streams:
+                driver.cuStreamDestroy(branch)
+
     def join(self, count: int) -> None:
         """The main stream waits for the first ``count`` branches' work."""
         driver = _driver()

@@ -116,6 +116,7 @@ class CudaExecutor(PlannedExecutor):
         self.cubin = compile_cubin(self.source, arch or driver.default_arch())
         self.device = None  # the GPU is found at the first run: compiling needs NVRTC only
         self.module = None
+        self.tensors = graph.tensors
         self.buffers: dict[str, driver.Buffer] = {}
         self._graphs: dict[tuple, driver.Graph] = {}  # by the caller's GPU arrays bound (name, pointer)
         self._graph = None  # the last run's
@@ -200,17 +201,19 @@ class CudaExecutor(PlannedExecutor):
         return kept
 
     def _bind(self, arrays: Mapping[str, object], role: str) -> dict[str, int]:
-        """The device pointers of the caller's GPU arrays among ``arrays`` (graph inputs, or kept
-        tensors to write for ``role`` ``output``), checked against the tensors' shapes and dtypes."""
+        """The device pointers of the caller's GPU arrays among ``arrays`` (graph inputs; for
+        ``role`` ``out``, kept tensors to write, which must all be GPU arrays), checked against
+        the tensors' shapes and dtypes."""
         from neoflow.targets.cuda.interop import device_array, is_device_array
 
-        tensors = {t.name: t for t in self.graph.inputs} | {op.name: op.output for op in self.graph.ops}
         bound = {}
         for name, value in arrays.items():
             if not is_device_array(value):
+                if role == "out":
+                    raise InputError(f"out '{name}' is not a GPU array (__cuda_array_interface__ or DLPack)")
                 continue
             found = device_array(value, name)
-            tensor = tensors[name]
+            tensor = self.tensors[name]
             if found.shape != tensor.shape or found.dtype != dt.concrete(tensor.dtype):
                 raise InputError(
                     f"{role} '{name}' on the GPU is {found.dtype} {list(found.shape)}, "
@@ -230,16 +233,11 @@ class CudaExecutor(PlannedExecutor):
 
         if self.device is None:
             self._attach()
-        from neoflow.targets.cuda.interop import is_device_array
-
         out = dict(out or {})
         unknown = sorted(set(out) - set(self.keep))
         if unknown:
             raise InputError(f"'{unknown[0]}' is not an output of the graph (outputs: {', '.join(self.keep)})")
-        on_host = sorted(name for name, value in out.items() if not is_device_array(value))
-        if on_host:
-            raise InputError(f"out '{on_host[0]}' is not a GPU array (__cuda_array_interface__ or DLPack)")
-        bound = self._bind({t.name: inputs[t.name] for t in self.graph.inputs}, "input") | self._bind(out, "output")
+        bound = self._bind({t.name: inputs[t.name] for t in self.graph.inputs}, "input") | self._bind(out, "out")
         for tensor in self.graph.inputs:
             if tensor.name not in bound:
                 array = np.ascontiguousarray(inputs[tensor.name], dtype=dt.numpy_dtype(tensor.dtype))
@@ -255,13 +253,12 @@ class CudaExecutor(PlannedExecutor):
             driver.synchronize_context()  # the caller's streams' work on these arrays comes first
         graph.replay()
         driver.synchronize(self.device.stream)
-        tensors = {t.name: t for t in self.graph.inputs} | {op.name: op.output for op in self.graph.ops}
         results: dict[str, object] = {}
         for name in self.keep:
             if name in out:
                 results[name] = out[name]
             else:
-                tensor = tensors[name]
+                tensor = self.tensors[name]
                 results[name] = self.buffers[name].download(tensor.shape, dt.numpy_dtype(tensor.dtype))
         return results
 

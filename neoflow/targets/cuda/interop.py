@@ -119,8 +119,7 @@ def _from_dlpack(value: object, name: str) -> DeviceArray:
         dtype, itemsize = _dtype_name(numpy_dtype, name), numpy_dtype.itemsize
     if tensor.strides:
         strides = tuple(tensor.strides[k] * itemsize for k in range(tensor.ndim))
-        sizes = [n for n in shape]
-        if any(n > 1 and s != r for n, s, r in zip(sizes, strides, _row_major(shape, itemsize), strict=True)):
+        if any(n > 1 and s != r for n, s, r in zip(shape, strides, _row_major(shape, itemsize), strict=True)):
             raise InputError(f"'{name}' is not contiguous on the GPU; pass a contiguous copy")
     pointer = int(tensor.data or 0) + int(tensor.byte_offset)
     return DeviceArray(pointer, shape, dtype, (value, capsule))

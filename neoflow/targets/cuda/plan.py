@@ -228,9 +228,11 @@ def unravel(flat: np.ndarray, axis) -> dict[str, np.ndarray]:
     return out
 
 
+@lru_cache(maxsize=256)
 def gather_tables(view: GemmView, side: str, gather: Gather) -> tuple[np.ndarray, np.ndarray]:
     """The row table ``[rows, 1 + len(row_vars)]`` and depth table ``[K, 1 + len(depth_vars)]``
-    (int32: the offset part, then the guard variables' values) of ``gather``."""
+    (int32: the offset part, then the guard variables' values) of ``gather``; read-only, built
+    once per operand (every tile and load order a plan weighs shares them)."""
     axis = view.m if side == "a" else view.n
     tables = []
     for variables, part, names in (
@@ -241,7 +243,9 @@ def gather_tables(view: GemmView, side: str, gather: Gather) -> tuple[np.ndarray
         env = unravel(np.arange(count, dtype=np.int64), variables)
         columns = [np.broadcast_to(np.asarray(index.evaluate(part, env), dtype=np.int64), (count,))]
         columns += [env[v] for v in names]
-        tables.append(np.ascontiguousarray(np.stack(columns, axis=1).astype(np.int32)))
+        table = np.ascontiguousarray(np.stack(columns, axis=1).astype(np.int32))
+        table.flags.writeable = False
+        tables.append(table)
     return tables[0], tables[1]
 
 
@@ -652,11 +656,28 @@ def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest:
     return 1
 
 
-def make_kernel(name: str, view: GemmView, tiles: Tiles, precision: str) -> MmaKernel:
-    """The ``MmaKernel`` of ``view`` with ``tiles``: load directions, table gathers, vector widths,
-    and per gathered operand the order of its threads' loads that touches fewer memory sectors."""
-    gathers = (gather_plan(view, "a"), gather_plan(view, "b"))
-    rows_fastest = (_rows_fastest(view, "a"), _rows_fastest(view, "b"))
+@dataclass(frozen=True)
+class Operands:
+    """What a view's kernels share whatever their tiles: per operand its table gather and whether
+    its reads run along memory with its rows (``_rows_fastest``)."""
+
+    gathers: tuple[Gather | None, Gather | None]
+    rows_fastest: tuple[bool, bool]
+
+
+def operands(view: GemmView) -> Operands:
+    """The ``Operands`` of ``view``."""
+    return Operands(
+        (gather_plan(view, "a"), gather_plan(view, "b")), (_rows_fastest(view, "a"), _rows_fastest(view, "b"))
+    )
+
+
+def make_kernel(name: str, view: GemmView, tiles: Tiles, precision: str, shared: Operands | None = None) -> MmaKernel:
+    """The ``MmaKernel`` of ``view`` with ``tiles``: load directions, table gathers (``shared``:
+    ``operands(view)``, computed here if not given), vector widths, and per gathered operand
+    the order of its threads' loads that touches fewer memory sectors, then lines."""
+    shared = shared or operands(view)
+    gathers, rows_fastest = shared.gathers, shared.rows_fastest
     vectors = (
         vector_width(view, "a", gathers[0], rows_fastest[0], tiles),
         vector_width(view, "b", gathers[1], rows_fastest[1], tiles),
@@ -676,15 +697,9 @@ SECTOR_BYTES, LINE_BYTES = 32, 128
 
 
 def copy_footprint(kernel: MmaKernel, side: str) -> tuple[float, float]:
-    """Memory sectors, then cache lines, one warp-wide load of operand ``side`` touches, on
-    average over the first block's warps and every load of its first depth tile (from the
-    index tables: the very addresses the kernel reads)."""
-    return sectors_per_copy(kernel, side), sectors_per_copy(kernel, side, LINE_BYTES)
-
-
-def sectors_per_copy(kernel: MmaKernel, side: str, sector_bytes: int = SECTOR_BYTES) -> float:
-    """Memory sectors of ``sector_bytes`` one warp-wide load of operand ``side`` touches, on
-    average over the first block's warps and every load of its first depth tile."""
+    """Memory sectors (``SECTOR_BYTES``), then cache lines (``LINE_BYTES``), one warp-wide load of
+    operand ``side`` touches, on average over the first block's warps and every load of its
+    first depth tile (from the index tables: the very addresses the kernel reads)."""
     row_f, col_f, count = kernel.load_coords(side)
     rows_table, depth_table = kernel.side_tables[side]
     gather = kernel.gather(side)
@@ -692,18 +707,20 @@ def sectors_per_copy(kernel: MmaKernel, side: str, sector_bytes: int = SECTOR_BY
     threads = np.arange(kernel.tiles.threads)
     rest = int(index.evaluate(gather.rest, dict.fromkeys((v for v, _ in kernel.view.batch), 0)))
     limit = kernel.view.sizes[1] if side == "a" else kernel.view.sizes[2]
-    total = 0
+    totals = [0, 0]
     for element in range(count):
         env = {"tid": threads, "element": np.full_like(threads, element), "vec": np.zeros_like(threads)}
         rows = np.broadcast_to(np.asarray(index.evaluate(row_f, env), dtype=np.int64), threads.shape)
         cols = np.broadcast_to(np.asarray(index.evaluate(col_f, env), dtype=np.int64), threads.shape)
         live = (rows < limit) & (cols < kernel.view.sizes[3])
         offsets = rows_table[np.where(live, rows, 0), 0].astype(np.int64) + depth_table[np.where(live, cols, 0), 0]
-        sectors = (offsets + rest) * itemsize // sector_bytes
+        addresses = (offsets + rest) * itemsize
         for warp in range(kernel.tiles.threads // 32):
             part = slice(32 * warp, 32 * warp + 32)
-            total += len(np.unique(sectors[part][live[part]]))
-    return total / (count * kernel.tiles.threads // 32)
+            for k, unit in enumerate((SECTOR_BYTES, LINE_BYTES)):
+                totals[k] += len(np.unique(addresses[part][live[part]] // unit))
+    loads = count * kernel.tiles.threads // 32
+    return totals[0] / loads, totals[1] / loads
 
 
 def allowed_tiles(kernel: MmaKernel) -> tuple[Tiles, ...]:
@@ -716,8 +733,9 @@ def choose_kernel(name: str, view: GemmView, precision: str, predict) -> MmaKern
     are copied directly, within the shared memory a block may have) and depth splits (``SPLITS``)
     the timing model ``predict(kernel) -> seconds`` likes best."""
     candidates = []
+    shared = operands(view)
     for tiles in TILE_CHOICES + DIRECT_TILES:
-        kernel = make_kernel(name, view, tiles, precision)
+        kernel = make_kernel(name, view, tiles, precision, shared)
         if tiles not in allowed_tiles(kernel) or kernel.shared_bytes > H100.shared_bytes_per_block:
             continue
         for splits in SPLITS:

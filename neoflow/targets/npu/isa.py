@@ -114,18 +114,17 @@ def _movement(machine: Machine, source: str, destination: str, nbytes: int) -> t
     return mover.name, max(1, math.ceil(moved / mover.bytes_per_cycle)), mover.latency
 
 
+#: the opcode of a copy on each mover's pipe
+COPY_OPCODES = {"MTE2": "mte2.copy", "MTE1": "mte1.copy", "FIXPIPE": "fixpipe.store", "MTE3": "mte3.copy"}
+
+
 def copy(machine: Machine, core: int, source: Region, destination: Region, opcode: str | None = None) -> Instruction:
     """A copy of ``source`` into ``destination`` on the mover serving that path (``mte2.copy``,
     ``mte1.copy``, ``fixpipe.store``, ``mte3.copy``), costed by its bandwidth and bursts."""
     if source.size != destination.size:
         raise CompileError(f"a copy of {source} into {destination}: sizes differ")
     pipe, cycles, latency = _movement(machine, source.space, destination.space, source.size)
-    pipe_of_mover = "MTE2" if pipe.startswith("MTE2") else pipe
-    name = (
-        opcode
-        or {"MTE2": "mte2.copy", "MTE1": "mte1.copy", "FIXPIPE": "fixpipe.store", "MTE3": "mte3.copy"}[pipe_of_mover]
-    )
-    return Instruction(name, pipe_of_mover, core, (source,), (destination,), cycles, latency)
+    return Instruction(opcode or COPY_OPCODES[pipe], pipe, core, (source,), (destination,), cycles, latency)
 
 
 def mmad(

@@ -29,6 +29,8 @@ CORE_KINDS = ("core", "cube", "vector")
 LAYOUTS = ("coupled", "split")
 #: places data lives in: the per-core buffers and the chip's global memory
 GM = "GM"
+#: the data movers, each a pipe of a core (a split machine's cube and vector cores each have an MTE2)
+MOVERS = ("MTE2", "MTE1", "FIXPIPE", "MTE3")
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,8 @@ def _validate(machine: Machine) -> None:
     places = seen | {GM}
     for mover in machine.movers:
         where = f"mover {mover.name}"
+        if mover.name not in MOVERS:
+            _fail(name, f"{where} is none of the movers {', '.join(MOVERS)}")
         if mover.on not in kinds:
             _fail(name, f"{where} is on '{mover.on}' cores; a {machine.layout} machine has {', '.join(kinds)}")
         if mover.bytes_per_cycle <= 0 or mover.latency < 0 or mover.burst < 1:
@@ -331,8 +335,8 @@ SOURCES_SPLIT = {
     "after Atlas A2's published tiling examples (user files may change them); " + _ASCEND_C_ALIGN,
     "movers.FIXPIPE": "split mode: L0C->GM/L1 (Ascend C: FixPipe serves L0C->{GM, L1} on separated cores); "
     "256 B/cycle, latency 32: model assumptions",
-    "movers.MTE2": "GM->L1 on cube cores, GM->UB on vector cores, 512-byte bursts; 128 B/cycle, 200 cycles: "
-    "model assumptions",
+    "movers.MTE2": "GM->L1 on cube cores, GM->UB on vector cores (each kind of core has its own MTE2), 512-byte "
+    "bursts; 128 B/cycle, 200 cycles: model assumptions",
     "memory.l2_bytes": "192 MiB L2 (Ascend 910B)",
     "memory.l2_bytes_per_cycle": "4096 B/cycle: model assumption (7.4 TB/s at 1.8 GHz, ~4.6x HBM)",
     "memory.hbm_bytes": "64 GiB HBM2e (Ascend 910B)",
@@ -385,13 +389,13 @@ def _split() -> Machine:
         ),
         movers=(
             Mover("MTE2", ((GM, "L1"),), 128.0, 200, 512, "cube"),
-            Mover("MTE2V", ((GM, "UB"),), 128.0, 200, 512, "vector"),
+            Mover("MTE2", ((GM, "UB"),), 128.0, 200, 512, "vector"),
             Mover("MTE1", (("L1", "L0A"), ("L1", "L0B")), 512.0, 16, 32, "cube"),
             Mover("FIXPIPE", (("L0C", GM), ("L0C", "L1")), 256.0, 32, 64, "cube"),
             Mover("MTE3", (("UB", GM),), 128.0, 200, 32, "vector"),
         ),
         memory=MemorySystem(192 << 20, 4096.0, 64 << 30, 889.0, 300),
-        sources={**SOURCES_SPLIT, "movers.MTE2V": "the vector cores' own MTE2 (GM->UB): as MTE2"},
+        sources=SOURCES_SPLIT,
     )
 
 

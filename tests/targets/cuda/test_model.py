@@ -71,13 +71,13 @@ def test_either_order_of_a_warps_loads_computes_the_same(precision: str) -> None
 
 
 def test_a_weight_read_along_its_depth_is_loaded_in_whole_lines() -> None:
-    from neoflow.targets.cuda.plan import LINE_BYTES, sectors_per_copy
+    from neoflow.targets.cuda.plan import copy_footprint
 
     # the capsule conv's W[k, c, r, s, t, j]: vectors along j (rows), the depth (c, r, s, t)
     # contiguous behind them: a warp's 32 vectors of 16 bytes make four whole lines
     (kernel,) = tensor_core_plan(capsule(1, channels=32), "k", "tf32").kernels
     assert kernel.rows_fastest("b") and kernel.lanes_across("b")
-    assert sectors_per_copy(kernel, "b", LINE_BYTES) == 4
+    assert copy_footprint(kernel, "b")[1] == 4  # lines
 
 
 def test_padding_guards_bias_and_relu_epilogue() -> None:

@@ -61,6 +61,7 @@ def test_a_machine_file_round_trips_and_can_change_any_figure(tmp_path) -> None:
         (lambda d: d["buffers"][1].update(alignment=48), "buffer L0A: alignment 48 is not a power of two"),
         (lambda d: d["buffers"][4].update(on="vector"), "buffer UB is on 'vector' cores; a coupled machine has core"),
         (lambda d: d["movers"][0].update(paths=[["GM", "L2"]]), "mover MTE2: path GM->L2 names a place"),
+        (lambda d: d["movers"][0].update(name="DMA"), "mover DMA is none of the movers MTE2, MTE1"),
         (lambda d: d.pop("memory"), "missing field 'memory'"),
         (lambda d: d["cube"].update(depth=4), "unexpected keyword argument 'depth'"),
     ],

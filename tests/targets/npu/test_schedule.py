@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from neoflow.errors import CompileError
-from neoflow.targets.npu.isa import Program, Region, copy, mmad, set_flag, wait_flag
+from neoflow.targets.npu.isa import Program, Region, copy, mmad, set_flag, vector, wait_flag
 from neoflow.targets.npu.machine import GM, machine
 from neoflow.targets.npu.replay import SimulationError, replay
 from neoflow.targets.npu.schedule import static_schedule
@@ -59,10 +59,16 @@ def gemm(chunks: int = 6, drop: str | None = None) -> Program:
     return program
 
 
-def test_the_replay_lands_on_every_cycle_of_the_static_schedule() -> None:
-    program = gemm()
+@pytest.mark.parametrize("chunks", [1, 2, 3, 6])
+def test_the_replay_lands_on_every_cycle_of_the_static_schedule(chunks: int) -> None:
+    program = gemm(chunks)
     schedule = static_schedule(program)
     assert replay(program, against=schedule) == schedule
+
+
+def test_copies_overlap_the_cube_through_the_ping_pong_halves() -> None:
+    program = gemm()
+    schedule = static_schedule(program)
     serial = sum(i.cycles + i.latency for i in program.instructions)
     assert schedule.cycles < serial  # copies overlap the cube through the ping-pong halves
     mte2 = [k for k, i in enumerate(program.instructions) if i.pipe == "MTE2"]
@@ -73,7 +79,9 @@ def test_the_replay_lands_on_every_cycle_of_the_static_schedule() -> None:
 
 def test_the_listing_shows_every_instruction_with_its_cycle() -> None:
     program = gemm(chunks=2)
-    text = program.listing(static_schedule(program).starts)
+    schedule = static_schedule(program)
+    assert replay(program, against=schedule) == schedule
+    text = program.listing(schedule.starts)
     for opcode in ("mte2.copy", "mte1.copy", "cube.mmad", "fixpipe.store", "set_flag MTE1->CUBE #0", "wait_flag"):
         assert opcode in text
     assert "c0.CUBE" in text and "@" in text and "GM:A[0:8192]" in text
@@ -112,3 +120,18 @@ def test_a_wait_whose_flag_is_never_raised() -> None:
         static_schedule(program)
     with pytest.raises(SimulationError, match=r"wait_flag VECTOR->MTE3 #7\) waits for a flag that is never raised"):
         replay(program)
+
+
+def test_instructions_are_costed_from_the_machine() -> None:
+    split = machine("npu-split")
+    # a split machine's vector cores copy GM -> UB on their own MTE2: 8 KiB in 512-byte bursts at 128 B/cycle
+    load = copy(split, 1, Region(GM, 0, 8192, "X"), Region("UB", 0, 8192))
+    assert (load.opcode, load.pipe, load.cycles, load.latency) == ("mte2.copy", "MTE2", 64, 200)
+    # one 256-byte repeat a cycle over the widest operand; a 64 x 64 x 64 mmad is 64 cube steps
+    add = vector(split, 1, "add", Region("UB", 0, 1000), Region("UB", 1024, 1000), Region("UB", 2048, 1000))
+    assert (add.opcode, add.pipe, add.cycles) == ("vec.add", "VECTOR", 4)
+    product = mmad(split, 0, Region("L0A", 0, TILE), Region("L0B", 0, TILE), Region("L0C", 0, 16384), 64, 64, 64, True)
+    assert product.cycles == 64 and product.reads == (Region("L0A", 0, TILE), Region("L0B", 0, TILE))
+    program = Program(split)
+    with pytest.raises(CompileError, match="unknown pipe 'DMA'"):
+        program.add(dataclasses.replace(add, pipe="DMA"))
