@@ -13,6 +13,7 @@ import math
 import sympy
 
 from neoflow.codegen.c_expr import C_TYPES, IndexPrinter, ValuePrinter, c_type, unflatten_index
+from neoflow.codegen.gather import OFFSET, Gather, map_reads
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
@@ -20,9 +21,7 @@ from neoflow.ir.expr import Const, Expr, Index, Read, Reduce
 from neoflow.ir.op import Op, Tensor
 from neoflow.targets.cuda.plan import (
     ELEMENT,
-    OFFSET,
     VEC,
-    Gather,
     MmaKernel,
     OpPlan,
     SimtKernel,
@@ -30,7 +29,6 @@ from neoflow.targets.cuda.plan import (
     ldmatrix_a_address,
     ldmatrix_b_address,
     loop_order,
-    map_reads,
     reduction_parts,
     tf32_a_coords,
     tf32_b_coords,

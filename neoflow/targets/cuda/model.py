@@ -21,12 +21,11 @@ from collections.abc import Mapping
 import numpy as np
 import sympy
 
+from neoflow.codegen.gather import OFFSET, Gather, unravel
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
 from neoflow.ir.interpreter import evaluate_at, evaluate_op
 from neoflow.targets.cuda.plan import (
-    OFFSET,
-    Gather,
     MmaKernel,
     OpPlan,
     accumulator_coords,
@@ -34,7 +33,6 @@ from neoflow.targets.cuda.plan import (
     ldmatrix_b_address,
     tf32_a_coords,
     tf32_b_coords,
-    unravel,
 )
 
 
