@@ -71,7 +71,8 @@ _BINARY = {
 }
 
 
-def _identity(kind: str, dtype: np.dtype) -> int | float:
+def reduction_identity(kind: str, dtype: np.dtype) -> int | float:
+    """The value a reduction of ``kind`` over ``dtype`` starts from (and gives when empty)."""
     if kind in ("ReduceAdd", "ReduceMul"):
         return 0 if kind == "ReduceAdd" else 1
     if np.issubdtype(dtype, np.floating):
@@ -176,7 +177,7 @@ class _OpEvaluator:
         contracted = self.contract(node, live, target)
         if contracted is not None:
             return contracted
-        initial = _identity(node.kind, target)
+        initial = reduction_identity(node.kind, target)
         if node.where is None:
             body = self.eval(node.body, live).astype(target, copy=False)
         else:

@@ -59,6 +59,8 @@ class Instruction:
     latency: int = 0
     event: tuple[str, str, int] | None = None
     args: tuple[tuple[str, object], ...] = ()
+    #: what the functional simulator computes (``simulate``): a spec of the data moved or combined
+    data: object = field(default=None, compare=False, repr=False)
 
     @property
     def is_set(self) -> bool:
@@ -118,13 +120,26 @@ def _movement(machine: Machine, source: str, destination: str, nbytes: int) -> t
 COPY_OPCODES = {"MTE2": "mte2.copy", "MTE1": "mte1.copy", "FIXPIPE": "fixpipe.store", "MTE3": "mte3.copy"}
 
 
-def copy(machine: Machine, core: int, source: Region, destination: Region, opcode: str | None = None) -> Instruction:
+def copy(
+    machine: Machine,
+    core: int,
+    source: Region,
+    destination: Region,
+    opcode: str | None = None,
+    reads: tuple[Region, ...] = (),
+    moved: int | None = None,
+    args: tuple[tuple[str, object], ...] = (),
+    data: object = None,
+) -> Instruction:
     """A copy of ``source`` into ``destination`` on the mover serving that path (``mte2.copy``,
-    ``mte1.copy``, ``fixpipe.store``, ``mte3.copy``), costed by its bandwidth and bursts."""
-    if source.size != destination.size:
+    ``mte1.copy``, ``fixpipe.store``, ``mte3.copy``), costed by its bandwidth and bursts: ``moved``
+    bytes (default: the destination's size; a gather, an img2col or a conversion moves another
+    count), ``reads`` further regions it reads (a bias), ``data`` what the functional simulator does."""
+    if moved is None and source.size != destination.size:
         raise CompileError(f"a copy of {source} into {destination}: sizes differ")
-    pipe, cycles, latency = _movement(machine, source.space, destination.space, source.size)
-    return Instruction(opcode or COPY_OPCODES[pipe], pipe, core, (source,), (destination,), cycles, latency)
+    pipe, cycles, latency = _movement(machine, source.space, destination.space, moved or destination.size)
+    opcode = opcode or COPY_OPCODES[pipe]
+    return Instruction(opcode, pipe, core, (source, *reads), (destination,), cycles, latency, args=args, data=data)
 
 
 def mmad(
@@ -136,16 +151,37 @@ def mmad(
     cycles = math.ceil(m / cube.m) * math.ceil(n / cube.n) * math.ceil(k / cube.k)
     reads = (a, b) if init else (a, b, c)
     args = (("m", m), ("n", n), ("k", k), ("init", init))
-    return Instruction("cube.mmad", "CUBE", core, reads, (c,), cycles, cube.latency, args=args)
+    return Instruction("cube.mmad", "CUBE", core, reads, (c,), cycles, cube.latency, args=args, data=(m, n, k, init))
 
 
-def vector(machine: Machine, core: int, operation: str, out: Region, *inputs: Region, **args) -> Instruction:
+def vector(
+    machine: Machine,
+    core: int,
+    operation: str,
+    out: Region,
+    *inputs: Region,
+    repeats: int | None = None,
+    data: object = None,
+    **args,
+) -> Instruction:
     """A vector operation (``vec.<operation>``) over UB regions, one repeat of
-    ``vector.repeat_bytes`` bytes of the widest operand a cycle."""
-    widest = max([out.size, *(r.size for r in inputs)])
-    cycles = max(1, math.ceil(widest / machine.vector.repeat_bytes))
+    ``vector.repeat_bytes`` bytes a cycle: ``repeats`` of them (default: one pass over the
+    widest operand)."""
+    if repeats is None:
+        widest = max([out.size, *(r.size for r in inputs)])
+        repeats = math.ceil(widest / machine.vector.repeat_bytes)
     extra = tuple(sorted(args.items()))
-    return Instruction(f"vec.{operation}", "VECTOR", core, inputs, (out,), cycles, machine.vector.latency, args=extra)
+    return Instruction(
+        f"vec.{operation}",
+        "VECTOR",
+        core,
+        inputs,
+        (out,),
+        max(1, repeats),
+        machine.vector.latency,
+        args=extra,
+        data=data,
+    )
 
 
 def set_flag(core: int, source: str, destination: str, number: int) -> Instruction:

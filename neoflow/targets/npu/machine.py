@@ -123,6 +123,13 @@ class Machine:
         """The cubes' peak rate, flop/s (a multiply-add is two)."""
         return 2.0 * self.cube.macs_per_cycle * self.cube_cores * self.clock_hz
 
+    def cores(self, unit: str) -> range:
+        """The core numbers holding ``unit`` (``cube`` or ``vector``): every core of a coupled
+        machine; on a split one the cube cores first, then the vector cores."""
+        if self.layout == "coupled":
+            return range(self.cube_cores)
+        return range(self.cube_cores) if unit == "cube" else range(self.cube_cores, self.cube_cores + self.vector_cores)
+
     def buffer(self, name: str) -> Buffer:
         """The buffer called ``name`` (a ``CompileError`` naming the machine's where there is none)."""
         for buffer in self.buffers:

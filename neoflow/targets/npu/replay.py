@@ -1,10 +1,13 @@
 """The simulator's clock: a program replayed event by event from its flags and its pipes alone.
 
-Each pipe of each core takes its instructions in program order; the next one to
-start is always the pipe head that can start earliest (its pipe free, its flag
-signalled), ties going to program order.  Nothing else orders instructions — not
-the data they touch — so the replay shows what the hardware would do with the
-flags as written.  On the way it checks every access: a region inside its
+Each pipe of each core takes its instructions in program order, and like an
+in-order pipeline it holds an instruction until the earlier instructions *of its
+own pipe* whose results it uses are done (the pipe's interlock: an ``mmad``
+accumulating onto the previous one's sums); the next one to start is always the
+pipe head that can start earliest (its pipe free, its flag signalled), ties going
+to program order.  Nothing else orders instructions — across pipes only the
+flags do — so the replay shows what the hardware would do with the flags as
+written.  On the way it checks every access: a region inside its
 buffer's capacity and aligned as the buffer requires, inside its GM tensor, and
 never read before the write it depends on is done, nor overwritten before an
 earlier reader or writer is done (a missing flag).  ``replay(..., against=)``
@@ -17,9 +20,9 @@ import heapq
 from collections import defaultdict
 
 from neoflow.errors import CompileError
-from neoflow.targets.npu.isa import Instruction, Program, Region
+from neoflow.targets.npu.isa import Instruction, Program
 from neoflow.targets.npu.machine import GM
-from neoflow.targets.npu.schedule import Schedule, flag_key, scope
+from neoflow.targets.npu.schedule import Schedule, dependencies, flag_key
 
 
 class SimulationError(CompileError):
@@ -60,34 +63,6 @@ def check_regions(program: Program) -> None:
                 )
 
 
-class _Hazards:
-    """Every access made so far, to catch one that overtakes an access it depends on."""
-
-    def __init__(self) -> None:
-        self.by_scope: dict[tuple, list[tuple[Region, int, bool, int, int]]] = defaultdict(list)
-
-    def check(self, index: int, instruction: Instruction, start: int, done: int, program: Program) -> None:
-        for writing, regions in ((False, instruction.reads), (True, instruction.writes)):
-            for region in regions:
-                entries = self.by_scope[scope(instruction, region)]
-                for other, other_index, other_writes, other_start, other_done in entries:
-                    if not (writing or other_writes) or not region.overlaps(other):
-                        continue
-                    other_instruction = program.instructions[other_index]
-                    if other_index < index and other_done > start:
-                        what = "reads" if not writing else "overwrites"
-                        raise SimulationError(
-                            f"{_where(index, instruction)} {what} {region} at cycle {start}, before "
-                            f"{_where(other_index, other_instruction)} is done (cycle {other_done}): a missing flag"
-                        )
-                    if other_index > index and other_start < done:
-                        raise SimulationError(
-                            f"{_where(other_index, other_instruction)} touched {other} at cycle {other_start}, "
-                            f"before {_where(index, instruction)} (earlier in the program) was done: a missing flag"
-                        )
-                entries.append((region, index, writing, start, done))
-
-
 def replay(program: Program, against: Schedule | None = None) -> Schedule:
     """Every instruction's start and done cycle as the pipes and flags alone order them; with
     ``against`` (the static schedule) a ``SimulationError`` names the first instruction that
@@ -105,7 +80,8 @@ def replay(program: Program, against: Schedule | None = None) -> Schedule:
     consumed: dict[tuple, int] = defaultdict(int)  # signals taken by waits
     starts = [0] * len(instructions)
     dones = [0] * len(instructions)
-    hazards = _Hazards()
+    depends = dependencies(program)
+    executed_at: list[bool] = [False] * len(instructions)
     ready: list[tuple[int, int, tuple]] = []  # (start, program index, pipe) of heads that can start
 
     def offer(pipe: tuple) -> None:
@@ -115,6 +91,9 @@ def replay(program: Program, against: Schedule | None = None) -> Schedule:
         index = queues[pipe][heads[pipe]]
         instruction = instructions[index]
         start = pipe_free[pipe]
+        for earlier in depends[index]:
+            if (instructions[earlier].core, instructions[earlier].pipe) == pipe:
+                start = max(start, dones[earlier])
         if instruction.is_wait:
             key = flag_key(instruction)
             if consumed[key] >= len(signals[key]):
@@ -131,7 +110,23 @@ def replay(program: Program, against: Schedule | None = None) -> Schedule:
         if instruction.is_wait:
             consumed[flag_key(instruction)] += 1
         done = start + instruction.cycles + instruction.latency
-        hazards.check(index, instruction, start, done, program)
+        for earlier in depends[index]:
+            if not executed_at[earlier] or dones[earlier] > start:
+                what = (
+                    "overwrites"
+                    if any(
+                        r.overlaps(w)
+                        for r in instruction.writes
+                        for w in instructions[earlier].reads + instructions[earlier].writes
+                    )
+                    else "reads"
+                )
+                when = f"is done (cycle {dones[earlier]})" if executed_at[earlier] else "has even started"
+                raise SimulationError(
+                    f"{_where(index, instruction)} {what} a region at cycle {start}, before "
+                    f"{_where(earlier, instructions[earlier])} {when}: a missing flag"
+                )
+        executed_at[index] = True
         starts[index], dones[index] = start, done
         if against is not None and against.starts[index] != start:
             raise SimulationError(

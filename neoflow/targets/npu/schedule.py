@@ -31,41 +31,63 @@ class Schedule:
         return max(self.dones, default=0)
 
 
-def scope(instruction: Instruction, region: Region) -> tuple:
-    """Where ``region`` lives: a buffer of the instruction's core, or a GM tensor (shared by all cores)."""
-    return (GM, region.tensor) if region.space == GM else (instruction.core, region.space)
+def scope(instruction: Instruction, region: Region) -> tuple | None:
+    """Where ``region`` lives: a buffer of the instruction's core, or None for GM.  Within one
+    program GM carries no dependencies: a program reads its inputs and writes each element of
+    its outputs once, from one core (the compiler's invariant, ``check_gm_roles``); programs
+    are ordered by the barrier between them."""
+    return None if region.space == GM else (instruction.core, region.space)
 
 
 def flag_key(instruction: Instruction) -> tuple:
     return (instruction.core, instruction.event)
 
 
-class _Accesses:
-    """The accesses made so far to each place, for finding the earlier instructions one depends on."""
-
-    def __init__(self) -> None:
-        self.by_scope: dict[tuple, list[tuple[Region, int, bool]]] = defaultdict(list)
-
-    def dependencies(self, instruction: Instruction) -> set[int]:
-        found = set()
-        for writing, regions in ((False, instruction.reads), (True, instruction.writes)):
-            for region in regions:
-                for other, index, other_writes in self.by_scope[scope(instruction, region)]:
-                    if (writing or other_writes) and region.overlaps(other):
-                        found.add(index)
-        return found
-
-    def record(self, instruction: Instruction, index: int) -> None:
-        for writing, regions in ((False, instruction.reads), (True, instruction.writes)):
-            for region in regions:
-                entries = self.by_scope[scope(instruction, region)]
-                if writing:  # a write hides every earlier access it covers
-                    entries[:] = [e for e in entries if not _covers(region, e[0])]
-                entries.append((region, index, writing))
+def check_gm_roles(program: Program) -> None:
+    """A ``CompileError`` where an instruction reads a GM tensor another writes (a dependency
+    through GM inside one program, which no flag could carry across cores)."""
+    written = {r.tensor for i in program.instructions for r in i.writes if r.space == GM}
+    for index, instruction in enumerate(program.instructions):
+        for region in instruction.reads:
+            if region.space == GM and region.tensor in written:
+                raise CompileError(
+                    f"instruction {index} ({instruction.text()}) reads GM tensor '{region.tensor}', "
+                    "which the same program writes"
+                )
 
 
 def _covers(outer: Region, inner: Region) -> bool:
     return outer.offset <= inner.offset and inner.offset + inner.size <= outer.offset + outer.size
+
+
+def dependencies(program: Program) -> list[tuple[int, ...]]:
+    """Per instruction, the earlier instructions it depends on through a buffer region: read
+    after write, write after read or write (a write hides the accesses it covers)."""
+    writes: dict[tuple, list[tuple[Region, int]]] = defaultdict(list)
+    reads: dict[tuple, list[tuple[Region, int]]] = defaultdict(list)
+    found: list[tuple[int, ...]] = []
+    for index, instruction in enumerate(program.instructions):
+        depends: set[int] = set()
+        for region in instruction.reads:
+            where = scope(instruction, region)
+            if where is not None:
+                depends.update(i for other, i in writes[where] if region.overlaps(other))
+        for region in instruction.writes:
+            where = scope(instruction, region)
+            if where is not None:
+                depends.update(i for other, i in writes[where] + reads[where] if region.overlaps(other))
+        for region in instruction.reads:
+            where = scope(instruction, region)
+            if where is not None:
+                reads[where].append((region, index))
+        for region in instruction.writes:
+            where = scope(instruction, region)
+            if where is not None:
+                for table in (writes, reads):
+                    table[where][:] = [e for e in table[where] if not _covers(region, e[0])]
+                writes[where].append((region, index))
+        found.append(tuple(sorted(depends)))
+    return found
 
 
 def static_schedule(program: Program) -> Schedule:
@@ -74,13 +96,13 @@ def static_schedule(program: Program) -> Schedule:
     pipe_free: dict[tuple, int] = defaultdict(int)
     pipe_done: dict[tuple, int] = defaultdict(int)
     signals: dict[tuple, deque[int]] = defaultdict(deque)
-    accesses = _Accesses()
+    depends = dependencies(program)
     starts: list[int] = []
     dones: list[int] = []
     for index, instruction in enumerate(program.instructions):
         pipe = (instruction.core, instruction.pipe)
         ready = pipe_free[pipe]
-        for earlier in accesses.dependencies(instruction):
+        for earlier in depends[index]:
             ready = max(ready, dones[earlier])
         if instruction.is_wait:
             waiting = signals[flag_key(instruction)]
@@ -94,7 +116,6 @@ def static_schedule(program: Program) -> Schedule:
             signals[flag_key(instruction)].append(max(pipe_done[pipe], start + instruction.cycles))
         pipe_free[pipe] = start + instruction.cycles
         pipe_done[pipe] = max(pipe_done[pipe], done)
-        accesses.record(instruction, index)
         starts.append(start)
         dones.append(done)
     return Schedule(tuple(starts), tuple(dones))

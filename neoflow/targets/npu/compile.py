@@ -1,0 +1,118 @@
+"""An op as NPU programs: the cube for contractions the AMOS mapper places, the vector unit for the rest.
+
+``compile_op`` returns an ``OpProgram``: the op's *phases*, programs run one
+after another with a barrier between them (every core done before the next
+starts): a zeroing phase where the contraction's pieces leave elements unwritten,
+the cube phase (every lattice piece's tiles over the cube cores), and — an
+epilogue reading other tensors — a vector phase applying it from the fp32
+workspace.  Any op that is no such contraction is one vector phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from neoflow.codegen.hardware import NPU_CUBE
+from neoflow.codegen.implicit_gemm import covers_output, gemm_views
+from neoflow.ir import dtypes as dt
+from neoflow.ir.op import Op
+from neoflow.targets.npu import cube, vector
+from neoflow.targets.npu.isa import Program, Region, copy, set_flag, wait_flag
+from neoflow.targets.npu.isa import vector as vector_instruction
+from neoflow.targets.npu.machine import GM, Machine
+from neoflow.targets.npu.schedule import Schedule, check_gm_roles, static_schedule
+
+#: bytes of UB a zeroing phase fills once and stores from
+ZERO_BYTES = 32 << 10
+
+
+def workspace_name(op: Op) -> str:
+    """The GM workspace of ``op``'s fp32 sums (an epilogue applied by a vector phase)."""
+    return f"{op.name}__sums"
+
+
+@dataclass
+class OpProgram:
+    """The phases of one op (``(what, program)`` in order), each with its static schedule."""
+
+    op: Op
+    phases: list[tuple[str, Program]]
+
+    @cached_property
+    def schedules(self) -> list[Schedule]:
+        return [static_schedule(program) for _, program in self.phases]
+
+    @property
+    def cycles(self) -> int:
+        """The op's cycles: its phases one after another."""
+        return sum(s.cycles for s in self.schedules)
+
+    @property
+    def units(self) -> str:
+        """Which units run the op (``cube``, ``vector``, ``cube+vector``)."""
+        kinds = {what for what, _ in self.phases if what != "zero"}
+        return "+".join(k for k in ("cube", "vector") if k in kinds) or "vector"
+
+
+def _tensors(op: Op, extra: dict[str, int] | None = None) -> dict[str, int]:
+    sizes = {t.name: t.size * dt.numpy_dtype(t.dtype).itemsize for t in op.inputs}
+    sizes[op.name] = op.output.size * dt.numpy_dtype(op.dtype).itemsize
+    sizes.update(extra or {})
+    return sizes
+
+
+def _zero_phase(op: Op, machine: Machine, tensor: str, total: int, extra: dict[str, int]) -> Program:
+    """Zeros over GM tensor ``tensor`` (``total`` bytes: ``op``'s output or its workspace): the
+    vector unit fills a UB block once, MTE3 stores it over the tensor from every vector core."""
+    program = Program(machine, _tensors(op, extra))
+    block = min(ZERO_BYTES, -(-total // 32) * 32)
+    pieces = [(start, min(block, total - start)) for start in range(0, total, block)]
+    cores = machine.cores("vector")
+    for position, core in enumerate(cores):
+        mine = pieces[position :: len(cores)]
+        if not mine:
+            continue
+        ub = Region("UB", 0, block)
+        program.add(vector_instruction(machine, core, "dup", ub, value=0))
+        program.add(set_flag(core, "VECTOR", "MTE3", 0))
+        program.add(wait_flag(core, "VECTOR", "MTE3", 0))
+        for start, size in mine:
+            program.add(copy(machine, core, Region("UB", 0, size), Region(GM, start, size, tensor), data="zero"))
+    return program
+
+
+def compile_op(op: Op, machine: Machine) -> OpProgram:
+    """The NPU phases of ``op`` on ``machine``."""
+    views = gemm_views(op, NPU_CUBE) if op.scatter is None else None
+    gathers = [cube.cube_operands(v) for v in views] if views else None
+    if not views or any(g is None for g in gathers):
+        program = Program(machine, _tensors(op))
+        vector.emit_op(program, op, machine.cores("vector"))
+        return _checked(OpProgram(op, [("vector", program)]))
+    phases: list[tuple[str, Program]] = []
+    direct = all(cube.fixpipe_epilogue(v) for v in views)
+    workspace = None if direct else workspace_name(op)
+    extra = {} if direct else {workspace: op.output.size * cube.ACCUMULATOR_BYTES}
+    if not covers_output(op, views):
+        zeroed = op.name if direct else workspace
+        size = _tensors(op, extra)[zeroed]
+        phases.append(("zero", _zero_phase(op, machine, zeroed, size, extra)))
+    program = Program(machine, _tensors(op, extra))
+    cores = machine.cores("cube")
+    itemsize = dt.numpy_dtype(op.dtype).itemsize
+    for view, pair in zip(views, gathers, strict=True):
+        tiles = cube.choose_tiles(view, machine, pair, len(cores))
+        cube.emit_view(program, view, pair, tiles, cores, op.name, itemsize, workspace)
+    phases.append(("cube", program))
+    if workspace is not None:
+        tail = Program(machine, _tensors(op, extra))
+        vector.emit_op(tail, op, machine.cores("vector"), accumulator=workspace)
+        phases.append(("vector", tail))
+    return _checked(OpProgram(op, phases))
+
+
+def _checked(compiled: OpProgram) -> OpProgram:
+    for _, program in compiled.phases:
+        check_gm_roles(program)
+    return compiled

@@ -1,0 +1,335 @@
+"""Contractions on the cube: a ``GemmView`` (the AMOS mapper's matrix view of an op) as an NPU program.
+
+Each core takes output tiles of ``m x n`` round-robin.  For a tile it walks the
+depth in L1 steps of ``k1``: MTE2 brings the GM *patch* each operand's tile reads
+(its unique elements, through the op's own index tables: a convolution's input
+window, not an im2col copy) into one half of L1; MTE1 then builds, for every L0
+step of ``k0``, the operand tiles in 16x16 fractals (``mte1.img2col``: the gather
+and the fp16 rounding on the way) in one half of L0A / L0B; the cube multiplies
+them into one half of L0C (fp32); FIXPIPE drains a finished tile to GM,
+converting and applying the epilogue on the way (an element-wise tail and
+per-row or per-column tensors, as a bias), or — an epilogue reading other tensors
+— leaves fp32 sums in a GM workspace for a vector program.  Every hand-over
+between pipes is a ``set_flag``/``wait_flag`` pair, every buffer is ping-ponged,
+so loads of the next step overlap the cube's work on this one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from neoflow.codegen.gather import Gather, gather_plan, gather_tables, unravel
+from neoflow.codegen.implicit_gemm import GemmView
+from neoflow.ir import dtypes as dt
+from neoflow.ir import index
+from neoflow.ir.expr import Expr, Read, Reduce
+from neoflow.ir.interpreter import evaluate_at
+from neoflow.targets.npu.data import Footprint, OperandTile, OutputTile
+from neoflow.targets.npu.isa import Program, Region, copy, mmad, set_flag, wait_flag
+from neoflow.targets.npu.machine import GM, Machine
+
+#: block sizes a tile may take (multiples of the cube's 16)
+SIZES = (16, 32, 64, 128, 256)
+#: L1 steps a tile's depth step may span (in L0 steps)
+L1_STEPS = (1, 2, 4, 8)
+#: bytes of the cube's operand and accumulator elements
+OPERAND_BYTES, ACCUMULATOR_BYTES = 2, 4
+
+
+@dataclass(frozen=True)
+class CubeTiles:
+    """An output tile of ``m x n`` (L0C), the depth in L0 steps of ``k0`` (L0A/L0B) and L1 steps
+    of ``k1`` (a multiple of ``k0``)."""
+
+    m: int
+    n: int
+    k0: int
+    k1: int
+
+
+def _align(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def _pad16(value: int) -> int:
+    return _align(value, 16)
+
+
+def cube_operands(view: GemmView) -> tuple[Gather, Gather] | None:
+    """Each operand's table gather, where both are plain copies of one tensor's elements (the
+    read itself, or under a padding guard): what MTE2 and MTE1 can move.  None otherwise."""
+    found = []
+    for side in ("a", "b"):
+        gather = gather_plan(view, side)
+        if gather is None or not gather.plain or len(gather.tensors) != 1:
+            return None
+        found.append(gather)
+    return found[0], found[1]
+
+
+def _epilogue_reads(view: GemmView) -> list[Read]:
+    """The reads of ``view``'s epilogue outside its reduction."""
+    found: list[Read] = []
+
+    def visit(node: Expr) -> None:
+        if isinstance(node, Reduce):
+            return
+        if isinstance(node, Read):
+            found.append(node)
+        for child in node.children():
+            visit(child)
+
+    if view.epilogue is not None:
+        visit(view.epilogue)
+    return found
+
+
+def fixpipe_epilogue(view: GemmView) -> bool:
+    """Whether FIXPIPE applies ``view``'s epilogue on the way out: it reads no tensor, or only
+    tensors indexed by the row variables alone or the column variables alone (a bias)."""
+    rows = {v for v, _ in view.m} | {v for v, _ in view.batch}
+    cols = {v for v, _ in view.n} | {v for v, _ in view.batch}
+    for read in _epilogue_reads(view):
+        used = {s.name for i in read.indices for s in i.free_symbols}
+        if not (used <= rows or used <= cols):
+            return False
+    return True
+
+
+def _tensor(view: GemmView, name: str):
+    return next(t for t in view.op.inputs if t.name == name)
+
+
+def _bound_bytes(view: GemmView, gather: Gather, rows: int, depth: int) -> int:
+    tensor = _tensor(view, gather.tensor)
+    return min(rows * depth, tensor.size) * dt.numpy_dtype(tensor.dtype).itemsize
+
+
+def choose_tiles(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int) -> CubeTiles:
+    """The tiles that fit the buffers (each half of a ping-pong pair) and that a pipelined
+    estimate (the slowest of cube, MTE1 and MTE2 per step, tiles spread over ``cores``) likes best."""
+    batch, m_size, n_size, k_size = view.sizes
+    l1 = machine.buffer("L1").capacity
+    l0a, l0b, l0c = (machine.buffer(name).capacity for name in ("L0A", "L0B", "L0C"))
+    mte2 = machine.mover(GM, "L1")
+    mte1 = machine.mover("L1", "L0A")
+    rate = min(mte2.bytes_per_cycle, machine.memory.l2_bytes_per_cycle / max(1, cores))
+    best: tuple[float, int, CubeTiles] | None = None
+    for m in (s for s in SIZES if s <= _pad16(m_size)):
+        for n in (s for s in SIZES if s <= _pad16(n_size)):
+            if 2 * m * n * ACCUMULATOR_BYTES > l0c:
+                continue
+            tiles_per_core = math.ceil(batch * math.ceil(m_size / m) * math.ceil(n_size / n) / cores)
+            for k0 in (s for s in SIZES if s <= _pad16(k_size)):
+                if 2 * m * k0 * OPERAND_BYTES > l0a or 2 * n * k0 * OPERAND_BYTES > l0b:
+                    continue
+                for steps in L1_STEPS:
+                    k1 = k0 * steps
+                    if k1 > _pad16(k_size) and steps > 1:
+                        break
+                    patch = _bound_bytes(view, gathers[0], m, k1) + _bound_bytes(view, gathers[1], n, k1)
+                    if 2 * (patch + 64) > l1:
+                        continue
+                    l0_steps, l1_steps = math.ceil(k_size / k0), math.ceil(k_size / k1)
+                    cube = l0_steps * (m // 16) * (n // 16) * (k0 // 16)
+                    moves1 = l0_steps * (m + n) * k0 * OPERAND_BYTES / mte1.bytes_per_cycle
+                    moves2 = l1_steps * patch / rate
+                    drain = m * n * ACCUMULATOR_BYTES / machine.mover("L0C", GM).bytes_per_cycle
+                    cycles = tiles_per_core * (max(cube, moves1, moves2) + drain / 4) + mte2.latency + drain
+                    key = (cycles, -m * n * k1)
+                    if best is None or key < best[:2]:
+                        best = (cycles, -m * n * k1, CubeTiles(m, n, k0, k1))
+    if best is None:
+        raise ValueError("no cube tile fits the buffers")
+    return best[2]
+
+
+@lru_cache(maxsize=64)
+def _tables(view: GemmView, side: str, gather: Gather):
+    return gather_tables(view, side, gather)
+
+
+def operand_offsets(tile: OperandTile, batch_env: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets, live)``: per element ``[row, depth]`` of the tile the flat offset it reads
+    and whether its guard holds (else it is zero and reads nothing)."""
+    rows_table, depth_table = _tables(tile.view, tile.side, tile.gather)
+    rows = rows_table[tile.rows.start : tile.rows.stop]
+    depth = depth_table[tile.depth.start : tile.depth.stop]
+    rest = int(np.asarray(index.evaluate(tile.gather.rest, batch_env)))
+    offsets = rows[:, :1].astype(np.int64) + depth[None, :, 0] + rest
+    live = np.ones(offsets.shape, bool)
+    guard = tile.gather.guard
+    if guard is not None:
+        env = {v: rows[:, 1 + i][:, None] for i, v in enumerate(tile.gather.row_vars)}
+        env.update({v: depth[:, 1 + i][None, :] for i, v in enumerate(tile.gather.depth_vars)})
+        env.update(batch_env)
+        live = np.broadcast_to(evaluate_at(guard, env, {}, tile.view.op.name), offsets.shape).astype(bool)
+    return offsets, live
+
+
+def batch_env(view: GemmView, batch: int) -> dict:
+    """The batch variables' values at flat batch point ``batch``."""
+    return {k: int(v) for k, v in unravel(np.asarray(batch), view.batch).items()} if view.batch else {}
+
+
+def output_offsets(view: GemmView, rows: range, cols: range, batch: int) -> tuple[dict, np.ndarray]:
+    """The environment of an output tile's points (``[row, col]``) and their flat output offsets."""
+    r, c = np.meshgrid(np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop), indexing="ij")
+    env = {**unravel(r, view.m), **unravel(c, view.n), **batch_env(view, batch)}
+    offsets = np.broadcast_to(np.asarray(index.evaluate(view.out_offset, env), dtype=np.int64), r.shape)
+    return env, offsets
+
+
+def _epilogue_footprints(view: GemmView, env: dict) -> list[Footprint]:
+    prints = []
+    shapes = {t.name: t for t in view.op.inputs}
+    for read in _epilogue_reads(view):
+        tensor = shapes[read.tensor]
+        offset = index.flat_offset(read.indices, tensor.shape)
+        flat = np.broadcast_to(np.asarray(index.evaluate(offset, env), dtype=np.int64), env[next(iter(env))].shape)
+        flat = np.unique(flat[(flat >= 0) & (flat < tensor.size)])
+        prints.append(Footprint(tensor.name, flat, dt.numpy_dtype(tensor.dtype).itemsize))
+    return prints
+
+
+def _gm(footprint: Footprint) -> Region:
+    low, size = footprint.span
+    return Region(GM, low, max(size, footprint.itemsize), footprint.tensor)
+
+
+class _Flags:
+    """The flag traffic of one core: ``signal`` / ``wait`` by (source, destination, slot)."""
+
+    def __init__(self, program: Program, core: int) -> None:
+        self.program, self.core = program, core
+
+    def signal(self, source: str, destination: str, slot: int) -> None:
+        self.program.add(set_flag(self.core, source, destination, slot))
+
+    def wait(self, source: str, destination: str, slot: int) -> None:
+        self.program.add(wait_flag(self.core, source, destination, slot))
+
+
+def emit_view(
+    program: Program,
+    view: GemmView,
+    gathers: tuple[Gather, Gather],
+    tiles: CubeTiles,
+    cores: range,
+    output: str,
+    output_itemsize: int,
+    workspace: str | None,
+) -> None:
+    """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
+    results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor)."""
+    machine = program.machine
+    batch, m_size, n_size, k_size = view.sizes
+    tile_list = [
+        (z, mi, ni) for z in range(batch) for mi in range(0, m_size, tiles.m) for ni in range(0, n_size, tiles.n)
+    ]
+    names = (gathers[0].tensor, gathers[1].tensor)
+    sizes = {side: dt.numpy_dtype(_tensor(view, names[k]).dtype).itemsize for k, side in enumerate("ab")}
+    a_bound = _align(_bound_bytes(view, gathers[0], tiles.m, tiles.k1), 32)
+    slot_l1 = a_bound + _align(_bound_bytes(view, gathers[1], tiles.n, tiles.k1), 32)
+    l0a_slot = _align(tiles.m * tiles.k0 * OPERAND_BYTES, 512)
+    l0b_slot = _align(tiles.n * tiles.k0 * OPERAND_BYTES, 512)
+    l0c_slot = _align(tiles.m * tiles.n * ACCUMULATOR_BYTES, 64)
+    for position, core in enumerate(cores):
+        mine = tile_list[position :: len(cores)]
+        if not mine:
+            continue
+        flags = _Flags(program, core)
+        l1_step = l0_step = 0
+        for count, (z, mi, ni) in enumerate(mine):
+            rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
+            env_z = batch_env(view, z)
+            acc_slot = count % 2
+            l0c = Region("L0C", acc_slot * l0c_slot, _pad16(len(rows)) * _pad16(len(cols)) * ACCUMULATOR_BYTES)
+            for k1 in range(0, k_size, tiles.k1):
+                half = l1_step % 2
+                depth1 = range(k1, min(k1 + tiles.k1, k_size))
+                patches = {}
+                if l1_step >= 2:
+                    flags.wait("MTE1", "MTE2", half)
+                for side, rng, base in (("a", rows, 0), ("b", cols, a_bound)):
+                    gather = gathers[0 if side == "a" else 1]
+                    tile = OperandTile(view, side, gather, rng, depth1, z)
+                    offsets, live = operand_offsets(tile, env_z)
+                    footprint = Footprint(gather.tensor, np.unique(offsets[live]), sizes[side])
+                    region = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32))
+                    patches[side] = region
+                    args = (("elements", int(footprint.offsets.size)), ("runs", footprint.runs))
+                    program.add(
+                        copy(
+                            machine,
+                            core,
+                            _gm(footprint),
+                            region,
+                            moved=footprint.moved_bytes,
+                            args=args,
+                            data=footprint,
+                        )
+                    )
+                flags.signal("MTE2", "MTE1", half)
+                flags.wait("MTE2", "MTE1", half)
+                for k0 in range(k1, depth1.stop, tiles.k0):
+                    slot = l0_step % 2
+                    depth0 = range(k0, min(k0 + tiles.k0, k_size))
+                    if l0_step >= 2:
+                        flags.wait("CUBE", "MTE1", slot)
+                    l0 = {}
+                    for side, rng, name, width in (("a", rows, "L0A", l0a_slot), ("b", cols, "L0B", l0b_slot)):
+                        gather = gathers[0 if side == "a" else 1]
+                        fractal = _pad16(len(rng)) * _pad16(len(depth0)) * OPERAND_BYTES
+                        l0[side] = Region(name, slot * width, fractal)
+                        tile = OperandTile(view, side, gather, rng, depth0, z)
+                        layout = "zZ" if side == "a" else "nZ"
+                        program.add(
+                            copy(
+                                machine,
+                                core,
+                                patches[side],
+                                l0[side],
+                                opcode="mte1.img2col",
+                                moved=fractal,
+                                args=(("rows", len(rng)), ("depth", len(depth0)), ("layout", layout)),
+                                data=tile,
+                            )
+                        )
+                    if k0 + tiles.k0 >= depth1.stop:
+                        flags.signal("MTE1", "MTE2", half)
+                    flags.signal("MTE1", "CUBE", slot)
+                    flags.wait("MTE1", "CUBE", slot)
+                    if k0 == 0 and count >= 2:
+                        flags.wait("FIXPIPE", "CUBE", acc_slot)
+                    program.add(mmad(machine, core, l0["a"], l0["b"], l0c, len(rows), len(cols), len(depth0), k0 == 0))
+                    flags.signal("CUBE", "MTE1", slot)
+                    l0_step += 1
+                l1_step += 1
+            flags.signal("CUBE", "FIXPIPE", acc_slot)
+            flags.wait("CUBE", "FIXPIPE", acc_slot)
+            env, offsets = output_offsets(view, rows, cols, z)
+            epilogue = workspace is None
+            extra = _epilogue_footprints(view, env) if epilogue else []
+            target = output if epilogue else workspace
+            itemsize = output_itemsize if epilogue else ACCUMULATOR_BYTES
+            low, high = int(offsets.min()), int(offsets.max())
+            destination = Region(GM, low * itemsize, (high - low + 1) * itemsize, target)
+            moved = offsets.size * itemsize + sum(f.moved_bytes for f in extra)
+            program.add(
+                copy(
+                    machine,
+                    core,
+                    l0c,
+                    destination,
+                    reads=tuple(_gm(f) for f in extra),
+                    moved=moved,
+                    args=(("rows", len(rows)), ("cols", len(cols)), ("epilogue", epilogue)),
+                    data=OutputTile(view, rows, cols, z, epilogue, workspace),
+                )
+            )
+            flags.signal("FIXPIPE", "CUBE", acc_slot)

@@ -1,0 +1,233 @@
+"""Ops on the vector unit: element-wise ops, reductions, losses and optimizer updates as NPU programs.
+
+An op's output points are cut into chunks that go round-robin to the vector
+cores; a long reduction is cut along its (flattened) domain too, the partial
+sums held in UB.  Each step MTE2 brings the GM elements the step reads (its
+*footprint*: the reads' index maps evaluated over the step's points and terms)
+into one half of UB, the vector unit computes into an accumulator or an output
+half, MTE3 stores finished points, flags between them, halves ping-ponged.  An
+op of several reductions (a loss) runs as one step over the whole of its inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from neoflow.codegen.gather import unravel
+from neoflow.codegen.lattice import split_epilogue
+from neoflow.errors import CompileError
+from neoflow.ir import dtypes as dt
+from neoflow.ir import index
+from neoflow.ir.expr import Binary, Cast, Expr, Read, Reduce, Select, Unary
+from neoflow.ir.interpreter import evaluate_at
+from neoflow.ir.op import Op
+from neoflow.targets.npu.data import Footprint, VectorChunk
+from neoflow.targets.npu.isa import Program, Region, copy, set_flag, vector, wait_flag
+from neoflow.targets.npu.machine import GM, Machine
+
+#: bytes of a vector lane's element (the unit computes in fp32)
+LANE_BYTES = 4
+#: points a chunk of a reduction cut along its domain takes
+SPLIT_POINTS = 64
+
+
+def _has_reduce(node: Expr) -> bool:
+    return isinstance(node, Reduce) or any(_has_reduce(c) for c in node.children())
+
+
+def _reads(node: Expr, inside: bool = False) -> list[tuple[Read, bool]]:
+    """Every read of ``node`` with whether it lies inside a reduction."""
+    found = [(node, inside)] if isinstance(node, Read) else []
+    for child in node.children():
+        found += _reads(child, inside or isinstance(node, Reduce))
+    return found
+
+
+def operations(node: Expr) -> int:
+    """The arithmetic of ``node`` per point: its operators, calls and selections (at least one)."""
+    own = 1 if isinstance(node, Binary | Unary | Cast | Select) else 0
+    return max(1, own + sum(operations(c) for c in node.children() if not isinstance(c, Reduce)))
+
+
+def mode(op: Op, accumulator: str | None = None) -> str:
+    """How ``op`` runs on the vector unit: ``pointwise`` (no reduction), ``reduce`` (one
+    reduction under an element-wise epilogue), ``epilogue`` (the reduction's value read from a
+    workspace) or ``whole`` (anything else: one step over whole inputs)."""
+    if accumulator is not None:
+        return "epilogue"
+    if op.scatter is not None:
+        return "whole"
+    if not _has_reduce(op.body):
+        return "pointwise"
+    parts = split_epilogue(op.body, op)
+    if parts is not None and not _has_reduce(parts[0].body):
+        return "reduce"
+    return "whole"
+
+
+def _points_env(op: Op, points: range) -> dict:
+    flat = np.arange(points.start, points.stop, dtype=np.int64)
+    return unravel(flat, tuple((v, op.extent[v]) for v in op.indices))
+
+
+def _terms_axis(reduce: Reduce, op: Op) -> tuple[tuple[str, int], ...]:
+    return tuple((a, op.extent[a]) for a in reduce.axes)
+
+
+def grid_env(op: Op, reduce: Reduce, points: range, terms: range) -> dict:
+    """The environment of every (point, term) pair of a step: points along axis 0, terms along 1."""
+    env = {k: v[:, None] for k, v in _points_env(op, points).items()}
+    flat = np.arange(terms.start, terms.stop, dtype=np.int64)
+    env.update({k: v[None, :] for k, v in unravel(flat, _terms_axis(reduce, op)).items()})
+    return env
+
+
+def _offsets(read: Read, op: Op, env: dict, live: np.ndarray | None) -> np.ndarray:
+    tensor = next(t for t in op.inputs if t.name == read.tensor)
+    flat = np.asarray(index.evaluate(index.flat_offset(read.indices, tensor.shape), env), dtype=np.int64)
+    shape = np.broadcast_shapes(*(np.shape(v) for v in env.values()))
+    flat = np.broadcast_to(flat, shape)
+    if live is not None:
+        flat = flat[np.broadcast_to(live, shape)]
+    return flat[(flat >= 0) & (flat < tensor.size)]
+
+
+def footprints(chunk: VectorChunk, workspace_itemsize: int = 4) -> list[Footprint]:
+    """The GM elements a step reads, per tensor."""
+    op = chunk.op
+    found: dict[str, list[np.ndarray]] = {}
+    kind = mode(op, chunk.accumulator)
+    if kind == "whole":
+        return [
+            Footprint(t.name, np.arange(t.size, dtype=np.int64), dt.numpy_dtype(t.dtype).itemsize) for t in op.inputs
+        ]
+    points_env = _points_env(op, chunk.points)
+    if kind == "reduce":
+        reduce, _ = split_epilogue(op.body, op)
+        env = grid_env(op, reduce, chunk.points, chunk.terms)
+        live = None
+        if reduce.where is not None:
+            live = np.asarray(evaluate_at(reduce.where, env, {}, op.name)).astype(bool)
+        for read, inside in _reads(op.body):
+            if inside:
+                found.setdefault(read.tensor, []).append(_offsets(read, op, env, live))
+            elif chunk.last:
+                found.setdefault(read.tensor, []).append(_offsets(read, op, points_env, None))
+    else:
+        for read, inside in _reads(op.body):
+            if not inside:
+                found.setdefault(read.tensor, []).append(_offsets(read, op, points_env, None))
+    sizes = {t.name: dt.numpy_dtype(t.dtype).itemsize for t in op.inputs}
+    prints = [Footprint(name, np.unique(np.concatenate(parts)), sizes[name]) for name, parts in found.items()]
+    if kind == "epilogue":
+        flat = np.arange(chunk.points.start, chunk.points.stop, dtype=np.int64)
+        prints.append(Footprint(chunk.accumulator, flat, workspace_itemsize))
+    return prints
+
+
+def _plan_steps(op: Op, kind: str, slot: int) -> tuple[int, int]:
+    """``(points a chunk, terms a step)`` whose bound on the bytes a step reads fits ``slot``."""
+    points = op.output.size
+    if kind == "whole":
+        return points, 1
+    reads = max(1, len(_reads(op.body)) + (kind == "epilogue"))
+    itemsize = max([dt.numpy_dtype(t.dtype).itemsize for t in op.inputs] + [LANE_BYTES])
+    if kind != "reduce":
+        per_point = (reads + 1) * itemsize
+        return max(1, min(points, slot // per_point)), 1
+    reduce, _ = split_epilogue(op.body, op)
+    terms = math.prod(e for _, e in _terms_axis(reduce, op))
+    sizes = [t.size for t in op.inputs]
+    for chunk in (points, *(p for p in (4096, 1024, 256, SPLIT_POINTS) if p < points)):
+        bound = sum(min(s, chunk * terms) for s in sizes) * itemsize + chunk * itemsize
+        if bound <= slot:
+            return chunk, terms
+    chunk = min(points, SPLIT_POINTS)
+    return chunk, max(1, (slot - chunk * itemsize) // (chunk * reads * itemsize))
+
+
+def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = None) -> None:
+    """Append the vector program of ``op`` (output GM tensor ``op.name``) over ``cores``."""
+    machine: Machine = program.machine
+    kind = mode(op, accumulator)
+    capacity = machine.buffer("UB").capacity
+    out_itemsize = dt.numpy_dtype(op.dtype).itemsize
+    slot = (capacity - 4096) // 2
+    points_per_chunk, terms_per_step = _plan_steps(op, kind, slot * 3 // 4)
+    out_slot = _align(points_per_chunk * max(out_itemsize, LANE_BYTES), 32)
+    in_slot = slot - out_slot
+    if in_slot <= 0 or (
+        kind == "whole" and sum(t.size * dt.numpy_dtype(t.dtype).itemsize for t in op.inputs) > in_slot
+    ):
+        raise CompileError(
+            f"npu: op '{op.name}' reads more than a UB half holds ({in_slot} bytes) in one step; "
+            "it cannot be cut into smaller steps",
+            op=op.name,
+        )
+    total_terms = 1
+    reduce = None
+    if kind == "reduce":
+        reduce, _ = split_epilogue(op.body, op)
+        total_terms = math.prod(e for _, e in _terms_axis(reduce, op))
+    chunks = [range(p, min(p + points_per_chunk, op.output.size)) for p in range(0, op.output.size, points_per_chunk)]
+    per_term = operations(reduce.body) + 1 if reduce is not None else 0
+    tail = operations(op.body)
+    for position, core in enumerate(cores):
+        mine = chunks[position :: len(cores)]
+        step = 0
+        for count, points in enumerate(mine):
+            out_half = count % 2
+            out_region = Region("UB", 2 * in_slot + out_half * out_slot, max(32, len(points) * out_itemsize))
+            acc_region = Region("UB", 2 * slot, _align(max(32, len(points) * LANE_BYTES), 32))
+            starts = range(0, total_terms, terms_per_step) if kind == "reduce" else [None]
+            for start in starts:
+                terms = range(start, min(start + terms_per_step, total_terms)) if start is not None else None
+                first, last = start in (0, None), terms is None or terms.stop == total_terms
+                chunk = VectorChunk(op, points, terms, first, last, accumulator)
+                half = step % 2
+                if step >= 2:
+                    program.add(wait_flag(core, "VECTOR", "MTE2", half))
+                offset = half * in_slot
+                loaded = []
+                for footprint in footprints(chunk):
+                    if footprint.offsets.size == 0:
+                        continue
+                    region = Region("UB", offset, _align(footprint.bytes, 32))
+                    offset += region.size
+                    if offset > (half + 1) * in_slot:
+                        raise CompileError(
+                            f"npu: op '{op.name}': a step's inputs overflow a UB half ({in_slot} bytes)", op=op.name
+                        )
+                    low, size = footprint.span
+                    source = Region(GM, low, size, footprint.tensor)
+                    args = (("elements", int(footprint.offsets.size)), ("runs", footprint.runs))
+                    program.add(
+                        copy(machine, core, source, region, moved=footprint.moved_bytes, args=args, data=footprint)
+                    )
+                    loaded.append(region)
+                program.add(set_flag(core, "MTE2", "VECTOR", half))
+                program.add(wait_flag(core, "MTE2", "VECTOR", half))
+                if last and count >= 2:
+                    program.add(wait_flag(core, "MTE3", "VECTOR", out_half))
+                count_terms = len(terms) if terms is not None else 1
+                lanes = len(points) * (count_terms * per_term + (tail if last else 0))
+                repeats = math.ceil(lanes * LANE_BYTES / machine.vector.repeat_bytes)
+                reads = tuple(loaded) + ((acc_region,) if kind == "reduce" and not first else ())
+                writes = out_region if last else acc_region
+                program.add(
+                    vector(machine, core, kind, writes, *reads, repeats=repeats, data=chunk, points=len(points))
+                )
+                program.add(set_flag(core, "VECTOR", "MTE2", half))
+                if last:
+                    program.add(set_flag(core, "VECTOR", "MTE3", out_half))
+                    program.add(wait_flag(core, "VECTOR", "MTE3", out_half))
+                    gm = Region(GM, points.start * out_itemsize, len(points) * out_itemsize, op.name)
+                    program.add(copy(machine, core, out_region, gm, moved=len(points) * out_itemsize, data=points))
+                    program.add(set_flag(core, "MTE3", "VECTOR", out_half))
+                step += 1
+
+
+def _align(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
