@@ -17,6 +17,8 @@ REGISTRY: dict[str, str | None] = {
     "cpu": "neoflow.targets.cpu",
     "cuda": "neoflow.targets.cuda:CUDA",
     "tensorcore": "neoflow.targets.cuda:TENSORCORE",
+    "npu": "neoflow.targets.npu:NPU",
+    "npu-split": "neoflow.targets.npu:NPU_SPLIT",
 }
 
 

@@ -101,9 +101,10 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
     program = Program(machine, _tensors(op, extra))
     cores = machine.cores("cube")
     itemsize = dt.numpy_dtype(op.dtype).itemsize
+    steps: dict[int, list[int]] = {}
     for view, pair in zip(views, gathers, strict=True):
         tiles = cube.choose_tiles(view, machine, pair, len(cores))
-        cube.emit_view(program, view, pair, tiles, cores, op.name, itemsize, workspace)
+        cube.emit_view(program, view, pair, tiles, cores, op.name, itemsize, workspace, steps)
     phases.append(("cube", program))
     if workspace is not None:
         tail = Program(machine, _tensors(op, extra))

@@ -223,9 +223,12 @@ def emit_view(
     output: str,
     output_itemsize: int,
     workspace: str | None,
+    steps: dict[int, list[int]],
 ) -> None:
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
-    results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor)."""
+    results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor).
+    ``steps`` counts per core its L1 steps, L0 steps and tiles so far in the program (the
+    ping-pong halves and their flags carry on from one view to the next)."""
     machine = program.machine
     batch, m_size, n_size, k_size = view.sizes
     tile_list = [
@@ -234,17 +237,15 @@ def emit_view(
     names = (gathers[0].tensor, gathers[1].tensor)
     sizes = {side: dt.numpy_dtype(_tensor(view, names[k]).dtype).itemsize for k, side in enumerate("ab")}
     a_bound = _align(_bound_bytes(view, gathers[0], tiles.m, tiles.k1), 32)
-    slot_l1 = a_bound + _align(_bound_bytes(view, gathers[1], tiles.n, tiles.k1), 32)
-    l0a_slot = _align(tiles.m * tiles.k0 * OPERAND_BYTES, 512)
-    l0b_slot = _align(tiles.n * tiles.k0 * OPERAND_BYTES, 512)
-    l0c_slot = _align(tiles.m * tiles.n * ACCUMULATOR_BYTES, 64)
+    # every buffer in two fixed halves (whatever the tiles, so halves stay apart from one view to the next)
+    slot_l1, l0a_slot, l0b_slot, l0c_slot = (machine.buffer(b).capacity // 2 for b in ("L1", "L0A", "L0B", "L0C"))
     for position, core in enumerate(cores):
         mine = tile_list[position :: len(cores)]
         if not mine:
             continue
         flags = _Flags(program, core)
-        l1_step = l0_step = 0
-        for count, (z, mi, ni) in enumerate(mine):
+        l1_step, l0_step, done = steps.setdefault(core, [0, 0, 0])
+        for count, (z, mi, ni) in enumerate(mine, start=done):
             rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
             env_z = batch_env(view, z)
             acc_slot = count % 2
@@ -333,3 +334,4 @@ def emit_view(
                 )
             )
             flags.signal("FIXPIPE", "CUBE", acc_slot)
+        steps[core] = [l1_step, l0_step, done + len(mine)]

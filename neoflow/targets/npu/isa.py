@@ -59,6 +59,8 @@ class Instruction:
     latency: int = 0
     event: tuple[str, str, int] | None = None
     args: tuple[tuple[str, object], ...] = ()
+    #: bytes a copy moves (what the counters add up per path)
+    moved: int = 0
     #: what the functional simulator computes (``simulate``): a spec of the data moved or combined
     data: object = field(default=None, compare=False, repr=False)
 
@@ -137,9 +139,12 @@ def copy(
     count), ``reads`` further regions it reads (a bias), ``data`` what the functional simulator does."""
     if moved is None and source.size != destination.size:
         raise CompileError(f"a copy of {source} into {destination}: sizes differ")
-    pipe, cycles, latency = _movement(machine, source.space, destination.space, moved or destination.size)
+    moved = destination.size if moved is None else moved
+    pipe, cycles, latency = _movement(machine, source.space, destination.space, moved)
     opcode = opcode or COPY_OPCODES[pipe]
-    return Instruction(opcode, pipe, core, (source, *reads), (destination,), cycles, latency, args=args, data=data)
+    return Instruction(
+        opcode, pipe, core, (source, *reads), (destination,), cycles, latency, args=args, moved=moved, data=data
+    )
 
 
 def mmad(
