@@ -127,7 +127,11 @@ def _run_build(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     _report_outputs(outputs, Path(args.output) if args.output else None)
     print(f"target {model.target}: {elapsed:.4f} s for {len(model.inference.ops)} ops")
-    describe = getattr(model.inference_executor, "describe", None)
+    executor = model.inference_executor
+    if hasattr(executor, "op_counters"):  # the NPU model: the simulated run's counters
+        print(executor.report(), end="")
+        return 0
+    describe = getattr(executor, "describe", None)
     if describe is not None:  # the tensor-core model: each kernel's predicted GPU time
         rows = describe()
         print(f"predicted on {_gpu_name()}: {sum(t for _, _, t in rows) * 1e3:.3f} ms in {len(rows)} kernels")
@@ -408,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--target",
         default="interp",
         help="interp (reference interpreter), cpu (C compiled with cc), cuda (CUDA compiled with NVRTC; "
-        "runs on an NVIDIA GPU) or tensorcore (the tensor-core model: cuda's kernels in numpy) (interp)",
+        "runs on an NVIDIA GPU), tensorcore (the tensor-core model: cuda's kernels in numpy), npu or npu-split "
+        "(the NPU model: programs, schedule, trace and counters written to the build) (interp)",
     )
     comp.add_argument(
         "--precision",
@@ -444,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     fuse.add_argument(
         "--target",
         default="cpu",
-        help="cpu, interp, or tensorcore (policies compared by the tensor-core model's predicted GPU time) (cpu)",
+        help="cpu, interp, tensorcore (policies compared by the tensor-core model's predicted GPU time), "
+        "npu or npu-split (by simulated NPU cycles) (cpu)",
     )
     fuse.add_argument("--repeats", type=int, default=5, help="timed runs per kernel and per step; medians (5)")
     fuse.add_argument(

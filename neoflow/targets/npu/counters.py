@@ -121,7 +121,7 @@ def count(program: Program, schedule: Schedule) -> Counters:
             source, destination, _ = instruction.event
             cause = "data" if FLOW[source] < FLOW[destination] else "buffer"
             counters.stalls[cause] += max(0, idle)
-        else:
+        elif instruction.event is None:
             counters.busy[instruction.pipe] += instruction.cycles
             if idle > 0 and pipe_free[pipe] > 0:
                 counters.stalls["unit"] += idle

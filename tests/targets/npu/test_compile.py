@@ -1,0 +1,229 @@
+"""The NPU compiler end to end: ops and training steps compiled to programs whose replay lands on the
+static schedule and whose simulated values equal the interpreter's (fp16 operands, fp32 sums);
+counters, traces and the build directory; planted faults caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.cli import main
+from neoflow.errors import CompileError
+from neoflow.targets.npu.compile import compile_op
+from neoflow.targets.npu.counters import count
+from neoflow.targets.npu.data import Footprint
+from neoflow.targets.npu.machine import machine
+from neoflow.targets.npu.replay import SimulationError, replay
+from neoflow.targets.npu.simulate import run_program
+
+MODELS_DIR = Path(__file__).resolve().parents[3] / "models"
+CAPSULE = "Out[b, k, p, q, i, j] = ReduceAdd({c, r, s, t}, In[b, c, p*{s} + r, q*{s} + s, i, t] * W[k, c, r, s, t, j])"
+
+
+def _relative(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def _inputs(op, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
+
+
+def _simulate(op, preset: str = "npu") -> tuple[np.ndarray, object]:
+    """``op`` compiled for ``preset``, every phase replayed against its schedule and run."""
+    compiled = compile_op(op, machine(preset))
+    inputs = _inputs(op)
+    gm = {k: v.reshape(-1).copy() for k, v in inputs.items()}
+    gm[op.name] = np.full(op.output.size, np.nan, np.float32)
+    for (_, program), schedule in zip(compiled.phases, compiled.schedules, strict=True):
+        replay(program, against=schedule)
+        for name, size in program.tensors.items():
+            gm.setdefault(name, np.full(size // 4, np.nan, np.float32))
+        run_program(program, gm)
+    want = neoflow.evaluate(op, inputs)
+    return gm[op.name].reshape(op.shape), (compiled, want)
+
+
+@pytest.mark.parametrize("preset", ["npu", "npu-split"])
+def test_a_gemm_with_bias_and_relu_runs_on_the_cube_with_the_epilogue_in_fixpipe(preset: str) -> None:
+    op = neoflow.op(
+        "C[i, j] = max(ReduceAdd({k}, A[i, k] * B[k, j]) + bias[j], 0)",
+        shapes={"A": (90, 70), "B": (70, 50), "bias": (50,)},
+    )
+    got, (compiled, want) = _simulate(op, preset)
+    assert [what for what, _ in compiled.phases] == ["cube"]
+    assert _relative(got, want) < 2e-3  # fp16 operands, fp32 sums
+    text = compiled.phases[0][1].listing()
+    for opcode in ("mte2.copy", "mte1.img2col", "cube.mmad", "fixpipe.store", "set_flag", "wait_flag"):
+        assert opcode in text, opcode
+
+
+def test_a_padded_convolution_gathers_its_input_window_not_an_im2col_copy() -> None:
+    op = neoflow.op(
+        "Y[n, k, p, q] = ReduceAdd({c, r, s}, Select(p + r - 1 >= 0 && p + r - 1 < 12 && q + s - 1 >= 0 "
+        "&& q + s - 1 < 12, X[n, c, p + r - 1, q + s - 1], 0) * W[k, c, r, s])",
+        shapes={"X": (2, 8, 12, 12), "W": (16, 8, 3, 3), "Y": (2, 16, 12, 12)},
+    )
+    got, (compiled, want) = _simulate(op)
+    assert _relative(got, want) < 2e-3
+    program = compiled.phases[0][1]
+    loaded = sum(
+        i.data.offsets.size for i in program.instructions if isinstance(i.data, Footprint) and i.data.tensor == "X"
+    )
+    expanded = sum(  # what an im2col copy of X would hold: every (row, depth) of every tile
+        len(i.data.rows) * len(i.data.depth)
+        for i in program.instructions
+        if i.opcode == "mte1.img2col" and i.data.side == "a"
+    )
+    assert loaded < expanded / 2  # the 3x3 window's overlap is loaded once per tile
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("preset", ["npu", "npu-split"])
+def test_capsule_conv_forward_and_backward(stride: int, preset: str) -> None:
+    op = neoflow.op(
+        CAPSULE.replace("{s}", str(stride)),
+        shapes={"In": (2, 4, 4 + 2 * stride + 1, 4 + 2 * stride + 1, 4, 4), "W": (8, 4, 3, 3, 4, 4)},
+    )
+    layer = neoflow.compile(op, target=preset, grad=True)
+    reference = neoflow.compile(op, target="interp", grad=True)
+    inputs = _inputs(op)
+    out = layer.run(inputs)
+    assert _relative(out, reference.run(inputs)) < 2e-3
+    dout = {"dOut": np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)}
+    grads, want = layer.backward(inputs, dout), reference.backward(inputs, dout)
+    for name in ("In", "W"):
+        assert _relative(grads[name], want[name]) < 2e-3, name
+    units = {c.units for c in layer._backward.programs.values()}
+    assert "cube" in units  # the adjoints (the stride-2 input adjoint's lattice pieces too) on the cube
+
+
+@pytest.mark.parametrize(
+    "text, shapes",
+    [
+        ("Y[i, j] = exp(X[i, j] - 1) * 2 + Z[j]", {"X": (50, 40), "Z": (40,)}),
+        ("Y[i] = ReduceAdd({j}, X[i, j] * X[i, j])", {"X": (20, 5000)}),  # cut along its domain in UB
+        ("Y[i] = ReduceMax({j}, X[i, j])", {"X": (300, 70)}),
+        ("Y[n] = log(ReduceAdd({c}, exp(X[n, c] - ReduceMax({d}, X[n, d]))))", {"X": (64, 10)}),
+    ],
+)
+@pytest.mark.parametrize("preset", ["npu", "npu-split"])
+def test_vector_ops(text: str, shapes, preset: str) -> None:
+    op = neoflow.op(text, shapes=shapes)
+    got, (compiled, want) = _simulate(op, preset)
+    assert compiled.units == "vector"
+    assert _relative(got, want) < 1e-5
+
+
+def test_an_epilogue_reading_other_tensors_runs_on_the_vector_unit_from_a_workspace() -> None:
+    op = neoflow.op(
+        "Wn[i, j] = W[i, j] - 0.1 * ReduceAdd({b}, G[b, i] * X[b, j])",
+        shapes={"W": (24, 40), "G": (32, 24), "X": (32, 40)},
+    )
+    got, (compiled, want) = _simulate(op)
+    assert [what for what, _ in compiled.phases] == ["cube", "vector"]
+    assert _relative(got, want) < 2e-3
+
+
+@pytest.mark.parametrize(
+    "model, shape",
+    [("mlp.onnx", (32, 64)), ("cnn.onnx", (32, 1, 8, 8)), ("capsule.onnx", (32, 1, 8, 8))],
+)
+def test_training_steps_match_the_interpreter(model: str, shape) -> None:
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.05)
+    rng = np.random.default_rng(0)
+    # values fp16 holds exactly: the first layer then differs from the interpreter in the order of sums alone
+    batch = {"x": rng.standard_normal(shape).astype(np.float16).astype(np.float32), "y": rng.integers(0, 10, shape[0])}
+    ours = neoflow.compile(MODELS_DIR / model, target="npu", train=spec, fusion="neoflow")
+    reference = neoflow.compile(MODELS_DIR / model, target="interp", train=spec, fusion="neoflow")
+    exact = {k: v.astype(np.float16).astype(np.float32) for k, v in reference.parameters().items()}
+    ours.set_parameters(exact)
+    reference.set_parameters(exact)
+    got, want = ours.gradients(batch), reference.gradients(batch)
+    for name in want:
+        assert _relative(got[name], want[name]) < 5e-3, name  # fp16 operands past the first layer
+    assert ours.train_step(batch) == pytest.approx(reference.train_step(batch), rel=2e-3)
+    assert any(c.units.startswith("cube") for c in ours._train.programs.values())
+
+
+def test_counters_add_up_and_the_timeline_opens_as_a_trace(tmp_path: Path) -> None:
+    npu = machine("npu")
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (256, 512), "B": (512, 256)})
+    compiled = compile_op(op, dataclasses.replace(npu, cube_cores=1, vector_cores=1))
+    program, schedule = compiled.phases[0][1], compiled.schedules[0]
+    counters = count(program, schedule)
+    assert counters.macs == 256 * 512 * 256
+    assert counters.busy["CUBE"] == counters.macs // npu.cube.macs_per_cycle  # whole fractals: no waste
+    assert counters.paths["L1->L0A"] + counters.paths["L1->L0B"] > 0
+    assert counters.paths["L0C->GM"] == 256 * 256 * 4
+    assert counters.paths["GM->L1"] >= (256 * 512 + 512 * 256) * 4
+    assert 0 < counters.cube_utilization() <= 1
+    assert counters.peak["L0C"] <= npu.buffer("L0C").capacity
+    assert set(counters.stalls) <= {"data", "buffer", "unit"}
+    layer = neoflow.compile(op, target="npu")
+    layer.run(_inputs(op))
+    executor = layer._forward
+    trace = json.loads(executor.trace())
+    pipes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert {"MTE2", "MTE1", "CUBE", "FIXPIPE"} <= pipes
+    assert any(e.get("name") == "cube.mmad" and e["dur"] > 0 for e in trace["traceEvents"])
+    assert executor.counters is not None and executor.counters.macs == 256 * 512 * 256
+    executor.gantt(tmp_path / "gantt.png")
+    assert (tmp_path / "gantt.png").stat().st_size > 1000
+    assert "| CUBE |" in executor.report()
+
+
+def test_a_dropped_flag_in_a_compiled_program_is_caught() -> None:
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (64, 256), "B": (256, 64)})
+    program = compile_op(op, dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1)).phases[0][1]
+    for dropped in ("MTE2", "MTE1"):
+        broken = dataclasses.replace(program, instructions=list(program.instructions))
+        first = next(
+            k
+            for k, i in enumerate(broken.instructions)
+            if i.opcode == "set_flag" and i.event[:2] == (dropped, "MTE1" if dropped == "MTE2" else "CUBE")
+        )
+        wait = next(
+            k for k, i in enumerate(broken.instructions) if i.is_wait and i.event == broken.instructions[first].event
+        )
+        del broken.instructions[wait]
+        del broken.instructions[first]
+        with pytest.raises(SimulationError, match="a missing flag"):
+            replay(broken)
+
+
+def test_a_patch_missing_an_element_is_caught_by_the_functional_simulator() -> None:
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (32, 32), "B": (32, 32)})
+    program = compile_op(op, dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1)).phases[0][1]
+    position = next(k for k, i in enumerate(program.instructions) if isinstance(i.data, Footprint))
+    load = program.instructions[position]
+    short = Footprint(load.data.tensor, load.data.offsets[1:], load.data.itemsize)
+    program.instructions[position] = dataclasses.replace(load, data=short)
+    gm = {name: np.zeros(size // 4, np.float32) for name, size in program.tensors.items()}
+    with pytest.raises(SimulationError, match="not in the L1 patch"):
+        run_program(program, gm)
+
+
+def test_the_npu_takes_no_tensor_core_precision() -> None:
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (16, 16), "B": (16, 16)})
+    with pytest.raises(CompileError, match="fp16"):
+        neoflow.compile(op, target="npu", precision="tf32")
+
+
+def test_cli_writes_the_program_schedule_trace_and_report_and_runs_them(tmp_path: Path, capsys) -> None:
+    model = str(MODELS_DIR / "capsule.onnx")
+    assert main(["compile", model, "--target", "npu-split", "--train", "--labels", "y", "-o", str(tmp_path)]) == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    for role in ("inference", "train_step"):
+        assert {f"{role}.program.s", f"{role}.schedule.csv", f"{role}.trace.json", f"{role}.npu-report.txt"} <= names
+    listing = (tmp_path / "train_step.program.s").read_text()
+    assert "cube.mmad" in listing and "vec." in listing and "@" in listing
+    capsys.readouterr()
+    assert main(["run", str(tmp_path), "--random"]) == 0
+    printed = capsys.readouterr().out
+    assert "cube utilization" in printed and "| MTE2 |" in printed
