@@ -14,6 +14,7 @@ import sympy
 
 from neoflow.codegen.c_expr import C_TYPES, IndexPrinter, ValuePrinter, c_type, unflatten_index
 from neoflow.codegen.gather import OFFSET, Gather, map_reads
+from neoflow.codegen.strided import loop_order
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
@@ -28,7 +29,6 @@ from neoflow.targets.cuda.plan import (
     accumulator_coords,
     ldmatrix_a_address,
     ldmatrix_b_address,
-    loop_order,
     reduction_parts,
     tf32_a_coords,
     tf32_b_coords,

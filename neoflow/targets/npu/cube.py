@@ -171,6 +171,19 @@ def operand_offsets(tile: OperandTile, batch_env: dict) -> tuple[np.ndarray, np.
     return offsets, live
 
 
+def patch_offsets(tile: OperandTile, batch_env: dict) -> np.ndarray:
+    """The sorted, distinct GM offsets ``tile`` reads (its L1 patch).  Where its rows' offsets lie
+    further apart than its depths span, or the other way round (a matrix's rows or columns), and
+    no guard drops elements, they are already distinct and come out sorted without a sort."""
+    offsets, live = operand_offsets(tile, batch_env)
+    if live.all() and offsets.size:
+        rows, depth = offsets[:, 0] - offsets[0, 0], offsets[0] - offsets[0, 0]
+        for outer, inner in ((np.sort(rows), np.sort(depth)), (np.sort(depth), np.sort(rows))):
+            if (np.diff(inner) > 0).all() and (np.diff(outer) > inner[-1] - inner[0]).all():
+                return (offsets[0, 0] + outer[:, None] + inner[None, :]).reshape(-1)
+    return np.unique(offsets[live])
+
+
 def batch_env(view: GemmView, batch: int) -> dict:
     """The batch variables' values at flat batch point ``batch``."""
     return {k: int(v) for k, v in unravel(np.asarray(batch), view.batch).items()} if view.batch else {}
@@ -259,8 +272,7 @@ def emit_view(
                 for side, rng, base in (("a", rows, 0), ("b", cols, a_bound)):
                     gather = gathers[0 if side == "a" else 1]
                     tile = OperandTile(view, side, gather, rng, depth1, z)
-                    offsets, live = operand_offsets(tile, env_z)
-                    footprint = Footprint(gather.tensor, np.unique(offsets[live]), sizes[side])
+                    footprint = Footprint(gather.tensor, patch_offsets(tile, env_z), sizes[side])
                     region = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32))
                     patches[side] = region
                     args = (("elements", int(footprint.offsets.size)), ("runs", footprint.runs))

@@ -151,17 +151,13 @@ def _vector(instruction: Instruction, chunk: VectorChunk, buffers, gm) -> None:
         value = evaluate_at(op.body, points_env, arrays, op.name, reduction=sums.values)
     else:
         reduce, epilogue = vector.split_epilogue(op.body, op)
-        env = vector.grid_env(op, reduce, chunk.points, chunk.terms)
+        env, live = vector.grid_env(op, reduce, chunk.points, chunk.terms)
         target = dt.numpy_dtype(reduce.dtype)
-        live = None
-        if reduce.where is not None:
-            live = np.asarray(evaluate_at(reduce.where, env, {}, op.name)).astype(bool)
         terms = np.asarray(evaluate_at(reduce.body, env, arrays, op.name, live=live), dtype=target)
         shape = (len(chunk.points), len(chunk.terms))
         terms = np.broadcast_to(terms, shape)
         identity = np.asarray(reduction_identity(reduce.kind, target), dtype=target)
-        if live is not None:
-            terms = np.where(np.broadcast_to(live, shape), terms, identity)
+        terms = np.where(live, terms, identity)
         partial = _COMBINE[reduce.kind].reduce(terms, axis=1, initial=identity)
         if not chunk.first:
             partial = _COMBINE[reduce.kind](next(h for h in held if isinstance(h, np.ndarray)), partial)

@@ -17,6 +17,7 @@ import numpy as np
 
 from neoflow.codegen.gather import unravel
 from neoflow.codegen.lattice import split_epilogue
+from neoflow.codegen.strided import loop_order
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
@@ -73,15 +74,33 @@ def _points_env(op: Op, points: range) -> dict:
 
 
 def _terms_axis(reduce: Reduce, op: Op) -> tuple[tuple[str, int], ...]:
-    return tuple((a, op.extent[a]) for a in reduce.axes)
+    """The reduction's loops (``loop_order``) with their trip counts: a strided axis takes only
+    the points of its residue, one in ``modulus``."""
+    return tuple(
+        (axis, op.extent[axis] if stride is None else -(-op.extent[axis] // stride.modulus))
+        for axis, stride in loop_order(reduce, op.extent)
+    )
 
 
-def grid_env(op: Op, reduce: Reduce, points: range, terms: range) -> dict:
-    """The environment of every (point, term) pair of a step: points along axis 0, terms along 1."""
+def grid_env(op: Op, reduce: Reduce, points: range, terms: range) -> tuple[dict, np.ndarray]:
+    """The environment of every (point, term) pair of a step (points along axis 0, terms along 1)
+    and which pairs lie in the reduction's domain."""
     env = {k: v[:, None] for k, v in _points_env(op, points).items()}
     flat = np.arange(terms.start, terms.stop, dtype=np.int64)
-    env.update({k: v[None, :] for k, v in unravel(flat, _terms_axis(reduce, op)).items()})
-    return env
+    trips = unravel(flat, _terms_axis(reduce, op))
+    shape = (len(points), len(terms))
+    live = np.ones(shape, bool)
+    for axis, stride in loop_order(reduce, op.extent):
+        if stride is None:
+            env[axis] = trips[axis][None, :]
+            continue
+        rest = np.asarray(index.evaluate(stride.rest, env), dtype=np.int64)
+        value = (-stride.sign * rest) % stride.modulus + stride.modulus * trips[axis][None, :]
+        live &= np.broadcast_to(value < op.extent[axis], shape)
+        env[axis] = np.broadcast_to(value, shape)
+    if reduce.where is not None:
+        live &= np.broadcast_to(np.asarray(evaluate_at(reduce.where, env, {}, op.name, live=live)).astype(bool), shape)
+    return env, live
 
 
 def _offsets(read: Read, op: Op, env: dict, live: np.ndarray | None) -> np.ndarray:
@@ -106,10 +125,7 @@ def footprints(chunk: VectorChunk, workspace_itemsize: int = 4) -> list[Footprin
     points_env = _points_env(op, chunk.points)
     if kind == "reduce":
         reduce, _ = split_epilogue(op.body, op)
-        env = grid_env(op, reduce, chunk.points, chunk.terms)
-        live = None
-        if reduce.where is not None:
-            live = np.asarray(evaluate_at(reduce.where, env, {}, op.name)).astype(bool)
+        env, live = grid_env(op, reduce, chunk.points, chunk.terms)
         for read, inside in _reads(op.body):
             if inside:
                 found.setdefault(read.tensor, []).append(_offsets(read, op, env, live))
