@@ -227,3 +227,16 @@ def test_cli_writes_the_program_schedule_trace_and_report_and_runs_them(tmp_path
     assert main(["run", str(tmp_path), "--random"]) == 0
     printed = capsys.readouterr().out
     assert "cube utilization" in printed and "| MTE2 |" in printed
+
+
+def test_fuse_compares_policies_by_simulated_cycles(capsys) -> None:
+    model = str(MODELS_DIR / "cnn.onnx")
+    assert main(["fuse", model, "--train", "--labels", "y", "--target", "npu", "--compare", "none,neoflow"]) == 0
+    printed = capsys.readouterr().out
+    assert "policies compared" in printed and "| neoflow |" in printed
+    spec = neoflow.TrainSpec(labels="y")
+    cycles = {
+        policy: neoflow.compile(MODELS_DIR / "cnn.onnx", target="npu", train=spec, fusion=policy)._train.total().cycles
+        for policy in ("none", "neoflow")
+    }
+    assert cycles["neoflow"] < cycles["none"]  # fused kernels keep intermediates on chip
