@@ -91,20 +91,21 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
         vector.emit_op(program, op, machine.cores("vector"))
         return _checked(OpProgram(op, [("vector", program)]))
     phases: list[tuple[str, Program]] = []
-    direct = all(cube.fixpipe_epilogue(v) for v in views)
+    cores = machine.cores("cube")
+    tiles = [cube.choose_tiles(view, machine, pair, len(cores)) for view, pair in zip(views, gathers, strict=True)]
+    split = any(t.splits > 1 for t in tiles)
+    direct = not split and all(cube.fixpipe_epilogue(v) for v in views)
     workspace = None if direct else workspace_name(op)
     extra = {} if direct else {workspace: op.output.size * cube.ACCUMULATOR_BYTES}
-    if not covers_output(op, views):
+    if split or not covers_output(op, views):  # split partial sums add onto zeros
         zeroed = op.name if direct else workspace
         size = _tensors(op, extra)[zeroed]
         phases.append(("zero", _zero_phase(op, machine, zeroed, size, extra)))
     program = Program(machine, _tensors(op, extra))
-    cores = machine.cores("cube")
     itemsize = dt.numpy_dtype(op.dtype).itemsize
     steps: dict[int, list[int]] = {}
-    for view, pair in zip(views, gathers, strict=True):
-        tiles = cube.choose_tiles(view, machine, pair, len(cores))
-        cube.emit_view(program, view, pair, tiles, cores, op.name, itemsize, workspace, steps)
+    for view, pair, chosen in zip(views, gathers, tiles, strict=True):
+        cube.emit_view(program, view, pair, chosen, cores, op.name, itemsize, workspace, steps)
     phases.append(("cube", program))
     if workspace is not None:
         tail = Program(machine, _tensors(op, extra))

@@ -43,12 +43,24 @@ OPERAND_BYTES, ACCUMULATOR_BYTES = 2, 4
 @dataclass(frozen=True)
 class CubeTiles:
     """An output tile of ``m x n`` (L0C), the depth in L0 steps of ``k0`` (L0A/L0B) and L1 steps
-    of ``k1`` (a multiple of ``k0``)."""
+    of ``k1`` (a multiple of ``k0``), cut into ``splits`` ranges of whole L1 steps that cores sum
+    apart (their partial sums added atomically into an fp32 workspace)."""
 
     m: int
     n: int
     k0: int
     k1: int
+    splits: int = 1
+
+    def depth_ranges(self, k_size: int) -> list[range]:
+        """The depth ranges of the splits (whole L1 steps each; none empty)."""
+        steps = math.ceil(k_size / self.k1)
+        per = math.ceil(steps / self.splits)
+        return [range(s * self.k1, min((s + per) * self.k1, k_size)) for s in range(0, steps, per)]
+
+
+#: depth splits a contraction may take (when it has fewer output tiles than cores)
+SPLITS = (1, 2, 4, 8, 16, 32)
 
 
 def _align(value: int, unit: int) -> int:
@@ -123,7 +135,7 @@ def choose_tiles(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather
         for n in (s for s in SIZES if s <= _pad16(n_size)):
             if 2 * m * n * ACCUMULATOR_BYTES > l0c:
                 continue
-            tiles_per_core = math.ceil(batch * math.ceil(m_size / m) * math.ceil(n_size / n) / cores)
+            tiles = batch * math.ceil(m_size / m) * math.ceil(n_size / n)
             for k0 in (s for s in SIZES if s <= _pad16(k_size)):
                 if 2 * m * k0 * OPERAND_BYTES > l0a or 2 * n * k0 * OPERAND_BYTES > l0b:
                     continue
@@ -134,15 +146,22 @@ def choose_tiles(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather
                     patch = _bound_bytes(view, gathers[0], m, k1) + _bound_bytes(view, gathers[1], n, k1)
                     if 2 * (patch + 64) > l1:
                         continue
-                    l0_steps, l1_steps = math.ceil(k_size / k0), math.ceil(k_size / k1)
-                    cube = l0_steps * (m // 16) * (n // 16) * (k0 // 16)
-                    moves1 = l0_steps * (m + n) * k0 * OPERAND_BYTES / mte1.bytes_per_cycle
-                    moves2 = l1_steps * patch / rate
-                    drain = m * n * ACCUMULATOR_BYTES / machine.mover("L0C", GM).bytes_per_cycle
-                    cycles = tiles_per_core * (max(cube, moves1, moves2) + drain / 4) + mte2.latency + drain
-                    key = (cycles, -m * n * k1)
-                    if best is None or key < best[:2]:
-                        best = (cycles, -m * n * k1, CubeTiles(m, n, k0, k1))
+                    for splits in SPLITS:
+                        if splits > 1 and (tiles * splits > 2 * cores or splits > math.ceil(k_size / k1)):
+                            break
+                        l0_steps = math.ceil(k_size / k0 / splits)
+                        l1_steps = math.ceil(k_size / k1 / splits)
+                        cube = l0_steps * (m // 16) * (n // 16) * (k0 // 16)
+                        moves1 = l0_steps * (m + n) * k0 * OPERAND_BYTES / mte1.bytes_per_cycle
+                        moves2 = l1_steps * patch / rate
+                        drain = m * n * ACCUMULATOR_BYTES / machine.mover("L0C", GM).bytes_per_cycle
+                        per_core = math.ceil(tiles * splits / cores)
+                        cycles = per_core * (max(cube, moves1, moves2) + drain / 4) + mte2.latency + drain
+                        if splits > 1:  # zero the workspace, then the epilogue pass over it
+                            cycles += 3 * m_size * n_size * batch * ACCUMULATOR_BYTES / (rate * cores) + 1000
+                        key = (cycles, -m * n * k1)
+                        if best is None or key < best[:2]:
+                            best = (cycles, -m * n * k1, CubeTiles(m, n, k0, k1, splits))
     if best is None:
         raise ValueError("no cube tile fits the buffers")
     return best[2]
@@ -245,8 +264,13 @@ def emit_view(
     machine = program.machine
     batch, m_size, n_size, k_size = view.sizes
     tile_list = [
-        (z, mi, ni) for z in range(batch) for mi in range(0, m_size, tiles.m) for ni in range(0, n_size, tiles.n)
+        (z, mi, ni, depth)
+        for z in range(batch)
+        for mi in range(0, m_size, tiles.m)
+        for ni in range(0, n_size, tiles.n)
+        for depth in tiles.depth_ranges(k_size)
     ]
+    accumulate = tiles.splits > 1
     names = (gathers[0].tensor, gathers[1].tensor)
     sizes = {side: dt.numpy_dtype(_tensor(view, names[k]).dtype).itemsize for k, side in enumerate("ab")}
     a_bound = _align(_bound_bytes(view, gathers[0], tiles.m, tiles.k1), 32)
@@ -258,14 +282,14 @@ def emit_view(
             continue
         flags = _Flags(program, core)
         l1_step, l0_step, done = steps.setdefault(core, [0, 0, 0])
-        for count, (z, mi, ni) in enumerate(mine, start=done):
+        for count, (z, mi, ni, depth) in enumerate(mine, start=done):
             rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
             env_z = batch_env(view, z)
             acc_slot = count % 2
             l0c = Region("L0C", acc_slot * l0c_slot, _pad16(len(rows)) * _pad16(len(cols)) * ACCUMULATOR_BYTES)
-            for k1 in range(0, k_size, tiles.k1):
+            for k1 in range(depth.start, depth.stop, tiles.k1):
                 half = l1_step % 2
-                depth1 = range(k1, min(k1 + tiles.k1, k_size))
+                depth1 = range(k1, min(k1 + tiles.k1, depth.stop))
                 patches = {}
                 if l1_step >= 2:
                     flags.wait("MTE1", "MTE2", half)
@@ -291,7 +315,7 @@ def emit_view(
                 flags.wait("MTE2", "MTE1", half)
                 for k0 in range(k1, depth1.stop, tiles.k0):
                     slot = l0_step % 2
-                    depth0 = range(k0, min(k0 + tiles.k0, k_size))
+                    depth0 = range(k0, min(k0 + tiles.k0, depth1.stop))
                     if l0_step >= 2:
                         flags.wait("CUBE", "MTE1", slot)
                     l0 = {}
@@ -317,9 +341,10 @@ def emit_view(
                         flags.signal("MTE1", "MTE2", half)
                     flags.signal("MTE1", "CUBE", slot)
                     flags.wait("MTE1", "CUBE", slot)
-                    if k0 == 0 and count >= 2:
+                    first = k0 == depth.start
+                    if first and count >= 2:
                         flags.wait("FIXPIPE", "CUBE", acc_slot)
-                    program.add(mmad(machine, core, l0["a"], l0["b"], l0c, len(rows), len(cols), len(depth0), k0 == 0))
+                    program.add(mmad(machine, core, l0["a"], l0["b"], l0c, len(rows), len(cols), len(depth0), first))
                     flags.signal("CUBE", "MTE1", slot)
                     l0_step += 1
                 l1_step += 1
@@ -341,8 +366,8 @@ def emit_view(
                     destination,
                     reads=tuple(_gm(f) for f in extra),
                     moved=moved,
-                    args=(("rows", len(rows)), ("cols", len(cols)), ("epilogue", epilogue)),
-                    data=OutputTile(view, rows, cols, z, epilogue, workspace),
+                    args=(("rows", len(rows)), ("cols", len(cols)), ("epilogue", epilogue), ("atomic_add", accumulate)),
+                    data=OutputTile(view, rows, cols, z, epilogue, workspace, accumulate),
                 )
             )
             flags.signal("FIXPIPE", "CUBE", acc_slot)

@@ -84,7 +84,8 @@ class OperandTile:
 class OutputTile:
     """Rows ``rows`` and columns ``cols`` of ``view``'s product at batch point ``batch``: where
     ``fixpipe.store`` puts them (``view.out_offset``) after the epilogue (``epilogue``: applied
-    on the way; False: the raw fp32 sums go to the workspace ``workspace``)."""
+    on the way; False: the raw fp32 sums go to the workspace ``workspace``, added atomically to
+    what is there with ``accumulate``: a depth split's partial sums)."""
 
     view: GemmView
     rows: range
@@ -92,6 +93,7 @@ class OutputTile:
     batch: int
     epilogue: bool
     workspace: str | None = None
+    accumulate: bool = False
 
 
 @dataclass(frozen=True, eq=False)

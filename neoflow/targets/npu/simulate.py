@@ -110,7 +110,10 @@ def _fixpipe(tile: OutputTile, sums: np.ndarray, gm) -> None:
     view = tile.view
     env, offsets = cube.output_offsets(view, tile.rows, tile.cols, tile.batch)
     if not tile.epilogue:
-        gm[tile.workspace][offsets] = sums
+        if tile.accumulate:  # FIXPIPE's atomic add: the splits' partial sums meet in GM
+            np.add.at(gm[tile.workspace], offsets, sums)
+        else:
+            gm[tile.workspace][offsets] = sums
         return
     arrays = {t.name: gm[t.name].reshape(t.shape) for t in view.op.inputs}
     body = view.epilogue if view.epilogue is not None else view.reduce

@@ -240,3 +240,16 @@ def test_fuse_compares_policies_by_simulated_cycles(capsys) -> None:
         for policy in ("none", "neoflow")
     }
     assert cycles["neoflow"] < cycles["none"]  # fused kernels keep intermediates on chip
+
+
+def test_a_deep_contraction_with_few_tiles_splits_its_depth_across_cores() -> None:
+    # a weight gradient: a 32 x 32 output summed over 4096 batch points; one tile would leave 31 cores idle
+    op = neoflow.op("dW[k, c] = ReduceAdd({b}, G[b, k] * X[b, c])", shapes={"G": (4096, 32), "X": (4096, 32)})
+    got, (compiled, want) = _simulate(op)
+    assert [what for what, _ in compiled.phases] == ["zero", "cube", "vector"]
+    atomic = [i for i in compiled.phases[1][1].instructions if i.opcode == "fixpipe.store"]
+    assert len(atomic) > 1 and all(dict(i.args)["atomic_add"] for i in atomic)
+    assert len({i.core for i in atomic}) == len(atomic)  # each split on a core of its own
+    assert _relative(got, want) < 2e-3
+    one_core = compile_op(op, dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1))
+    assert compiled.cycles < one_core.cycles / 4
