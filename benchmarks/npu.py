@@ -98,11 +98,13 @@ def contraction_section(quick: bool) -> tuple[list[str], list[tuple[str, float, 
         size = (14 - 1) * stride + 3
         batch = 4 if quick else 16
         caps = neoflow.op(
-            CAPSULE.replace("S", str(stride)), shapes={"In": (batch, 32, size, size, 4, 4), "W": (32, 32, 3, 3, 4, 4)}
+            CAPSULE.replace("S", str(stride)),
+            shapes={"In": (batch, 32, size, size, 4, 4), "W": (32, 32, 3, 3, 4, 4)},
+            dtype="float16",
         )
         cases.append((f"capsule conv stride {stride}", caps))
     lines = [
-        f"## Convolutions, forward and backward, all {npu.cube_cores} cores of `npu` "
+        f"## Convolutions, forward and backward, fp16 tensors, all {npu.cube_cores} cores of `npu` "
         "(goal: cube utilization >= 70 %, within 1.3x of the roofline)",
         "",
         HEADER,
