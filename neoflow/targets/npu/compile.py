@@ -20,6 +20,7 @@ from neoflow.ir.op import Op
 from neoflow.targets.npu import cube, vector
 from neoflow.targets.npu.isa import Program, Region, copy, set_flag, wait_flag
 from neoflow.targets.npu.isa import vector as vector_instruction
+from neoflow.targets.npu.loads import FirstTouch
 from neoflow.targets.npu.machine import GM, Machine
 from neoflow.targets.npu.schedule import Schedule, check_gm_roles, static_schedule
 
@@ -104,8 +105,9 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
     program = Program(machine, _tensors(op, extra))
     itemsize = dt.numpy_dtype(op.dtype).itemsize
     steps: dict[int, list[int]] = {}
+    touch = FirstTouch({t.name: t.size for t in op.inputs})
     for view, pair, chosen in zip(views, gathers, tiles, strict=True):
-        cube.emit_view(program, view, pair, chosen, cores, op.name, itemsize, workspace, steps)
+        cube.emit_view(program, view, pair, chosen, cores, op.name, itemsize, workspace, steps, touch)
     phases.append(("cube", program))
     if workspace is not None:
         tail = Program(machine, _tensors(op, extra))

@@ -50,6 +50,11 @@ class Counters:
         """Bytes read from and written to GM."""
         return sum(v for k, v in self.paths.items() if k.startswith(GM) or k.endswith(GM))
 
+    @property
+    def hbm_bytes(self) -> int:
+        """Bytes the programs' first reads fetched from HBM."""
+        return self.paths.get("HBM->L2", 0)
+
     def cube_utilization(self, cores: int | None = None) -> float:
         """Multiply-adds done over what ``cores`` cubes (default: every cube core) could do in the run."""
         cores = cores or self.cube_cores
@@ -129,6 +134,8 @@ def count(program: Program, schedule: Schedule) -> Counters:
         if instruction.moved:
             source = instruction.reads[0].space
             counters.paths[f"{source}->{instruction.writes[0].space}"] += instruction.moved
+        if instruction.hbm:
+            counters.paths["HBM->L2"] += instruction.hbm
         if instruction.opcode == "cube.mmad":
             m, n, k, _ = instruction.data
             counters.macs += m * n * k

@@ -30,6 +30,7 @@ from neoflow.ir.expr import Expr, Read, Reduce
 from neoflow.ir.interpreter import evaluate_at
 from neoflow.targets.npu.data import Footprint, OperandTile, OutputTile
 from neoflow.targets.npu.isa import Program, Region, copy, mmad, set_flag, wait_flag
+from neoflow.targets.npu.loads import FirstTouch, gm_load, gm_region
 from neoflow.targets.npu.machine import GM, Machine
 
 #: block sizes a tile may take (multiples of the cube's 16)
@@ -228,11 +229,6 @@ def _epilogue_footprints(view: GemmView, env: dict) -> list[Footprint]:
     return prints
 
 
-def _gm(footprint: Footprint) -> Region:
-    low, size = footprint.span
-    return Region(GM, low, max(size, footprint.itemsize), footprint.tensor)
-
-
 class _Flags:
     """The flag traffic of one core: ``signal`` / ``wait`` by (source, destination, slot)."""
 
@@ -256,11 +252,13 @@ def emit_view(
     output_itemsize: int,
     workspace: str | None,
     steps: dict[int, list[int]],
+    touch: FirstTouch,
 ) -> None:
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
     results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor).
     ``steps`` counts per core its L1 steps, L0 steps and tiles so far in the program (the
-    ping-pong halves and their flags carry on from one view to the next)."""
+    ping-pong halves and their flags carry on from one view to the next); ``touch`` which input
+    elements the program has read (``loads``)."""
     machine = program.machine
     batch, m_size, n_size, k_size = view.sizes
     tile_list = [
@@ -299,18 +297,7 @@ def emit_view(
                     footprint = Footprint(gather.tensor, patch_offsets(tile, env_z), sizes[side])
                     region = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32))
                     patches[side] = region
-                    args = (("elements", int(footprint.offsets.size)), ("runs", footprint.runs))
-                    program.add(
-                        copy(
-                            machine,
-                            core,
-                            _gm(footprint),
-                            region,
-                            moved=footprint.moved_bytes,
-                            args=args,
-                            data=footprint,
-                        )
-                    )
+                    program.add(gm_load(machine, core, footprint, region, touch, len(cores)))
                 flags.signal("MTE2", "MTE1", half)
                 flags.wait("MTE2", "MTE1", half)
                 for k0 in range(k1, depth1.stop, tiles.k0):
@@ -364,7 +351,7 @@ def emit_view(
                     core,
                     l0c,
                     destination,
-                    reads=tuple(_gm(f) for f in extra),
+                    reads=tuple(gm_region(f) for f in extra),
                     moved=moved,
                     args=(("rows", len(rows)), ("cols", len(cols)), ("epilogue", epilogue), ("atomic_add", accumulate)),
                     data=OutputTile(view, rows, cols, z, epilogue, workspace, accumulate),

@@ -59,8 +59,9 @@ class Instruction:
     latency: int = 0
     event: tuple[str, str, int] | None = None
     args: tuple[tuple[str, object], ...] = ()
-    #: bytes a copy moves (what the counters add up per path)
+    #: bytes a copy moves (what the counters add up per path), and of those the bytes fetched from HBM
     moved: int = 0
+    hbm: int = 0
     #: what the functional simulator computes (``simulate``): a spec of the data moved or combined
     data: object = field(default=None, compare=False, repr=False)
 

@@ -26,6 +26,7 @@ from neoflow.ir.interpreter import evaluate_at
 from neoflow.ir.op import Op
 from neoflow.targets.npu.data import Footprint, VectorChunk
 from neoflow.targets.npu.isa import Program, Region, copy, set_flag, vector, wait_flag
+from neoflow.targets.npu.loads import FirstTouch, gm_load
 from neoflow.targets.npu.machine import GM, Machine
 
 #: bytes of a vector lane's element (the unit computes in fp32)
@@ -165,7 +166,9 @@ def _plan_steps(op: Op, kind: str, slot: int) -> tuple[int, int]:
 
 
 def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = None) -> None:
-    """Append the vector program of ``op`` (output GM tensor ``op.name``) over ``cores``."""
+    """Append the vector program of ``op`` (output GM tensor ``op.name``) over ``cores``; the
+    program's first reads of each input element come from HBM (``loads``)."""
+    touch = FirstTouch({t.name: t.size for t in op.inputs})
     machine: Machine = program.machine
     kind = mode(op, accumulator)
     capacity = machine.buffer("UB").capacity
@@ -216,12 +219,7 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
                         raise CompileError(
                             f"npu: op '{op.name}': a step's inputs overflow a UB half ({in_slot} bytes)", op=op.name
                         )
-                    low, size = footprint.span
-                    source = Region(GM, low, size, footprint.tensor)
-                    args = (("elements", int(footprint.offsets.size)), ("runs", footprint.runs))
-                    program.add(
-                        copy(machine, core, source, region, moved=footprint.moved_bytes, args=args, data=footprint)
-                    )
+                    program.add(gm_load(machine, core, footprint, region, touch, len(cores)))
                     loaded.append(region)
                 program.add(set_flag(core, "MTE2", "VECTOR", half))
                 program.add(wait_flag(core, "MTE2", "VECTOR", half))

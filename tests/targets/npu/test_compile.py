@@ -162,6 +162,7 @@ def test_counters_add_up_and_the_timeline_opens_as_a_trace(tmp_path: Path) -> No
     assert counters.paths["L1->L0A"] + counters.paths["L1->L0B"] > 0
     assert counters.paths["L0C->GM"] == 256 * 256 * 4
     assert counters.paths["GM->L1"] >= (256 * 512 + 512 * 256) * 4
+    assert counters.hbm_bytes == (256 * 512 + 512 * 256) * 4  # each input element fetched from HBM once
     assert 0 < counters.cube_utilization() <= 1
     assert counters.peak["L0C"] <= npu.buffer("L0C").capacity
     assert set(counters.stalls) <= {"data", "buffer", "unit"}
@@ -253,3 +254,14 @@ def test_a_deep_contraction_with_few_tiles_splits_its_depth_across_cores() -> No
     assert _relative(got, want) < 2e-3
     one_core = compile_op(op, dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1))
     assert compiled.cycles < one_core.cycles / 4
+
+
+def test_first_reads_share_hbm_across_the_cores() -> None:
+    # 32 cores reading a 16 MiB input at once cannot beat HBM: 1200 bytes a cycle on `npu`
+    npu = machine("npu")
+    op = neoflow.op("Y[i, j] = X[i, j] * 2", shapes={"X": (2048, 2048)})
+    compiled = compile_op(op, npu)
+    hbm_floor = op.inputs[0].size * 4 / npu.memory.hbm_bytes_per_cycle
+    assert compiled.cycles >= hbm_floor
+    loads = [i for i in compiled.phases[0][1].instructions if i.opcode == "mte2.copy"]
+    assert sum(i.hbm for i in loads) == op.inputs[0].size * 4
