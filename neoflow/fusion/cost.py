@@ -46,6 +46,9 @@ class Machine:
     cache_bytes: float = 8e6
     measured: bool = False
     threads: int = 1
+    #: whether the target runs a sliced kernel's ops slice by slice, intermediates in slice buffers
+    #: (the planner proposes sliced kernels only where it does)
+    sliced_kernels: bool = True
 
 
 @dataclass(frozen=True)

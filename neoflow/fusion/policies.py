@@ -167,7 +167,9 @@ def _sliced(graph: Graph, plan: FusionPlan, grouping: Grouping, cost_model: Cost
     another kernel reads from it is stored; what ``plan`` stored, and every heavy
     op, stays in a slice buffer where nothing outside reads it; the light ops
     ``plan`` recomputed are recomputed there too.  None where fewer than two ops
-    slice or the kernel would not run."""
+    slice, the kernel would not run or the target runs no sliced kernels."""
+    if not cost_model.machine.sliced_kernels:
+        return None
     names = sliced_ops(graph.ops, [op.name for op in graph.ops])
     if len(names) < 2:
         return None

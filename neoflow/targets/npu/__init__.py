@@ -52,6 +52,7 @@ def _cost_model(preset: str):
             cache_bytes=float(npu.memory.l2_bytes),
             measured=False,
             threads=npu.cube_cores,
+            sliced_kernels=False,  # each op is its own programs: fusion inlines, it does not slice
         )
         return CostModel(figures, npu_schedule)
 

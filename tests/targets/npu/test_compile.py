@@ -265,3 +265,9 @@ def test_first_reads_share_hbm_across_the_cores() -> None:
     assert compiled.cycles >= hbm_floor
     loads = [i for i in compiled.phases[0][1].instructions if i.opcode == "mte2.copy"]
     assert sum(i.hbm for i in loads) == op.inputs[0].size * 4
+
+
+def test_the_npu_plans_no_sliced_kernels_it_would_not_realise() -> None:
+    spec = neoflow.TrainSpec(labels="y")
+    compiled = neoflow.compile(MODELS_DIR / "cnn.onnx", target="npu", train=spec, fusion="neoflow")
+    assert not any(kernel.sliced for kernel in compiled._train.fusion_plan.kernels)
