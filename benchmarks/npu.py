@@ -90,9 +90,8 @@ def contraction_section(quick: bool) -> tuple[list[str], list[tuple[str, float, 
     npu = machine("npu")
     cases = []
     n, hw = (2, 28) if quick else (8, 56)
-    conv = neoflow.op(
-        CONV.replace("H", str(hw)), shapes={"X": (n, 64, hw, hw), "W": (64, 64, 3, 3), "Y": (n, 64, hw, hw)}
-    )
+    shapes = {"X": (n, 64, hw, hw), "W": (64, 64, 3, 3), "Y": (n, 64, hw, hw)}
+    conv = neoflow.op(CONV.replace("H", str(hw)), shapes=shapes, dtype="float16")
     cases.append(("conv2d 3x3", conv))
     for stride in (1, 2):
         size = (14 - 1) * stride + 3
