@@ -83,6 +83,31 @@ def _zero_phase(op: Op, machine: Machine, tensor: str, total: int, extra: dict[s
     return program
 
 
+#: tile candidates (best first by the estimate) whose busiest core is scheduled to pick among
+TRIALS = 4
+
+
+def _best_tiles(op: Op, view, gathers, machine: Machine, cores: range) -> cube.CubeTiles:
+    """Of the estimate's best ``TRIALS`` tilings, the one whose busiest core's program the static
+    schedule finishes first (a split's extra passes over the workspace added at the estimate's rate)."""
+    candidates = cube.tile_candidates(view, machine, gathers, len(cores))[:TRIALS]
+    if len(candidates) == 1:
+        return candidates[0]
+    extra = {workspace_name(op): op.output.size * cube.ACCUMULATOR_BYTES}
+    rate = min(machine.mover(GM, "UB").bytes_per_cycle, machine.memory.l2_bytes_per_cycle / len(cores))
+    timed = []
+    for tiles in candidates:
+        trial = Program(machine, _tensors(op, extra))
+        touch = FirstTouch({t.name: t.size for t in op.inputs})
+        sink = workspace_name(op) if tiles.splits > 1 else None
+        cube.emit_view(trial, view, gathers, tiles, cores, op.name, 4, sink, {}, touch, busiest_only=True)
+        cycles = static_schedule(trial).cycles
+        if tiles.splits > 1:
+            cycles += 3 * op.output.size * cube.ACCUMULATOR_BYTES / (rate * len(cores)) + 1000
+        timed.append((cycles, tiles))
+    return min(timed, key=lambda t: t[0])[1]
+
+
 def compile_op(op: Op, machine: Machine) -> OpProgram:
     """The NPU phases of ``op`` on ``machine``."""
     views = gemm_views(op, NPU_CUBE) if op.scatter is None else None
@@ -93,7 +118,7 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
         return _checked(OpProgram(op, [("vector", program)]))
     phases: list[tuple[str, Program]] = []
     cores = machine.cores("cube")
-    tiles = [cube.choose_tiles(view, machine, pair, len(cores)) for view, pair in zip(views, gathers, strict=True)]
+    tiles = [_best_tiles(op, view, pair, machine, cores) for view, pair in zip(views, gathers, strict=True)]
     split = any(t.splits > 1 for t in tiles)
     direct = not split and all(cube.fixpipe_epilogue(v) for v in views)
     workspace = None if direct else workspace_name(op)

@@ -122,16 +122,16 @@ def _bound_bytes(view: GemmView, gather: Gather, rows: int, depth: int) -> int:
     return min(rows * depth, tensor.size) * dt.numpy_dtype(tensor.dtype).itemsize
 
 
-def choose_tiles(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int) -> CubeTiles:
-    """The tiles that fit the buffers (each half of a ping-pong pair) and that a pipelined
-    estimate (the slowest of cube, MTE1 and MTE2 per step, tiles spread over ``cores``) likes best."""
+def tile_candidates(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int) -> list[CubeTiles]:
+    """The tiles that fit the buffers (each half of a ping-pong pair), best first by a pipelined
+    estimate (the slowest of cube, MTE1 and MTE2 per step, tiles spread over ``cores``)."""
     batch, m_size, n_size, k_size = view.sizes
     l1 = machine.buffer("L1").capacity
     l0a, l0b, l0c = (machine.buffer(name).capacity for name in ("L0A", "L0B", "L0C"))
     mte2 = machine.mover(GM, "L1")
     mte1 = machine.mover("L1", "L0A")
     rate = min(mte2.bytes_per_cycle, machine.memory.l2_bytes_per_cycle / max(1, cores))
-    best: tuple[float, int, CubeTiles] | None = None
+    found: list[tuple[float, int, CubeTiles]] = []
     for m in (s for s in SIZES if s <= _pad16(m_size)):
         for n in (s for s in SIZES if s <= _pad16(n_size)):
             if 2 * m * n * ACCUMULATOR_BYTES > l0c:
@@ -160,12 +160,15 @@ def choose_tiles(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather
                         cycles = per_core * (max(cube, moves1, moves2) + drain / 4) + mte2.latency + drain
                         if splits > 1:  # zero the workspace, then the epilogue pass over it
                             cycles += 3 * m_size * n_size * batch * ACCUMULATOR_BYTES / (rate * cores) + 1000
-                        key = (cycles, -m * n * k1)
-                        if best is None or key < best[:2]:
-                            best = (cycles, -m * n * k1, CubeTiles(m, n, k0, k1, splits))
-    if best is None:
+                        found.append((cycles, -m * n * k1, CubeTiles(m, n, k0, k1, splits)))
+    if not found:
         raise ValueError("no cube tile fits the buffers")
-    return best[2]
+    return [tiles for *_, tiles in sorted(found, key=lambda f: f[:2])]
+
+
+def choose_tiles(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int) -> CubeTiles:
+    """The tiles the estimate likes best (``tile_candidates``)."""
+    return tile_candidates(view, machine, gathers, cores)[0]
 
 
 @lru_cache(maxsize=64)
@@ -253,12 +256,14 @@ def emit_view(
     workspace: str | None,
     steps: dict[int, list[int]],
     touch: FirstTouch,
+    busiest_only: bool = False,
 ) -> None:
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
     results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor).
     ``steps`` counts per core its L1 steps, L0 steps and tiles so far in the program (the
     ping-pong halves and their flags carry on from one view to the next); ``touch`` which input
-    elements the program has read (``loads``)."""
+    elements the program has read (``loads``); ``busiest_only``: the first core's share alone (the
+    most work items: a trial of the tiles)."""
     machine = program.machine
     batch, m_size, n_size, k_size = view.sizes
     tile_list = [
@@ -274,7 +279,7 @@ def emit_view(
     a_bound = _align(_bound_bytes(view, gathers[0], tiles.m, tiles.k1), 32)
     # every buffer in two fixed halves (whatever the tiles, so halves stay apart from one view to the next)
     slot_l1, l0a_slot, l0b_slot, l0c_slot = (machine.buffer(b).capacity // 2 for b in ("L1", "L0A", "L0B", "L0C"))
-    for position, core in enumerate(cores):
+    for position, core in enumerate(cores[:1] if busiest_only else cores):
         mine = tile_list[position :: len(cores)]
         if not mine:
             continue
