@@ -24,6 +24,7 @@ import numpy as np
 
 from neoflow.codegen.gather import Gather, gather_plan, gather_tables, unravel
 from neoflow.codegen.implicit_gemm import GemmView
+from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
 from neoflow.ir.expr import Expr, Read, Reduce
@@ -162,7 +163,11 @@ def tile_candidates(view: GemmView, machine: Machine, gathers: tuple[Gather, Gat
                             cycles += 3 * m_size * n_size * batch * ACCUMULATOR_BYTES / (rate * cores) + 1000
                         found.append((cycles, -m * n * k1, CubeTiles(m, n, k0, k1, splits)))
     if not found:
-        raise ValueError("no cube tile fits the buffers")
+        raise CompileError(
+            f"npu: op '{view.op.name}': no cube tile fits the buffers of machine '{machine.name}' "
+            "(L1, L0A, L0B and L0C must each hold two halves of at least a 16 x 16 tile)",
+            op=view.op.name,
+        )
     return [tiles for *_, tiles in sorted(found, key=lambda f: f[:2])]
 
 

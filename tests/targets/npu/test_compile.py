@@ -271,3 +271,12 @@ def test_the_npu_plans_no_sliced_kernels_it_would_not_realise() -> None:
     spec = neoflow.TrainSpec(labels="y")
     compiled = neoflow.compile(MODELS_DIR / "cnn.onnx", target="npu", train=spec, fusion="neoflow")
     assert not any(kernel.sliced for kernel in compiled._train.fusion_plan.kernels)
+
+
+def test_a_machine_whose_buffers_hold_no_tile_is_a_one_line_error() -> None:
+    npu = machine("npu")
+    tiny = tuple(dataclasses.replace(b, capacity=512) if b.name == "L0A" else b for b in npu.buffers)
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (64, 64), "B": (64, 64)})
+    with pytest.raises(CompileError, match="no cube tile fits") as caught:
+        compile_op(op, dataclasses.replace(npu, buffers=tiny))
+    assert "\n" not in str(caught.value)
