@@ -100,7 +100,8 @@ def _best_tiles(op: Op, view, gathers, machine: Machine, cores: range) -> cube.C
         trial = Program(machine, _tensors(op, extra))
         touch = FirstTouch({t.name: t.size for t in op.inputs})
         sink = workspace_name(op) if tiles.splits > 1 else None
-        cube.emit_view(trial, view, gathers, tiles, cores, op.name, 4, sink, {}, touch, busiest_only=True)
+        itemsize = dt.numpy_dtype(op.dtype).itemsize
+        cube.emit_view(trial, view, gathers, tiles, cores, op.name, itemsize, sink, {}, touch, busiest_only=True)
         cycles = static_schedule(trial).cycles
         if tiles.splits > 1:
             cycles += 3 * op.output.size * cube.ACCUMULATOR_BYTES / (rate * len(cores)) + 1000

@@ -112,7 +112,7 @@ def count(program: Program, schedule: Schedule) -> Counters:
     cores = set()
     held: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # (core, buffer) -> (start, +/- bytes) events
     last_read: dict[int, int] = {}
-    depends = dependencies(program)
+    depends = schedule.depends or dependencies(program)
     for index, instruction in enumerate(program.instructions):
         for earlier in depends[index]:
             if any(r.overlaps(w) for r in instruction.reads for w in program.instructions[earlier].writes):

@@ -27,9 +27,9 @@ from neoflow.codegen.implicit_gemm import GemmView
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
-from neoflow.ir.expr import Expr, Read, Reduce
+from neoflow.ir.expr import Read
 from neoflow.ir.interpreter import evaluate_at
-from neoflow.targets.npu.data import Footprint, OperandTile, OutputTile
+from neoflow.targets.npu.data import Footprint, OperandTile, OutputTile, align, read_footprint, reads_in
 from neoflow.targets.npu.isa import Program, Region, copy, mmad, set_flag, wait_flag
 from neoflow.targets.npu.loads import FirstTouch, gm_load, gm_region
 from neoflow.targets.npu.machine import GM, Machine
@@ -65,12 +65,8 @@ class CubeTiles:
 SPLITS = (1, 2, 4, 8, 16, 32)
 
 
-def _align(value: int, unit: int) -> int:
-    return -(-value // unit) * unit
-
-
 def _pad16(value: int) -> int:
-    return _align(value, 16)
+    return align(value, 16)
 
 
 def cube_operands(view: GemmView) -> tuple[Gather, Gather] | None:
@@ -87,19 +83,7 @@ def cube_operands(view: GemmView) -> tuple[Gather, Gather] | None:
 
 def _epilogue_reads(view: GemmView) -> list[Read]:
     """The reads of ``view``'s epilogue outside its reduction."""
-    found: list[Read] = []
-
-    def visit(node: Expr) -> None:
-        if isinstance(node, Reduce):
-            return
-        if isinstance(node, Read):
-            found.append(node)
-        for child in node.children():
-            visit(child)
-
-    if view.epilogue is not None:
-        visit(view.epilogue)
-    return found
+    return [] if view.epilogue is None else [read for read, inside in reads_in(view.epilogue) if not inside]
 
 
 def fixpipe_epilogue(view: GemmView) -> bool:
@@ -226,15 +210,8 @@ def output_offsets(view: GemmView, rows: range, cols: range, batch: int) -> tupl
 
 
 def _epilogue_footprints(view: GemmView, env: dict) -> list[Footprint]:
-    prints = []
-    shapes = {t.name: t for t in view.op.inputs}
-    for read in _epilogue_reads(view):
-        tensor = shapes[read.tensor]
-        offset = index.flat_offset(read.indices, tensor.shape)
-        flat = np.broadcast_to(np.asarray(index.evaluate(offset, env), dtype=np.int64), env[next(iter(env))].shape)
-        flat = np.unique(flat[(flat >= 0) & (flat < tensor.size)])
-        prints.append(Footprint(tensor.name, flat, dt.numpy_dtype(tensor.dtype).itemsize))
-    return prints
+    tensors = {t.name: t for t in view.op.inputs}
+    return [read_footprint(read, tensors[read.tensor], env) for read in _epilogue_reads(view)]
 
 
 class _Flags:
@@ -281,7 +258,7 @@ def emit_view(
     accumulate = tiles.splits > 1
     names = (gathers[0].tensor, gathers[1].tensor)
     sizes = {side: dt.numpy_dtype(_tensor(view, names[k]).dtype).itemsize for k, side in enumerate("ab")}
-    a_bound = _align(_bound_bytes(view, gathers[0], tiles.m, tiles.k1), 32)
+    a_bound = align(_bound_bytes(view, gathers[0], tiles.m, tiles.k1), 32)
     # every buffer in two fixed halves (whatever the tiles, so halves stay apart from one view to the next)
     slot_l1, l0a_slot, l0b_slot, l0c_slot = (machine.buffer(b).capacity // 2 for b in ("L1", "L0A", "L0B", "L0C"))
     for position, core in enumerate(cores[:1] if busiest_only else cores):

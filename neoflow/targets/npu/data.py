@@ -18,10 +18,38 @@ import numpy as np
 
 from neoflow.codegen.gather import Gather
 from neoflow.codegen.implicit_gemm import GemmView
-from neoflow.ir.op import Op
+from neoflow.ir import dtypes as dt
+from neoflow.ir import index
+from neoflow.ir.expr import Expr, Read, Reduce
+from neoflow.ir.op import Op, Tensor
 
 #: bytes a GM access is served in: a run of consecutive elements moves in whole sectors
 GM_SECTOR_BYTES = 32
+
+
+def align(value: int, unit: int) -> int:
+    """``value`` rounded up to a multiple of ``unit``."""
+    return -(-value // unit) * unit
+
+
+def reads_in(node: Expr, inside: bool = False) -> list[tuple[Read, bool]]:
+    """Every read of ``node`` with whether it lies inside a reduction."""
+    found = [(node, inside)] if isinstance(node, Read) else []
+    for child in node.children():
+        found += reads_in(child, inside or isinstance(node, Reduce))
+    return found
+
+
+def read_footprint(read: Read, tensor: Tensor, env: dict, live: np.ndarray | None = None) -> Footprint:
+    """The elements of ``tensor`` that ``read`` touches at the points of ``env`` (where ``live``):
+    its flat offsets, inside the tensor (a guarded read's out-of-bounds points read nothing)."""
+    flat = np.asarray(index.evaluate(index.flat_offset(read.indices, tensor.shape), env), dtype=np.int64)
+    shape = np.broadcast_shapes(*(np.shape(v) for v in env.values()))
+    flat = np.broadcast_to(flat, shape)
+    if live is not None:
+        flat = flat[np.broadcast_to(live, shape)]
+    flat = flat[(flat >= 0) & (flat < tensor.size)]
+    return Footprint(tensor.name, np.unique(flat), dt.numpy_dtype(tensor.dtype).itemsize)
 
 
 @dataclass(frozen=True, eq=False)

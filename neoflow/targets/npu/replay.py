@@ -80,7 +80,7 @@ def replay(program: Program, against: Schedule | None = None) -> Schedule:
     consumed: dict[tuple, int] = defaultdict(int)  # signals taken by waits
     starts = [0] * len(instructions)
     dones = [0] * len(instructions)
-    depends = dependencies(program)
+    depends = against.depends if against is not None and against.depends else dependencies(program)
     executed_at: list[bool] = [False] * len(instructions)
     ready: list[tuple[int, int, tuple]] = []  # (start, program index, pipe) of heads that can start
 
@@ -149,4 +149,4 @@ def replay(program: Program, against: Schedule | None = None) -> Schedule:
     if executed < len(instructions):
         stuck = min(queues[pipe][heads[pipe]] for pipe in queues if heads[pipe] < len(queues[pipe]))
         raise SimulationError(f"{_where(stuck, instructions[stuck])} waits for a flag that is never raised")
-    return Schedule(tuple(starts), tuple(dones))
+    return Schedule(tuple(starts), tuple(dones), tuple(depends))

@@ -2,8 +2,9 @@
 
 List scheduling in program order: an instruction starts when its pipe is free
 (each pipe runs its instructions in order), when every earlier instruction it
-depends on through a buffer or GM region (read after write, write after read or
-write) is done, and — a ``wait_flag`` — when its ``set_flag`` has signalled
+depends on through a buffer region (read after write, write after read or
+write; GM carries none inside a program, ``check_gm_roles``) is done, and —
+a ``wait_flag`` — when its ``set_flag`` has signalled
 (a ``set_flag`` signals once every earlier instruction on its pipe is done).
 The simulator's replay (``replay``) uses the flags and the pipes alone; the two
 agree exactly when the flags carry every dependency.
@@ -12,7 +13,7 @@ agree exactly when the flags carry every dependency.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from neoflow.errors import CompileError
 from neoflow.targets.npu.isa import Instruction, Program, Region
@@ -21,10 +22,13 @@ from neoflow.targets.npu.machine import GM
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per instruction (program order): its start cycle, the cycle it is done, and the makespan."""
+    """Per instruction (program order): its start cycle, the cycle it is done, and the makespan;
+    ``depends`` the earlier instructions each depends on through a buffer (``dependencies``: a
+    property of the program, kept so the replay and the counters need not find them again)."""
 
     starts: tuple[int, ...]
     dones: tuple[int, ...]
+    depends: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def cycles(self) -> int:
@@ -118,4 +122,4 @@ def static_schedule(program: Program) -> Schedule:
         pipe_done[pipe] = max(pipe_done[pipe], done)
         starts.append(start)
         dones.append(done)
-    return Schedule(tuple(starts), tuple(dones))
+    return Schedule(tuple(starts), tuple(dones), tuple(depends))

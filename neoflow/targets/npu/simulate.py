@@ -18,6 +18,7 @@ from collections.abc import MutableMapping
 
 import numpy as np
 
+from neoflow.codegen.lattice import split_epilogue
 from neoflow.ir import dtypes as dt
 from neoflow.ir.interpreter import evaluate_at, evaluate_op, reduction_identity
 from neoflow.targets.npu import cube, vector
@@ -143,7 +144,7 @@ def _vector(instruction: Instruction, chunk: VectorChunk, buffers, gm) -> None:
     patches = [h for h in held if isinstance(h, _Patch)]
     arrays = _masked(chunk, patches)
     kind = vector.mode(op, chunk.accumulator)
-    points_env = vector._points_env(op, chunk.points)
+    points_env = vector.points_env(op, chunk.points)
     out_dtype = dt.numpy_dtype(op.dtype)
     if kind == "pointwise":
         value = evaluate_at(op.body, points_env, arrays, op.name)
@@ -153,7 +154,7 @@ def _vector(instruction: Instruction, chunk: VectorChunk, buffers, gm) -> None:
         sums = next(p for p in patches if p.tensor == chunk.accumulator)
         value = evaluate_at(op.body, points_env, arrays, op.name, reduction=sums.values)
     else:
-        reduce, epilogue = vector.split_epilogue(op.body, op)
+        reduce, epilogue = split_epilogue(op.body, op)
         env, live = vector.grid_env(op, reduce, chunk.points, chunk.terms)
         target = dt.numpy_dtype(reduce.dtype)
         terms = np.asarray(evaluate_at(reduce.body, env, arrays, op.name, live=live), dtype=target)

@@ -24,7 +24,7 @@ from neoflow.ir import index
 from neoflow.ir.expr import Binary, Cast, Expr, Read, Reduce, Select, Unary
 from neoflow.ir.interpreter import evaluate_at
 from neoflow.ir.op import Op
-from neoflow.targets.npu.data import Footprint, VectorChunk
+from neoflow.targets.npu.data import Footprint, VectorChunk, align, read_footprint, reads_in
 from neoflow.targets.npu.isa import Program, Region, copy, set_flag, vector, wait_flag
 from neoflow.targets.npu.loads import FirstTouch, gm_load
 from neoflow.targets.npu.machine import GM, Machine
@@ -37,14 +37,6 @@ SPLIT_POINTS = 64
 
 def _has_reduce(node: Expr) -> bool:
     return isinstance(node, Reduce) or any(_has_reduce(c) for c in node.children())
-
-
-def _reads(node: Expr, inside: bool = False) -> list[tuple[Read, bool]]:
-    """Every read of ``node`` with whether it lies inside a reduction."""
-    found = [(node, inside)] if isinstance(node, Read) else []
-    for child in node.children():
-        found += _reads(child, inside or isinstance(node, Reduce))
-    return found
 
 
 def operations(node: Expr) -> int:
@@ -69,7 +61,8 @@ def mode(op: Op, accumulator: str | None = None) -> str:
     return "whole"
 
 
-def _points_env(op: Op, points: range) -> dict:
+def points_env(op: Op, points: range) -> dict:
+    """The output variables' values at flat output points ``points``."""
     flat = np.arange(points.start, points.stop, dtype=np.int64)
     return unravel(flat, tuple((v, op.extent[v]) for v in op.indices))
 
@@ -86,7 +79,7 @@ def _terms_axis(reduce: Reduce, op: Op) -> tuple[tuple[str, int], ...]:
 def grid_env(op: Op, reduce: Reduce, points: range, terms: range) -> tuple[dict, np.ndarray]:
     """The environment of every (point, term) pair of a step (points along axis 0, terms along 1)
     and which pairs lie in the reduction's domain."""
-    env = {k: v[:, None] for k, v in _points_env(op, points).items()}
+    env = {k: v[:, None] for k, v in points_env(op, points).items()}
     flat = np.arange(terms.start, terms.stop, dtype=np.int64)
     trips = unravel(flat, _terms_axis(reduce, op))
     shape = (len(points), len(terms))
@@ -104,39 +97,34 @@ def grid_env(op: Op, reduce: Reduce, points: range, terms: range) -> tuple[dict,
     return env, live
 
 
-def _offsets(read: Read, op: Op, env: dict, live: np.ndarray | None) -> np.ndarray:
-    tensor = next(t for t in op.inputs if t.name == read.tensor)
-    flat = np.asarray(index.evaluate(index.flat_offset(read.indices, tensor.shape), env), dtype=np.int64)
-    shape = np.broadcast_shapes(*(np.shape(v) for v in env.values()))
-    flat = np.broadcast_to(flat, shape)
-    if live is not None:
-        flat = flat[np.broadcast_to(live, shape)]
-    return flat[(flat >= 0) & (flat < tensor.size)]
-
-
 def footprints(chunk: VectorChunk, workspace_itemsize: int = 4) -> list[Footprint]:
     """The GM elements a step reads, per tensor."""
     op = chunk.op
-    found: dict[str, list[np.ndarray]] = {}
     kind = mode(op, chunk.accumulator)
     if kind == "whole":
         return [
             Footprint(t.name, np.arange(t.size, dtype=np.int64), dt.numpy_dtype(t.dtype).itemsize) for t in op.inputs
         ]
-    points_env = _points_env(op, chunk.points)
+    at_points = points_env(op, chunk.points)
+    tensors = {t.name: t for t in op.inputs}
+    found: dict[str, list[np.ndarray]] = {}
+
+    def touch(read: Read, env: dict, live: np.ndarray | None = None) -> None:
+        found.setdefault(read.tensor, []).append(read_footprint(read, tensors[read.tensor], env, live).offsets)
+
     if kind == "reduce":
         reduce, _ = split_epilogue(op.body, op)
         env, live = grid_env(op, reduce, chunk.points, chunk.terms)
-        for read, inside in _reads(op.body):
+        for read, inside in reads_in(op.body):
             if inside:
-                found.setdefault(read.tensor, []).append(_offsets(read, op, env, live))
+                touch(read, env, live)
             elif chunk.last:
-                found.setdefault(read.tensor, []).append(_offsets(read, op, points_env, None))
+                touch(read, at_points)
     else:
-        for read, inside in _reads(op.body):
+        for read, inside in reads_in(op.body):
             if not inside:
-                found.setdefault(read.tensor, []).append(_offsets(read, op, points_env, None))
-    sizes = {t.name: dt.numpy_dtype(t.dtype).itemsize for t in op.inputs}
+                touch(read, at_points)
+    sizes = {name: dt.numpy_dtype(t.dtype).itemsize for name, t in tensors.items()}
     prints = [Footprint(name, np.unique(np.concatenate(parts)), sizes[name]) for name, parts in found.items()]
     if kind == "epilogue":
         flat = np.arange(chunk.points.start, chunk.points.stop, dtype=np.int64)
@@ -149,7 +137,7 @@ def _plan_steps(op: Op, kind: str, slot: int) -> tuple[int, int]:
     points = op.output.size
     if kind == "whole":
         return points, 1
-    reads = max(1, len(_reads(op.body)) + (kind == "epilogue"))
+    reads = max(1, len(reads_in(op.body)) + (kind == "epilogue"))
     itemsize = max([dt.numpy_dtype(t.dtype).itemsize for t in op.inputs] + [LANE_BYTES])
     if kind != "reduce":
         per_point = (reads + 1) * itemsize
@@ -175,7 +163,7 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
     out_itemsize = dt.numpy_dtype(op.dtype).itemsize
     slot = (capacity - 4096) // 2
     points_per_chunk, terms_per_step = _plan_steps(op, kind, slot * 3 // 4)
-    out_slot = _align(points_per_chunk * max(out_itemsize, LANE_BYTES), 32)
+    out_slot = align(points_per_chunk * max(out_itemsize, LANE_BYTES), 32)
     in_slot = slot - out_slot
     if in_slot <= 0 or (
         kind == "whole" and sum(t.size * dt.numpy_dtype(t.dtype).itemsize for t in op.inputs) > in_slot
@@ -199,7 +187,7 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
         for count, points in enumerate(mine):
             out_half = count % 2
             out_region = Region("UB", 2 * in_slot + out_half * out_slot, max(32, len(points) * out_itemsize))
-            acc_region = Region("UB", 2 * slot, _align(max(32, len(points) * LANE_BYTES), 32))
+            acc_region = Region("UB", 2 * slot, align(max(32, len(points) * LANE_BYTES), 32))
             starts = range(0, total_terms, terms_per_step) if kind == "reduce" else [None]
             for start in starts:
                 terms = range(start, min(start + terms_per_step, total_terms)) if start is not None else None
@@ -213,7 +201,7 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
                 for footprint in footprints(chunk):
                     if footprint.offsets.size == 0:
                         continue
-                    region = Region("UB", offset, _align(footprint.bytes, 32))
+                    region = Region("UB", offset, align(footprint.bytes, 32))
                     offset += region.size
                     if offset > (half + 1) * in_slot:
                         raise CompileError(
@@ -241,7 +229,3 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
                     program.add(copy(machine, core, out_region, gm, moved=len(points) * out_itemsize, data=points))
                     program.add(set_flag(core, "MTE3", "VECTOR", out_half))
                 step += 1
-
-
-def _align(value: int, unit: int) -> int:
-    return -(-value // unit) * unit

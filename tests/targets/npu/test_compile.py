@@ -34,14 +34,25 @@ def _inputs(op, seed: int = 0) -> dict[str, np.ndarray]:
     return {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
 
 
+def _compiled(op, npu):
+    """``op`` compiled for machine ``npu``, every phase's replay landing on its static schedule."""
+    compiled = compile_op(op, npu)
+    for (_, program), schedule in zip(compiled.phases, compiled.schedules, strict=True):
+        assert replay(program, against=schedule).starts == schedule.starts
+    return compiled
+
+
+def _one_core():
+    return dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1)
+
+
 def _simulate(op, preset: str = "npu") -> tuple[np.ndarray, object]:
-    """``op`` compiled for ``preset``, every phase replayed against its schedule and run."""
-    compiled = compile_op(op, machine(preset))
+    """``op`` compiled for ``preset`` (replayed against its schedule) and run."""
+    compiled = _compiled(op, machine(preset))
     inputs = _inputs(op)
     gm = {k: v.reshape(-1).copy() for k, v in inputs.items()}
     gm[op.name] = np.full(op.output.size, np.nan, np.float32)
-    for (_, program), schedule in zip(compiled.phases, compiled.schedules, strict=True):
-        replay(program, against=schedule)
+    for _, program in compiled.phases:
         for name, size in program.tensors.items():
             gm.setdefault(name, np.full(size // 4, np.nan, np.float32))
         run_program(program, gm)
@@ -154,7 +165,7 @@ def test_training_steps_match_the_interpreter(model: str, shape) -> None:
 def test_counters_add_up_and_the_timeline_opens_as_a_trace(tmp_path: Path) -> None:
     npu = machine("npu")
     op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (256, 512), "B": (512, 256)})
-    compiled = compile_op(op, dataclasses.replace(npu, cube_cores=1, vector_cores=1))
+    compiled = _compiled(op, dataclasses.replace(npu, cube_cores=1, vector_cores=1))
     program, schedule = compiled.phases[0][1], compiled.schedules[0]
     counters = count(program, schedule)
     assert counters.macs == 256 * 512 * 256
@@ -181,7 +192,7 @@ def test_counters_add_up_and_the_timeline_opens_as_a_trace(tmp_path: Path) -> No
 
 def test_a_dropped_flag_in_a_compiled_program_is_caught() -> None:
     op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (64, 256), "B": (256, 64)})
-    program = compile_op(op, dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1)).phases[0][1]
+    program = _compiled(op, _one_core()).phases[0][1]
     for dropped in ("MTE2", "MTE1"):
         broken = dataclasses.replace(program, instructions=list(program.instructions))
         first = next(
@@ -200,7 +211,7 @@ def test_a_dropped_flag_in_a_compiled_program_is_caught() -> None:
 
 def test_a_patch_missing_an_element_is_caught_by_the_functional_simulator() -> None:
     op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (32, 32), "B": (32, 32)})
-    program = compile_op(op, dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1)).phases[0][1]
+    program = _compiled(op, _one_core()).phases[0][1]
     position = next(k for k, i in enumerate(program.instructions) if isinstance(i.data, Footprint))
     load = program.instructions[position]
     short = Footprint(load.data.tensor, load.data.offsets[1:], load.data.itemsize)
@@ -252,7 +263,7 @@ def test_a_deep_contraction_with_few_tiles_splits_its_depth_across_cores() -> No
     assert len(atomic) > 1 and all(dict(i.args)["atomic_add"] for i in atomic)
     assert len({i.core for i in atomic}) == len(atomic)  # each split on a core of its own
     assert _relative(got, want) < 2e-3
-    one_core = compile_op(op, dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1))
+    one_core = _compiled(op, _one_core())
     assert compiled.cycles < one_core.cycles / 4
 
 
@@ -260,7 +271,7 @@ def test_first_reads_share_hbm_across_the_cores() -> None:
     # 32 cores reading a 16 MiB input at once cannot beat HBM: 1200 bytes a cycle on `npu`
     npu = machine("npu")
     op = neoflow.op("Y[i, j] = X[i, j] * 2", shapes={"X": (2048, 2048)})
-    compiled = compile_op(op, npu)
+    compiled = _compiled(op, npu)
     hbm_floor = op.inputs[0].size * 4 / npu.memory.hbm_bytes_per_cycle
     assert compiled.cycles >= hbm_floor
     loads = [i for i in compiled.phases[0][1].instructions if i.opcode == "mte2.copy"]
