@@ -157,42 +157,42 @@ def synchronize(stream) -> None:
     check(_driver().cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
-class Branches:
-    """``count`` streams that launches fork onto from ``stream`` and join back (kernels that may run
-    at once: the dense pieces of one op write disjoint points); inside a stream capture the forks
-    become parallel branches of the CUDA graph."""
+class Lanes:
+    """``count`` streams (the first is ``stream``, the capturing one) and ``events`` events for work
+    that may run at once: inside a stream capture, an event recorded on one lane and waited for on
+    another becomes an edge of the CUDA graph, and work on different lanes with no path of such
+    edges between it runs in parallel branches."""
 
-    def __init__(self, stream, count: int) -> None:
+    def __init__(self, stream, count: int, events: int) -> None:
         driver = _driver()
         flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value
-        self.stream = stream
-        self.streams = [check(driver.cuStreamCreate(flags), "cuStreamCreate") for _ in range(count)]
+        self.streams = [stream] + [check(driver.cuStreamCreate(flags), "cuStreamCreate") for _ in range(count - 1)]
         disable = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
-        self.fork_event = check(driver.cuEventCreate(disable), "cuEventCreate")
-        self.join_events = [check(driver.cuEventCreate(disable), "cuEventCreate") for _ in range(count)]
+        self.start = check(driver.cuEventCreate(disable), "cuEventCreate")
+        self.events = [check(driver.cuEventCreate(disable), "cuEventCreate") for _ in range(events)]
 
-    def fork(self, count: int) -> list:
-        """The first ``count`` branch streams, each after the work queued on the main stream so far."""
+    def fork(self, count: int) -> None:
+        """Lanes 1 to ``count - 1`` start after the work queued on lane 0 so far."""
         driver = _driver()
-        check(driver.cuEventRecord(self.fork_event, self.stream), "cuEventRecord")
-        for branch in self.streams[:count]:
-            check(driver.cuStreamWaitEvent(branch, self.fork_event, 0), "cuStreamWaitEvent")
-        return self.streams[:count]
+        check(driver.cuEventRecord(self.start, self.streams[0]), "cuEventRecord")
+        for stream in self.streams[1:count]:
+            check(driver.cuStreamWaitEvent(stream, self.start, 0), "cuStreamWaitEvent")
+
+    def record(self, event: int, lane: int) -> None:
+        """Event ``event`` marks the work queued on ``lane`` so far."""
+        check(_driver().cuEventRecord(self.events[event], self.streams[lane]), "cuEventRecord")
+
+    def wait(self, lane: int, event: int) -> None:
+        """Work queued on ``lane`` from now on follows what event ``event`` marks."""
+        check(_driver().cuStreamWaitEvent(self.streams[lane], self.events[event], 0), "cuStreamWaitEvent")
 
     def __del__(self) -> None:
         driver = _driver()
         with contextlib.suppress(Exception):
-            for event in (self.fork_event, *self.join_events):
+            for event in (self.start, *self.events):
                 driver.cuEventDestroy(event)
-            for branch in self.streams:
-                driver.cuStreamDestroy(branch)
-
-    def join(self, count: int) -> None:
-        """The main stream waits for the first ``count`` branches' work."""
-        driver = _driver()
-        for branch, event in zip(self.streams[:count], self.join_events, strict=False):
-            check(driver.cuEventRecord(event, branch), "cuEventRecord")
-            check(driver.cuStreamWaitEvent(self.stream, event, 0), "cuStreamWaitEvent")
+            for stream in self.streams[1:]:
+                driver.cuStreamDestroy(stream)
 
 
 def synchronize_context() -> None:

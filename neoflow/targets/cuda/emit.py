@@ -89,15 +89,12 @@ static __device__ __forceinline__ float nf_tf32(float x) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
     return __uint_as_float(bits);
 }
-/* cp.async of BYTES (4, 8 or 16) bytes, zero-filled where the source is not valid */
+/* cp.async of BYTES (4, 8 or 16) bytes, zero-filled where the source is not valid; cached in L1
+   (.ca): an implicit GEMM's gathers read an input element once per window tap, mostly within a block */
 template <int BYTES> static __device__ __forceinline__ void nf_copy(void *shared, const void *global, bool valid) {
     const uint32_t address = (uint32_t)__cvta_generic_to_shared(shared);
-    if (BYTES == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                     :: "r"(address), "l"(global), "r"(valid ? 16 : 0));
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
-                     :: "r"(address), "l"(global), "n"(BYTES), "r"(valid ? BYTES : 0));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+                 :: "r"(address), "l"(global), "n"(BYTES), "r"(valid ? BYTES : 0));
 }
 static __device__ __forceinline__ void nf_copy_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> static __device__ __forceinline__ void nf_copy_wait() {

@@ -18,6 +18,7 @@ from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 from neoflow.targets.base import OpByOpExecutor, run_graph, sequential_call
+from neoflow.targets.cuda.concurrency import MAX_LANES, plan_schedule
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.model import run_plan
 from neoflow.targets.cuda.plan import DEFAULT_PRECISION, MmaKernel, OpPlan, check_precision, plan_op
@@ -145,8 +146,8 @@ class CudaExecutor(PlannedExecutor):
         self.workspaces = {
             name: driver.Buffer(plan.op.output.size * 4) for name, plan in self.plans.items() if plan.workspace
         }
-        pieces = max((len(plan.kernels) for plan in self.plans.values()), default=1)
-        self.branches = driver.Branches(self.device.stream, pieces) if pieces > 1 else None
+        tasks = sum(len(plan.kernels) + 1 for plan in self.plans.values())
+        self.lanes = driver.Lanes(self.device.stream, MAX_LANES, tasks)
         self.tables: dict[str, list[driver.Buffer]] = {}  # each kernel's index tables, uploaded once
         for plan in self.plans.values():
             for kernel in plan.kernels:
@@ -161,43 +162,60 @@ class CudaExecutor(PlannedExecutor):
     GRAPHS_KEPT = 8
 
     def _launch_all(self, bound: dict[str, int]) -> list:
-        """Every op's kernels in order on the executor's stream (what the CUDA graph captures);
-        ``bound``: the device pointers of tensors that live in the caller's GPU arrays."""
+        """Every op's kernels (what the CUDA graph captures), each on the lane its ``schedule`` gives,
+        after the work it depends on; ``bound``: the device pointers of tensors that live in the
+        caller's GPU arrays."""
         from neoflow.targets.cuda import driver
 
         def pointer(name: str) -> int:
             return bound.get(name, self.buffers[name].pointer)
 
+        plans = list(self.plans.values())
+        workspaces = {name: buffer.pointer for name, buffer in self.workspaces.items()}
+        order = plan_schedule(plans, pointer, workspaces)
+        lanes = self.lanes
+        lanes.fork(order.lane_count)
         kept = []
-        main = self.device.stream
-        for plan in self.plans.values():
+        for number, (task, lane) in enumerate(zip(order.tasks, order.lanes, strict=True)):
+            for event in order.waits[number]:
+                lanes.wait(lane, event)
+            stream = lanes.streams[lane]
+            plan = plans[task.op]
             op = plan.op
             pointers = [pointer(op.name), *(pointer(t.name) for t in op.inputs)]
-            if plan.zero_first:
-                driver.memset_zero(pointers[0], nbytes(op.output), main)
             workspace = self.workspaces.get(op.name)
-            if workspace is not None:
-                driver.memset_zero(workspace.pointer, workspace.nbytes, main)
-            # an op's dense pieces write disjoint points (their workspace sums too): they run at once
-            pieces = len(plan.kernels)
-            streams = self.branches.fork(pieces) if pieces > 1 else [main]
-            for kernel, stream in zip(plan.kernels, streams, strict=True):
-                if isinstance(kernel, MmaKernel):
-                    threads, shared = kernel.tiles.threads, kernel.shared_bytes
-                else:
-                    threads, shared = kernel.threads, 0
-                function = self.module.function(kernel.name, shared)
-                arguments = pointers + [buffer.pointer for buffer in self.tables.get(kernel.name, [])]
-                split = isinstance(kernel, MmaKernel) and kernel.splits > 1
-                if split:
-                    arguments.append(workspace.pointer)
-                kept.append(driver.launch(function, kernel.grid, threads, shared, arguments, stream))
-                if split:  # the finishing kernel: the workspace's sums through the epilogue
-                    finish = self.module.function(f"{kernel.name}_finish")
-                    blocks = (max(1, min(-(-kernel.finish_points // 256), 1 << 16)), 1, 1)
-                    kept.append(driver.launch(finish, blocks, 256, 0, [*pointers, workspace.pointer], stream))
-            if pieces > 1:
-                self.branches.join(pieces)
+            if task.piece is None:
+                if plan.zero_first:
+                    driver.memset_zero(pointers[0], nbytes(op.output), stream)
+                if workspace is not None:
+                    driver.memset_zero(workspace.pointer, workspace.nbytes, stream)
+            else:
+                kept += self._launch_kernel(plan.kernels[task.piece], pointers, workspace, stream)
+            lanes.record(number, lane)
+        last = {lane: number for number, lane in enumerate(order.lanes)}
+        for lane, number in last.items():
+            if lane:
+                lanes.wait(0, number)  # the capture ends on lane 0 with every lane joined
+        return kept
+
+    def _launch_kernel(self, kernel, pointers: list[int], workspace, stream) -> list:
+        """Launch ``kernel`` (and the finishing kernel of a split depth) on ``stream``."""
+        from neoflow.targets.cuda import driver
+
+        if isinstance(kernel, MmaKernel):
+            threads, shared = kernel.tiles.threads, kernel.shared_bytes
+        else:
+            threads, shared = kernel.threads, 0
+        function = self.module.function(kernel.name, shared)
+        arguments = pointers + [buffer.pointer for buffer in self.tables.get(kernel.name, [])]
+        split = isinstance(kernel, MmaKernel) and kernel.splits > 1
+        if split:
+            arguments.append(workspace.pointer)
+        kept = [driver.launch(function, kernel.grid, threads, shared, arguments, stream)]
+        if split:  # the finishing kernel: the workspace's sums through the epilogue
+            finish = self.module.function(f"{kernel.name}_finish")
+            blocks = (max(1, min(-(-kernel.finish_points // 256), 1 << 16)), 1, 1)
+            kept.append(driver.launch(finish, blocks, 256, 0, [*pointers, workspace.pointer], stream))
         return kept
 
     def _bind(self, arrays: Mapping[str, object], role: str) -> dict[str, int]:

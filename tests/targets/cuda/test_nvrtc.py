@@ -67,6 +67,11 @@ def test_every_kernel_compiles_without_spills(source: str, arch: str) -> None:
     assert not spilled, f"tensor-core kernels spill registers on {arch}: {spilled}"
 
 
+def test_operand_copies_are_cached_in_l1(source: str) -> None:
+    # a gather re-reads an input element once per window tap: copies bypassing L1 (.cg) re-read L2
+    assert "cp.async.ca.shared.global" in source and "cp.async.cg" not in source
+
+
 def test_the_compile_cache_answers_without_nvrtc(source: str, monkeypatch) -> None:
     first = nvrtc.compile_cubin(source, "sm_90")
     monkeypatch.setattr(nvrtc, "_check", lambda *a: pytest.fail("NVRTC was called for a cached module"))

@@ -1,0 +1,134 @@
+"""Which kernels of a graph may run at once on the GPU, and on which stream each runs.
+
+A graph's ops run as *tasks*: an op's memsets (its zeroed output or workspace), then
+each of its kernels (a dense piece, with the finishing kernel of a split depth).  An
+op must follow every earlier op that writes device memory it reads or writes, or reads
+memory it writes — through the tensors themselves and through the arena places the
+memory plan lets later tensors reuse.  Ops with no such path between them (a layer's
+input and weight gradients, the forward conv and both adjoints of a custom op) run at
+once, on separate streams (*lanes*); inside a stream capture the lanes' event waits
+become the CUDA graph's edges.  An op's pieces write disjoint points, so they run at
+once too.  Nothing here touches the GPU: the executor turns a ``Schedule`` into
+launches, and the tests check it on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from neoflow.targets.cuda.plan import OpPlan
+from neoflow.targets.memory import nbytes
+
+#: device memory ``[start, end)`` (addresses)
+Region = tuple[int, int]
+
+#: streams a graph's tasks spread over at most (each one a CUDA stream)
+MAX_LANES = 8
+
+
+def _overlaps(first: Sequence[Region], second: Sequence[Region]) -> bool:
+    return any(a < d and c < b for a, b in first for c, d in second)
+
+
+def op_dependencies(reads: Sequence[Sequence[Region]], writes: Sequence[Sequence[Region]]) -> list[set[int]]:
+    """For op ``k`` (its ``reads[k]`` and ``writes[k]``, in the graph's order), the earlier ops it
+    must follow: those writing memory it reads or writes, and those reading memory it writes."""
+    depends: list[set[int]] = []
+    for k in range(len(reads)):
+        depends.append(
+            {
+                j
+                for j in range(k)
+                if _overlaps(writes[j], reads[k]) or _overlaps(writes[j], writes[k]) or _overlaps(reads[j], writes[k])
+            }
+        )
+    return depends
+
+
+@dataclass(frozen=True)
+class Task:
+    """Op ``op``'s memsets (``piece`` None) or its ``piece``-th kernel."""
+
+    op: int
+    piece: int | None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per task (in launch order): its ``lanes`` (0 is the capturing stream) and the earlier tasks on
+    other lanes it ``waits`` for; ``lane_count`` lanes in all."""
+
+    tasks: tuple[Task, ...]
+    lanes: tuple[int, ...]
+    waits: tuple[tuple[int, ...], ...]
+    lane_count: int
+
+
+def schedule(
+    pieces: Sequence[int], memsets: Sequence[bool], depends: Sequence[set[int]], max_lanes: int = MAX_LANES
+) -> Schedule:
+    """The tasks of ops with ``pieces[k]`` kernels (and memsets where ``memsets[k]``) following
+    ``depends`` (``op_dependencies``), on at most ``max_lanes`` lanes: a task continues the lane of
+    the latest task it follows where that task is its lane's last, else takes an unused lane,
+    else the lane idle the longest (an order the dependencies do not need costs only time)."""
+    tasks: list[Task] = []
+    follows: list[list[int]] = []  # per task, the tasks it must follow
+    last_of_op: dict[int, list[int]] = {}
+    for k, count in enumerate(pieces):
+        before = sorted(t for j in depends[k] for t in last_of_op[j])
+        first: list[int] = []
+        if memsets[k]:
+            tasks.append(Task(k, None))
+            follows.append(before)
+            first = [len(tasks) - 1]
+        ends = []
+        for piece in range(count):
+            tasks.append(Task(k, piece))
+            follows.append(first or before)
+            ends.append(len(tasks) - 1)
+        last_of_op[k] = ends or first
+    lanes: list[int] = []
+    tails: list[int] = []  # per lane, its last task
+    waits: list[tuple[int, ...]] = []
+    for t, needed in enumerate(follows):
+        continuing = [lane for lane, tail in enumerate(tails) if tail in needed]
+        if continuing:
+            lane = max(continuing, key=lambda lane: tails[lane])
+        elif len(tails) < max_lanes:
+            lane = len(tails)
+            tails.append(-1)
+        else:
+            lane = min(range(len(tails)), key=lambda lane: tails[lane])
+        lanes.append(lane)
+        waits.append(tuple(d for d in needed if lanes[d] != lane))
+        tails[lane] = t
+    return Schedule(tuple(tasks), tuple(lanes), tuple(waits), max(len(tails), 1))
+
+
+def plan_regions(
+    plans: Sequence[OpPlan], address: Callable[[str], int], workspaces: Mapping[str, int]
+) -> tuple[list[list[Region]], list[list[Region]]]:
+    """Per op of ``plans``: the device memory it reads (its inputs) and writes (its output, and its
+    float32 workspace where its depth is split), tensor ``name`` at ``address(name)``, op ``name``'s
+    workspace at ``workspaces[name]``."""
+    reads = [[(address(t.name), address(t.name) + nbytes(t)) for t in plan.op.inputs] for plan in plans]
+    writes = []
+    for plan in plans:
+        out = address(plan.op.name)
+        written = [(out, out + nbytes(plan.op.output))]
+        if plan.op.name in workspaces:
+            start = workspaces[plan.op.name]
+            written.append((start, start + plan.op.output.size * 4))
+        writes.append(written)
+    return reads, writes
+
+
+def plan_schedule(
+    plans: Sequence[OpPlan], address: Callable[[str], int], workspaces: Mapping[str, int], max_lanes: int = MAX_LANES
+) -> Schedule:
+    """The ``schedule`` of ``plans`` (in the graph's order) whose tensors and workspaces lie where
+    ``plan_regions`` says."""
+    reads, writes = plan_regions(plans, address, workspaces)
+    memsets = [plan.zero_first or plan.workspace for plan in plans]
+    return schedule([len(plan.kernels) for plan in plans], memsets, op_dependencies(reads, writes), max_lanes)
