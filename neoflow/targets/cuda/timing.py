@@ -2,15 +2,22 @@
 
 A kernel's time is its launch latency plus the slowest of
 
-* the tensor cores: the padded multiply-adds of its blocks, spread over the SMs in
-  waves (``blocks / (SMs x blocks resident per SM)``, rounded up), at the MMA's rate
-  per SM for its precision;
-* the SIMT cores: a SIMT kernel's arithmetic at the FMA rate;
-* shared-memory and L2 traffic: each block's operand tiles, gathered from L2;
+* an MMA kernel's blocks, spread over the SMs in waves (``blocks / (SMs x blocks
+  resident per SM)``, rounded up), each costing per depth tile the SM cycles of its
+  warps' MMA instructions, of their operand copies (``cp.async``, a vector each) or
+  register gathers, and a barrier with the copies' latency not hidden;
+* a SIMT kernel's memory traffic, in the 32-byte sectors its warps' reads touch (a
+  warp's 32 lanes read neighbouring points, or for a block per output point
+  neighbouring terms of its sum: scattered reads cost a sector a lane), and its
+  instructions;
+* L2 traffic: each MMA block's operand tiles, gathered from L2;
 * HBM: every tensor the kernel touches read once, its output written once.
 
 Blocks resident per SM come from the registers, shared memory and threads a block
-takes (the occupancy calculation); a GPU is a ``GpuFigures``.
+takes (the occupancy calculation); a GPU is a ``GpuFigures``.  The cycle costs per
+instruction are measured, not derived: fitted to the per-kernel times of
+``benchmarks/gpu_results.md`` on an H100 (MMA instructions issue at about the same rate
+in tf32 and fp16 once the tf32 fragments' rounding and element loads are counted).
 """
 
 from __future__ import annotations
@@ -18,7 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from neoflow.fusion.work import op_work
+from neoflow.ir import index
+from neoflow.ir.dtypes import numpy_dtype
+from neoflow.ir.expr import Read
+from neoflow.ir.simplify import read_offset
 from neoflow.targets.memory import nbytes
 
 
@@ -28,7 +41,8 @@ class GpuFigures:
     NVIDIA's H100 whitepaper (132 SMs, 1.83 GHz boost for dense tensor work; 989 TFLOP/s
     dense fp16/bf16 and 494 tf32 with ``wgmma``, of which ``mma.sync`` reaches about
     ``mma_sync_share``; 67 TFLOP/s fp32 FMA; 3.35 TB/s HBM3; 50 MB L2; 228 KB shared memory
-    and 64 Ki registers per SM, at most 2048 threads and 32 blocks an SM) and a launch latency
+    and 64 Ki registers per SM, at most 2048 threads and 32 blocks an SM), float32 atomic adds in L2 at
+    the rate the split-depth kernels of ``benchmarks/gpu_results.md`` imply, and a launch latency
     of a few microseconds (``cuLaunchKernel`` on an idle stream; a CUDA graph's kernels
     follow one another in about 1 µs)."""
 
@@ -47,6 +61,7 @@ class GpuFigures:
     registers_per_sm: int = 65536
     threads_per_sm: int = 2048
     blocks_per_sm: int = 32
+    atomic_adds_per_s: float = 3e11
     launch_seconds: float = 4e-6
     graph_launch_seconds: float = 1.2e-6
 
@@ -56,10 +71,22 @@ H100 = GpuFigures()
 #: registers a thread of an MMA kernel is assumed to hold besides its accumulators
 MMA_BASE_REGISTERS = 64
 DIRECT_BASE_REGISTERS = 40
-#: cycles a block spends on each depth tile besides its multiply-adds (barrier, copy latency not hidden)
-TILE_CYCLES = 300
+#: SM cycles per warp-wide MMA instruction with its fragment loads (m16n8k16 for 16-bit operands;
+#: m16n8k8 for tf32, whose fragments are rounded and partly loaded element by element)
+MMA_CYCLES = {"fp16": 1.5, "bf16": 1.5, "tf32": 4.0}
+#: SM cycles per warp-wide operand copy (``cp.async`` of a vector a thread, its table entries and guard) ...
+COPY_CYCLES = 18.0
+#: ... and per warp-wide element of the register path (gathered, converted, stored to shared memory)
+GATHER_CYCLES = 30.0
+#: cycles a block waits on each depth tile besides its instructions (barrier, copy latency), hidden by
+#: the other blocks resident on its SM
+TILE_CYCLES = 200
 #: registers a thread of a SIMT kernel is assumed to hold
 SIMT_REGISTERS = 32
+#: warp instructions of a SIMT kernel per element read (address arithmetic, guard, load)
+SIMT_READ_INSTRUCTIONS = 4
+#: bytes of the memory sectors warps' loads are served in
+SECTOR_BYTES = 32
 
 
 def resident_blocks(threads: int, registers: int, shared: int, gpu: GpuFigures = H100) -> int:
@@ -105,22 +132,25 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
     resident = resident_blocks(tiles.threads, mma_registers(kernel), kernel.shared_bytes, gpu)
     if resident == 0:
         return math.inf
-    peak = gpu.tf32_flops if kernel.precision == "tf32" else gpu.fp16_flops
-    per_sm = peak * gpu.mma_sync_share / gpu.sms  # flop/s of one SM
-    block_flops = 2.0 * tiles.block_m * tiles.block_n * kernel.split_tiles * tiles.block_k
-    # a block shares its SM with the others resident; a wave ends when its slowest SM does
-    waves = _waves(blocks, resident, gpu)
-    per_wave = min(resident, math.ceil(blocks / gpu.sms)) * block_flops / per_sm
-    # each depth tile costs a barrier and the wait for its copies: fewer, deeper tiles pay less
-    per_wave += kernel.split_tiles * TILE_CYCLES / gpu.clock_hz
-    compute = waves * per_wave
+    m, n, k = kernel.mma_shape
+    mmas = tiles.block_m * tiles.block_n * tiles.block_k / (m * n * k)
+    loads = tiles.block_k * (tiles.block_m / kernel.vector("a") + tiles.block_n / kernel.vector("b")) / 32
+    per_load = COPY_CYCLES if kernel.direct else GATHER_CYCLES
+    tile_cycles = mmas * MMA_CYCLES[kernel.precision] + loads * per_load
+    # the blocks resident on an SM share its issue slots, and hide one another's latency: a wave lasts as
+    # long as their instructions or one block's instructions and latency, whichever is longer
+    sharing = min(resident, math.ceil(blocks / gpu.sms))
+    per_wave = kernel.split_tiles * max(sharing * tile_cycles, tile_cycles + TILE_CYCLES) / gpu.clock_hz
+    compute = _waves(blocks, resident, gpu) * per_wave
+    if kernel.splits > 1:  # each block adds its tile into the workspace, atomically
+        compute += blocks * tiles.block_m * tiles.block_n / gpu.atomic_adds_per_s
     # gathers: each block reads its operand tiles once per depth tile (4-byte elements), from L2
     gathered = blocks * kernel.split_tiles * (tiles.block_m + tiles.block_n) * tiles.block_k * 4.0
+    if kernel.splits > 1:  # each block adds its tile into the workspace: an atomic read-modify-write in L2
+        gathered += blocks * tiles.block_m * tiles.block_n * 8.0
     l2 = gathered / gpu.l2_bytes_per_s
     hbm = _compulsory_bytes(kernel.view.op) / gpu.hbm_bytes_per_s
-    # the operand gathers' index arithmetic and conversions: about 8 instructions an element
-    issue = gathered / 4.0 * 8.0 / (gpu.fp32_flops / 2.0)
-    return max(compute, l2, hbm, issue)
+    return max(compute, l2, hbm)
 
 
 def _compulsory_bytes(op) -> float:
@@ -128,13 +158,50 @@ def _compulsory_bytes(op) -> float:
     return float(sum(nbytes(t) for t in (*op.inputs, op.output)))
 
 
+def _lanes(variables: list[tuple[str, int]]) -> dict[str, np.ndarray]:
+    """The values of ``variables`` (row-major, the last fastest) at the first 32 points of their box."""
+    rest, values = np.arange(32, dtype=np.int64) % max(math.prod(e for _, e in variables), 1), {}
+    for name, extent in reversed(variables):
+        values[name], rest = rest % extent, rest // extent
+    return values
+
+
+def sectors_per_read(op, lanes: dict[str, np.ndarray]) -> dict[str, int]:
+    """Per input tensor of ``op``: the memory sectors one warp-wide read of it touches, its 32 lanes
+    at the points ``lanes`` gives (any other variable 0)."""
+    tensors = {t.name: t for t in op.inputs}
+    sectors: dict[str, int] = {}
+    for read in (node for node in op.body.walk() if isinstance(node, Read)):
+        tensor = tensors.get(read.tensor)
+        if tensor is None or read.tensor in sectors:
+            continue
+        offset = read_offset(read.indices, tensor.shape, op.extent)
+        env = {str(v): lanes.get(str(v), np.zeros(32, dtype=np.int64)) for v in offset.free_symbols}
+        elements = np.broadcast_to(np.asarray(index.evaluate(offset, env), dtype=np.int64), (32,))
+        sectors[read.tensor] = len(np.unique(elements * numpy_dtype(tensor.dtype).itemsize // SECTOR_BYTES))
+    return sectors
+
+
 def _simt_seconds(kernel, gpu: GpuFigures) -> float:
+    """A SIMT kernel's reads in sectors (``sectors_per_read``: a warp is 32 neighbouring points, or
+    with ``block_reduce`` 32 neighbouring terms of one point's sum) from L2, its instructions at
+    half the issue rate, and its compulsory HBM traffic."""
+    from neoflow.targets.cuda.plan import reduction_parts
+
     op = kernel.op
-    flops = max(op_work(op).flops, 1.0)
+    work = op_work(op)
+    lanes = _lanes([(v, op.extent[v]) for v in op.indices])
+    if kernel.block_reduce:
+        reduce = reduction_parts(op)[0]
+        lanes = {v: np.zeros(32, dtype=np.int64) for v in op.indices} | _lanes([(a, op.extent[a]) for a in reduce.axes])
+    sectors = sum(work.reads.get(name, 0.0) / 32 * count for name, count in sectors_per_read(op, lanes).items())
+    instructions = (sum(work.reads.values()) * SIMT_READ_INSTRUCTIONS + max(work.flops, 1.0)) / 32
+    issue = instructions / (gpu.sms * 4 * gpu.clock_hz / 2)
     blocks = kernel.grid[0]
     resident = resident_blocks(kernel.threads, SIMT_REGISTERS, 0, gpu)
     occupancy = min(1.0, blocks / (resident * gpu.sms))
     if not kernel.block_reduce and kernel.points < kernel.threads * gpu.sms:
         occupancy = kernel.points / (kernel.threads * gpu.sms * resident)  # a thread a point: few threads
-    compute = flops / (gpu.fp32_flops / 2.0 * max(occupancy, 1.0 / gpu.sms))
-    return max(compute, _compulsory_bytes(op) / gpu.hbm_bytes_per_s)
+    compute = max(work.flops, 1.0) / (gpu.fp32_flops / 2.0 * max(occupancy, 1.0 / gpu.sms))
+    memory = sectors * SECTOR_BYTES / gpu.l2_bytes_per_s
+    return max(compute, issue, memory, _compulsory_bytes(op) / gpu.hbm_bytes_per_s)
