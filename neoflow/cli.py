@@ -413,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="interp",
         help="interp (reference interpreter), cpu (C compiled with cc), cuda (CUDA compiled with NVRTC; "
         "runs on an NVIDIA GPU), tensorcore (the tensor-core model: cuda's kernels in numpy), npu or npu-split "
-        "(the NPU model: programs, schedule, trace and counters written to the build) (interp)",
+        "(the NPU model: programs, schedule, trace and counters written to the build), or npu:FILE.json (the NPU "
+        "model of the machine that file describes; the build keeps a copy) (interp)",
     )
     comp.add_argument(
         "--precision",
@@ -450,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--target",
         default="cpu",
         help="cpu, interp, tensorcore (policies compared by the tensor-core model's predicted GPU time), "
-        "npu or npu-split (by simulated NPU cycles) (cpu)",
+        "npu, npu-split or npu:FILE.json (by simulated NPU cycles) (cpu)",
     )
     fuse.add_argument("--repeats", type=int, default=5, help="timed runs per kernel and per step; medians (5)")
     fuse.add_argument(

@@ -25,10 +25,12 @@ from neoflow.ir.text import parse_graph
 from neoflow.runtime.custom_op import CompiledOp
 from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
 from neoflow.runtime.report import compile_report
-from neoflow.targets import check_target
+from neoflow.targets import check_target, machine_file, with_machine_file
 
 ModelSource = str | os.PathLike | onnx.ModelProto | Graph
 MANIFEST = "manifest.json"
+#: the copy of a ``<target>:<file>`` target's machine description a build directory keeps
+MACHINE_FILE = "machine.json"
 BUILD_FORMAT = "neoflow-build/1"
 
 
@@ -366,6 +368,10 @@ class CompiledModel:
                 # what the target built (C and its library, CUDA and its cubin), by file suffix
                 for suffix, data in getattr(executor, "artifacts", dict)().items():
                     (staging / f"{role}{suffix}").write_bytes(data)
+            described = machine_file(self.target)
+            if described is not None:  # the build keeps its own copy of the machine it was compiled for
+                (staging / MACHINE_FILE).write_bytes(Path(described).read_bytes())
+                manifest["target"] = with_machine_file(self.target, MACHINE_FILE)
             (staging / "report.txt").write_text(self.report() + "\n")
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             for item in staging.iterdir():
@@ -418,9 +424,13 @@ def load(directory: str | os.PathLike, target: str | None = None, shapes: Mappin
     if model_path.suffix == ".nf":
         with np.load(directory / "parameters.npz") as saved:
             parameters = {k: saved[k] for k in saved.files}
+    saved_target = manifest["target"]
+    described = machine_file(saved_target)
+    if described is not None and not Path(described).is_absolute():  # the build's own copy of its machine
+        saved_target = with_machine_file(saved_target, directory / described)
     compiled = compile(
         model_path,
-        target or manifest["target"],
+        target or saved_target,
         spec,
         shapes if shapes is not None else manifest["shapes"],
         parameters,

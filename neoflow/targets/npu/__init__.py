@@ -13,7 +13,7 @@ from neoflow.targets.base import Target
 CUBE_SHARE = 0.7
 
 
-def _executor(preset: str):
+def _executor(preset):
     def build(graph, keep, groups=(), sliced=(), precision=None):
         from neoflow.targets.npu.executor import NpuExecutor
 
@@ -35,7 +35,7 @@ def npu_schedule(op) -> Scheduled:
     return Scheduled(vector=True)
 
 
-def _cost_model(preset: str):
+def _cost_model(preset):
     def build() -> CostModel:
         from neoflow.targets.npu.machine import machine
 
@@ -68,3 +68,13 @@ NPU_SPLIT = Target(
     _executor("npu-split"),
     _cost_model("npu-split"),
 )
+
+
+def machine_target(path: str) -> Target:
+    """The NPU model of the machine described in the JSON file ``path`` (``Machine.to_dict``'s
+    format, coupled or split as it says), read and checked now: ``target="npu:<path>"``."""
+    from neoflow.targets.npu.machine import machine
+
+    npu = machine(path)
+    described = f"the NPU model of the machine in {path} ({npu.layout}, {npu.cube_cores} cube cores)"
+    return Target(f"npu:{path}", described, _executor(npu), _cost_model(npu))

@@ -291,3 +291,50 @@ def test_a_machine_whose_buffers_hold_no_tile_is_a_one_line_error() -> None:
     with pytest.raises(CompileError, match="no cube tile fits") as caught:
         compile_op(op, dataclasses.replace(npu, buffers=tiny))
     assert "\n" not in str(caught.value)
+
+
+def _machine_file(tmp_path: Path, cores: int) -> Path:
+    """A user's machine: the ``npu`` preset with ``cores`` cores, as a JSON file."""
+    data = machine("npu").to_dict()
+    data.update(name="my-npu", cube_cores=cores, vector_cores=cores)
+    path = tmp_path / "my-npu.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_users_machine_file_is_a_target(tmp_path: Path) -> None:
+    from neoflow import targets
+    from neoflow.ir.graph import Graph
+
+    path = _machine_file(tmp_path, 4)
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (256, 128), "B": (128, 256)})
+    inputs = _inputs(op)
+    layer = neoflow.compile(op, target=f"npu:{path}", grad=True)
+    assert _relative(layer.run(inputs), neoflow.evaluate(op, inputs)) < 2e-3
+    cycles = {}
+    for name in ("npu", f"npu:{path}"):
+        executor = targets.target(name).executor(Graph.from_ops([op]), [op.name])
+        executor.run(inputs)
+        cycles[executor.machine.cube_cores] = executor.counters.cycles
+    assert cycles[4] > cycles[32]  # four cores take longer than the preset's 32
+
+
+def test_a_build_keeps_its_machine_file_and_a_bad_one_is_a_one_line_error(tmp_path: Path, capsys) -> None:
+    path = _machine_file(tmp_path, 2)
+    build = tmp_path / "build"
+    model = str(MODELS_DIR / "mlp.onnx")
+    assert main(["compile", model, "--target", f"npu:{path}", "-o", str(build)]) == 0
+    assert json.loads((build / "machine.json").read_text())["cube_cores"] == 2
+    assert json.loads((build / "manifest.json").read_text())["target"] == "npu:machine.json"
+    path.unlink()  # the build runs on its own copy
+    capsys.readouterr()
+    assert main(["run", str(build), "--random"]) == 0
+    assert "cube utilization" in capsys.readouterr().out
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"name": "x"')
+    assert main(["compile", model, "--target", f"npu:{broken}", "-o", str(tmp_path / "other")]) != 0
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("neoflow") and "\n" not in error and "broken.json" in error
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(CompileError, match="unknown target"):
+        neoflow.compile(MODELS_DIR / "mlp.onnx", target="gpu:x.json")
