@@ -34,8 +34,12 @@ from neoflow.targets.npu.isa import Program, Region, copy, mmad, set_flag, wait_
 from neoflow.targets.npu.loads import FirstTouch, gm_load, gm_region
 from neoflow.targets.npu.machine import GM, Machine
 
-#: block sizes a tile may take (multiples of the cube's 16)
+#: depth sizes a tile may take (multiples of the cube's 16) ...
 SIZES = (16, 32, 64, 128, 256)
+#: ... and its rows and columns: any multiple of 16 to 256, so an op's tiles can split evenly over the
+#: cores (a 3x3 conv's 25,088 output rows are 224 tiles of 112, seven a core of 32; tiles of 128 or 256
+#: left two cores a quarter more work than the other thirty)
+ROW_SIZES = tuple(range(16, 257, 16))
 #: L1 steps a tile's depth step may span (in L0 steps)
 L1_STEPS = (1, 2, 4, 8)
 #: bytes of the cube's operand and accumulator elements
@@ -117,8 +121,8 @@ def tile_candidates(view: GemmView, machine: Machine, gathers: tuple[Gather, Gat
     mte1 = machine.mover("L1", "L0A")
     rate = min(mte2.bytes_per_cycle, machine.memory.l2_bytes_per_cycle / max(1, cores))
     found: list[tuple[float, int, CubeTiles]] = []
-    for m in (s for s in SIZES if s <= _pad16(m_size)):
-        for n in (s for s in SIZES if s <= _pad16(n_size)):
+    for m in (s for s in ROW_SIZES if s <= _pad16(m_size)):
+        for n in (s for s in ROW_SIZES if s <= _pad16(n_size)):
             if 2 * m * n * ACCUMULATOR_BYTES > l0c:
                 continue
             tiles = batch * math.ceil(m_size / m) * math.ceil(n_size / n)

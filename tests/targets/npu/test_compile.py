@@ -338,3 +338,17 @@ def test_a_build_keeps_its_machine_file_and_a_bad_one_is_a_one_line_error(tmp_pa
     assert not (tmp_path / "other").exists()
     with pytest.raises(CompileError, match="unknown target"):
         neoflow.compile(MODELS_DIR / "mlp.onnx", target="gpu:x.json")
+
+
+def test_output_tiles_spread_evenly_over_the_cores() -> None:
+    # 3,584 rows: 32 tiles of 112 (one a core); tiles of 128 would leave four of the 32 cores idle
+    op = neoflow.op(
+        "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (3584, 256), "B": (256, 64)}, dtype="float16"
+    )
+    compiled = _compiled(op, machine("npu"))
+    busy: dict[int, int] = {}
+    for _, program in compiled.phases:
+        for instruction in program.instructions:
+            if instruction.opcode == "cube.mmad":
+                busy[instruction.core] = busy.get(instruction.core, 0) + instruction.cycles
+    assert len(busy) == 32 and min(busy.values()) == max(busy.values())
