@@ -102,6 +102,7 @@ def _best_tiles(op: Op, view, gathers, machine: Machine, cores: range) -> cube.C
         sink = workspace_name(op) if tiles.splits > 1 else None
         itemsize = dt.numpy_dtype(op.dtype).itemsize
         cube.emit_view(trial, view, gathers, tiles, cores, op.name, itemsize, sink, {}, touch, busiest_only=True)
+        touch.charge(trial)
         cycles = static_schedule(trial).cycles
         if tiles.splits > 1:
             cycles += 3 * op.output.size * cube.ACCUMULATOR_BYTES / (rate * len(cores)) + 1000
@@ -134,6 +135,7 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
     touch = FirstTouch({t.name: t.size for t in op.inputs})
     for view, pair, chosen in zip(views, gathers, tiles, strict=True):
         cube.emit_view(program, view, pair, chosen, cores, op.name, itemsize, workspace, steps, touch)
+    touch.charge(program)
     phases.append(("cube", program))
     if workspace is not None:
         tail = Program(machine, _tensors(op, extra))

@@ -288,7 +288,7 @@ def emit_view(
                     footprint = Footprint(gather.tensor, patch_offsets(tile, env_z), sizes[side])
                     region = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32))
                     patches[side] = region
-                    program.add(gm_load(machine, core, footprint, region, touch, len(cores)))
+                    touch.add(program, core, footprint, gm_load(machine, core, footprint, region), len(cores))
                 flags.signal("MTE2", "MTE1", half)
                 flags.wait("MTE2", "MTE1", half)
                 for k0 in range(k1, depth1.stop, tiles.k0):

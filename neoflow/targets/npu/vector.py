@@ -207,7 +207,7 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
                         raise CompileError(
                             f"npu: op '{op.name}': a step's inputs overflow a UB half ({in_slot} bytes)", op=op.name
                         )
-                    program.add(gm_load(machine, core, footprint, region, touch, len(cores)))
+                    touch.add(program, core, footprint, gm_load(machine, core, footprint, region), len(cores))
                     loaded.append(region)
                 program.add(set_flag(core, "MTE2", "VECTOR", half))
                 program.add(wait_flag(core, "MTE2", "VECTOR", half))
@@ -229,3 +229,4 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
                     program.add(copy(machine, core, out_region, gm, moved=len(points) * out_itemsize, data=points))
                     program.add(set_flag(core, "MTE3", "VECTOR", out_half))
                 step += 1
+    touch.charge(program)

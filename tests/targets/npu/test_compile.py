@@ -352,3 +352,19 @@ def test_output_tiles_spread_evenly_over_the_cores() -> None:
             if instruction.opcode == "cube.mmad":
                 busy[instruction.core] = busy.get(instruction.core, 0) + instruction.cycles
     assert len(busy) == 32 and min(busy.values()) == max(busy.values())
+
+
+def test_cores_reading_the_same_weights_share_their_fetch_from_hbm() -> None:
+    # every core multiplies by all of B: each pays a 32nd of B's fetch, not the first core all of it
+    op = neoflow.op(
+        "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (3584, 256), "B": (256, 64)}, dtype="float16"
+    )
+    compiled = _compiled(op, machine("npu"))
+    fetched: dict[int, int] = {}
+    for _, program in compiled.phases:
+        for instruction in program.instructions:
+            if instruction.opcode == "mte2.copy":
+                fetched[instruction.core] = fetched.get(instruction.core, 0) + instruction.hbm
+    assert sum(fetched.values()) == sum(t.size * 2 for t in op.inputs)
+    a_share, b_share = 112 * 256 * 2, 256 * 64 * 2 / 32
+    assert all(abs(bytes_ - (a_share + b_share)) <= 2 for bytes_ in fetched.values())
