@@ -180,7 +180,8 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
         total_terms = math.prod(e for _, e in _terms_axis(reduce, op))
     chunks = [range(p, min(p + points_per_chunk, op.output.size)) for p in range(0, op.output.size, points_per_chunk)]
     per_term = operations(reduce.body) + 1 if reduce is not None else 0
-    tail = operations(op.body)
+    # an epilogue over a workspace reads the reduction's value: its arithmetic is what lies outside it
+    tail = 1 if kind == "epilogue" and isinstance(op.body, Reduce) else operations(op.body)
     for position, core in enumerate(cores):
         mine = chunks[position :: len(cores)]
         step = 0
