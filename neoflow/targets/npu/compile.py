@@ -20,7 +20,7 @@ from neoflow.ir.op import Op
 from neoflow.targets.npu import cube, vector
 from neoflow.targets.npu.isa import Program, Region, copy, set_flag, wait_flag
 from neoflow.targets.npu.isa import vector as vector_instruction
-from neoflow.targets.npu.loads import FirstTouch
+from neoflow.targets.npu.loads import FirstTouch, fetched
 from neoflow.targets.npu.machine import GM, Machine
 from neoflow.targets.npu.schedule import Schedule, check_gm_roles, static_schedule
 
@@ -98,16 +98,23 @@ def _best_tiles(op: Op, view, gathers, machine: Machine, cores: range) -> cube.C
     timed = []
     for tiles in candidates:
         trial = Program(machine, _tensors(op, extra))
-        touch = FirstTouch({t.name: t.size for t in op.inputs})
         sink = workspace_name(op) if tiles.splits > 1 else None
         itemsize = dt.numpy_dtype(op.dtype).itemsize
-        cube.emit_view(trial, view, gathers, tiles, cores, op.name, itemsize, sink, {}, touch, busiest_only=True)
-        touch.charge(trial)
+
+        def emit(target: Program, touch: FirstTouch, tiles=tiles, sink=sink, itemsize=itemsize) -> None:
+            cube.emit_view(target, view, gathers, tiles, cores, op.name, itemsize, sink, {}, touch, busiest_only=True)
+
+        fetched(trial, _inputs(op), emit, 1)  # the busiest core alone
         cycles = static_schedule(trial).cycles
         if tiles.splits > 1:
             cycles += 3 * op.output.size * cube.ACCUMULATOR_BYTES / (rate * len(cores)) + 1000
         timed.append((cycles, tiles))
     return min(timed, key=lambda t: t[0])[1]
+
+
+def _inputs(op: Op) -> dict[str, int]:
+    """The elements of each of ``op``'s inputs (what its loads fetch from HBM)."""
+    return {t.name: t.size for t in op.inputs}
 
 
 def compile_op(op: Op, machine: Machine) -> OpProgram:
@@ -131,11 +138,13 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
         phases.append(("zero", _zero_phase(op, machine, zeroed, size, extra)))
     program = Program(machine, _tensors(op, extra))
     itemsize = dt.numpy_dtype(op.dtype).itemsize
-    steps: dict[int, list[int]] = {}
-    touch = FirstTouch({t.name: t.size for t in op.inputs})
-    for view, pair, chosen in zip(views, gathers, tiles, strict=True):
-        cube.emit_view(program, view, pair, chosen, cores, op.name, itemsize, workspace, steps, touch)
-    touch.charge(program)
+
+    def emit(target: Program, touch: FirstTouch) -> None:
+        steps: dict[int, list[int]] = {}
+        for view, pair, chosen in zip(views, gathers, tiles, strict=True):
+            cube.emit_view(target, view, pair, chosen, cores, op.name, itemsize, workspace, steps, touch)
+
+    fetched(program, _inputs(op), emit, len(cores))
     phases.append(("cube", program))
     if workspace is not None:
         tail = Program(machine, _tensors(op, extra))

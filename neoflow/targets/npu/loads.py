@@ -7,7 +7,7 @@ tile) hit L2.  Cores reading the same element (a weight every core multiplies
 by) fetch it together, as their requests meet in L2: each pays its share of the
 fetch.  A load then takes the longer of its mover's time and its HBM bytes' time
 at the program's share of HBM.  The shares are known once the whole program is
-(``FirstTouch.charge``).  Each op's programs start with a cold L2 for its inputs
+(``fetched``: a first pass counts each element's readers).  Each op's programs start with a cold L2 for its inputs
 (an upper bound: a producer's output may still sit in L2); writes are absorbed
 by L2.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -25,49 +26,58 @@ from neoflow.targets.npu.machine import GM, Machine
 
 
 class FirstTouch:
-    """The loads of a program's GM inputs (name -> elements), charged their HBM fetches once the
-    program is complete (``charge``)."""
+    """A program's GM input loads (tensors: name -> elements) and their HBM fetches.
 
-    def __init__(self, tensors: dict[str, int]) -> None:
-        self.sizes = dict(tensors)
-        self.loads: list[tuple[int, int, Footprint, int]] = []  # instruction, core, footprint, cores sharing HBM
+    Counting (no ``readers``): each element's readers, the cores reading it.  Charging (the
+    ``readers`` a counting pass of the same program found): each load's fetch, every element a
+    core reads for the first time costing its bytes over its readers (rounded so that the
+    charges add up to the bytes of the elements read).  ``fetched`` runs both passes."""
+
+    def __init__(self, tensors: dict[str, int], readers: dict[str, np.ndarray] | None = None) -> None:
+        self.counting = readers is None
+        counts = {name: np.zeros(size, np.int32) for name, size in tensors.items()} if readers is None else None
+        self.readers = counts if readers is None else readers
+        self.seen = {name: np.zeros(size, bool) for name, size in tensors.items()}
+        self.core: int | None = None  # the core whose loads are being added: a core's loads come together
+        self.charged = 0.0  # fetched bytes charged so far, exactly, and rounded
+        self.rounded = 0
 
     def add(self, program: Program, core: int, footprint: Footprint, load: Instruction, cores: int) -> int:
         """Append ``load`` (of ``footprint``, by ``core``, ``cores`` cores sharing HBM) to ``program``."""
-        index = program.add(load)
-        if footprint.tensor in self.sizes and footprint.offsets.size:
-            self.loads.append((index, core, footprint, cores))
-        return index
+        seen = self.seen.get(footprint.tensor)
+        if seen is None or footprint.offsets.size == 0:
+            return program.add(load)
+        if core != self.core:
+            for array in self.seen.values():
+                array[:] = False
+            self.core = core
+        offsets = footprint.offsets  # sorted and unique
+        fresh = offsets[~seen[offsets]]
+        seen[fresh] = True
+        readers = self.readers[footprint.tensor]
+        if self.counting:
+            readers[fresh] += 1
+            return program.add(load)
+        self.charged += float(np.sum(footprint.itemsize / np.maximum(readers[fresh], 1)))
+        hbm = round(self.charged) - self.rounded
+        self.rounded += hbm
+        rate = program.machine.memory.hbm_bytes_per_cycle / max(1, cores)
+        charged = dataclasses.replace(
+            load, cycles=max(load.cycles, math.ceil(hbm / rate)), hbm=hbm, args=(*load.args, ("hbm_bytes", hbm))
+        )
+        return program.add(charged)
 
-    def charge(self, program: Program) -> None:
-        """Charge every recorded load of ``program`` its share of the HBM fetches: each element a
-        core reads for the first time costs its bytes over the number of cores reading it; the
-        shares are rounded so that they add up to the bytes of the elements read."""
-        shares = np.zeros(len(self.loads))
-        for tensor, size in self.sizes.items():
-            mine = [k for k, (_, _, footprint, _) in enumerate(self.loads) if footprint.tensor == tensor]
-            if not mine:
-                continue
-            readers = np.zeros(size, np.int64)
-            firsts: list[tuple[np.ndarray, np.ndarray]] = []
-            for core in sorted({self.loads[k][1] for k in mine}):
-                loads = [k for k in mine if self.loads[k][1] == core]
-                offsets = np.concatenate([self.loads[k][2].offsets for k in loads])
-                owner = np.repeat(loads, [self.loads[k][2].offsets.size for k in loads])
-                unique, first = np.unique(offsets, return_index=True)
-                readers[unique] += 1
-                firsts.append((unique, owner[first]))
-            itemsize = self.loads[mine[0]][2].itemsize
-            for unique, owners in firsts:
-                np.add.at(shares, owners, itemsize / readers[unique])
-        totals = np.rint(np.cumsum(shares)).astype(np.int64)
-        for k, (index, _, _, cores) in enumerate(self.loads):
-            hbm = int(totals[k] - (totals[k - 1] if k else 0))
-            load = program.instructions[index]
-            rate = program.machine.memory.hbm_bytes_per_cycle / max(1, cores)
-            program.instructions[index] = dataclasses.replace(
-                load, cycles=max(load.cycles, math.ceil(hbm / rate)), hbm=hbm, args=(*load.args, ("hbm_bytes", hbm))
-            )
+
+def fetched(program: Program, tensors: dict[str, int], emit: Callable[[Program, FirstTouch], None], cores: int) -> None:
+    """``emit(program, touch)`` the instructions of ``program`` (its loads on ``cores`` cores) whose
+    input loads ``touch`` charges their HBM fetches: on several cores a first pass into a scratch
+    program counts each element's readers (on one, each element has one)."""
+    if cores == 1:
+        emit(program, FirstTouch(tensors, {name: np.ones(size, np.int32) for name, size in tensors.items()}))
+        return
+    counting = FirstTouch(tensors)
+    emit(Program(program.machine, dict(program.tensors)), counting)
+    emit(program, FirstTouch(tensors, counting.readers))
 
 
 def gm_region(footprint: Footprint) -> Region:

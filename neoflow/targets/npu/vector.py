@@ -26,7 +26,7 @@ from neoflow.ir.interpreter import evaluate_at
 from neoflow.ir.op import Op
 from neoflow.targets.npu.data import Footprint, VectorChunk, align, read_footprint, reads_in
 from neoflow.targets.npu.isa import Program, Region, copy, set_flag, vector, wait_flag
-from neoflow.targets.npu.loads import FirstTouch, gm_load
+from neoflow.targets.npu.loads import FirstTouch, fetched, gm_load
 from neoflow.targets.npu.machine import GM, Machine
 
 #: bytes of a vector lane's element (the unit computes in fp32)
@@ -156,7 +156,11 @@ def _plan_steps(op: Op, kind: str, slot: int) -> tuple[int, int]:
 def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = None) -> None:
     """Append the vector program of ``op`` (output GM tensor ``op.name``) over ``cores``; the
     program's first reads of each input element come from HBM (``loads``)."""
-    touch = FirstTouch({t.name: t.size for t in op.inputs})
+    inputs = {t.name: t.size for t in op.inputs}
+    fetched(program, inputs, lambda target, touch: _emit_op(target, op, cores, accumulator, touch), len(cores))
+
+
+def _emit_op(program: Program, op: Op, cores: range, accumulator: str | None, touch: FirstTouch) -> None:
     machine: Machine = program.machine
     kind = mode(op, accumulator)
     capacity = machine.buffer("UB").capacity
@@ -230,4 +234,3 @@ def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = No
                     program.add(copy(machine, core, out_region, gm, moved=len(points) * out_itemsize, data=points))
                     program.add(set_flag(core, "MTE3", "VECTOR", out_half))
                 step += 1
-    touch.charge(program)
