@@ -4,8 +4,9 @@
 after another with a barrier between them (every core done before the next
 starts): a zeroing phase where the contraction's pieces leave elements unwritten,
 the cube phase (every lattice piece's tiles over the cube cores), and — an
-epilogue reading other tensors — a vector phase applying it from the fp32
-workspace.  Any op that is no such contraction is one vector phase.
+epilogue reading other tensors that cannot run on chip (``cube.vector_epilogue``:
+a split machine, or cores splitting the depth) — a vector phase applying it from
+the fp32 workspace.  Any op that is no such contraction is one vector phase.
 """
 
 from __future__ import annotations
@@ -87,29 +88,43 @@ def _zero_phase(op: Op, machine: Machine, tensor: str, total: int, extra: dict[s
 TRIALS = 4
 
 
-def _best_tiles(op: Op, view, gathers, machine: Machine, cores: range) -> cube.CubeTiles:
+def _best_tiles(
+    op: Op, view, gathers, machine: Machine, cores: range, fixpipe: bool, on_chip: bool
+) -> tuple[cube.CubeTiles, bool]:
     """Of the estimate's best ``TRIALS`` tilings, the one whose busiest core's program the static
-    schedule finishes first (a split's extra passes over the workspace added at the estimate's rate)."""
-    candidates = cube.tile_candidates(view, machine, gathers, len(cores))[:TRIALS]
-    if len(candidates) == 1:
-        return candidates[0]
-    extra = {workspace_name(op): op.output.size * cube.ACCUMULATOR_BYTES}
+    schedule finishes first (a pass over the fp32 workspace added at the estimate's rate), and
+    whether its epilogue runs on chip.  ``fixpipe``: FIXPIPE applies the epilogue; else, with
+    ``on_chip`` (``cube.vector_epilogue``), the vector unit beside the cube can, for an undivided
+    depth — tried against the tilings that split the depth and meet in the workspace."""
+    itemsize = dt.numpy_dtype(op.dtype).itemsize
+    found = cube.tile_candidates(view, machine, gathers, len(cores))[:TRIALS]
+    if on_chip:
+        point = cube.epilogue_point_bytes(view, itemsize)
+        undivided = [t for t in cube.tile_candidates(view, machine, gathers, len(cores), point) if t.splits == 1]
+        families = [(t, True) for t in undivided[:TRIALS]] + [(t, False) for t in found if t.splits > 1]
+    else:
+        families = [(t, False) for t in found]
+    if len(families) == 1:
+        return families[0]
+    workspace = workspace_name(op)
+    extra = {workspace: op.output.size * cube.ACCUMULATOR_BYTES}
     rate = min(machine.mover(GM, "UB").bytes_per_cycle, machine.memory.l2_bytes_per_cycle / len(cores))
     timed = []
-    for tiles in candidates:
+    for tiles, through_ub in families:
         trial = Program(machine, _tensors(op, extra))
-        sink = workspace_name(op) if tiles.splits > 1 else None
-        itemsize = dt.numpy_dtype(op.dtype).itemsize
+        sink = workspace if tiles.splits > 1 or not (fixpipe or through_ub) else None
 
-        def emit(target: Program, touch: FirstTouch, tiles=tiles, sink=sink, itemsize=itemsize) -> None:
-            cube.emit_view(target, view, gathers, tiles, cores, op.name, itemsize, sink, {}, touch, busiest_only=True)
+        def emit(target: Program, touch: FirstTouch, tiles=tiles, sink=sink, through_ub=through_ub) -> None:
+            cube.emit_view(target, view, gathers, tiles, cores, op.name, itemsize, sink, {}, touch, True, through_ub)
 
         fetched(trial, _inputs(op), emit, 1)  # the busiest core alone
         cycles = static_schedule(trial).cycles
-        if tiles.splits > 1:
-            cycles += 3 * op.output.size * cube.ACCUMULATOR_BYTES / (rate * len(cores)) + 1000
-        timed.append((cycles, tiles))
-    return min(timed, key=lambda t: t[0])[1]
+        # the workspace's passes: zeroing, the atomic adds, the vector's read (a split); the store and the read
+        passes = 0 if sink is None else 3 if tiles.splits > 1 else 2
+        if passes:
+            cycles += passes * op.output.size * cube.ACCUMULATOR_BYTES / (rate * len(cores)) + 1000
+        timed.append((cycles, len(timed), (tiles, through_ub)))
+    return min(timed)[2]
 
 
 def _inputs(op: Op) -> dict[str, int]:
@@ -127,9 +142,15 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
         return _checked(OpProgram(op, [("vector", program)]))
     phases: list[tuple[str, Program]] = []
     cores = machine.cores("cube")
-    tiles = [_best_tiles(op, view, pair, machine, cores) for view, pair in zip(views, gathers, strict=True)]
+    fixpipe = all(cube.fixpipe_epilogue(v) for v in views)
+    on_chip = not fixpipe and covers_output(op, views) and all(cube.vector_epilogue(v, machine) for v in views)
+    chosen = [
+        _best_tiles(op, view, pair, machine, cores, fixpipe, on_chip) for view, pair in zip(views, gathers, strict=True)
+    ]
+    tiles = [t for t, _ in chosen]
+    on_chip = all(fits for _, fits in chosen)
     split = any(t.splits > 1 for t in tiles)
-    direct = not split and all(cube.fixpipe_epilogue(v) for v in views)
+    direct = not split and (fixpipe or on_chip)
     workspace = None if direct else workspace_name(op)
     extra = {} if direct else {workspace: op.output.size * cube.ACCUMULATOR_BYTES}
     if split or not covers_output(op, views):  # split partial sums add onto zeros
@@ -138,11 +159,24 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
         phases.append(("zero", _zero_phase(op, machine, zeroed, size, extra)))
     program = Program(machine, _tensors(op, extra))
     itemsize = dt.numpy_dtype(op.dtype).itemsize
+    through_ub = direct and not fixpipe
 
     def emit(target: Program, touch: FirstTouch) -> None:
         steps: dict[int, list[int]] = {}
-        for view, pair, chosen in zip(views, gathers, tiles, strict=True):
-            cube.emit_view(target, view, pair, chosen, cores, op.name, itemsize, workspace, steps, touch)
+        for view, pair, picked in zip(views, gathers, tiles, strict=True):
+            cube.emit_view(
+                target,
+                view,
+                pair,
+                picked,
+                cores,
+                op.name,
+                itemsize,
+                workspace,
+                steps,
+                touch,
+                on_chip=through_ub,
+            )
 
     fetched(program, _inputs(op), emit, len(cores))
     phases.append(("cube", program))

@@ -20,8 +20,15 @@ from neoflow.targets.npu.isa import PIPES, Program
 from neoflow.targets.npu.machine import GM
 from neoflow.targets.npu.schedule import Schedule, dependencies
 
-#: each pipe's place along the data flow (a flag to a later pipe hands over data, to an earlier frees a buffer)
-FLOW = {"MTE2": 0, "MTE1": 1, "VECTOR": 1, "CUBE": 2, "FIXPIPE": 3, "MTE3": 3}
+#: the flags that hand data down the flow (every other flag frees a buffer back up it)
+DATA_FLAGS = {
+    ("MTE2", "MTE1"),
+    ("MTE2", "VECTOR"),
+    ("MTE1", "CUBE"),
+    ("CUBE", "FIXPIPE"),
+    ("FIXPIPE", "VECTOR"),
+    ("VECTOR", "MTE3"),
+}
 STALLS = ("data", "buffer", "unit")
 
 
@@ -124,7 +131,7 @@ def count(program: Program, schedule: Schedule) -> Counters:
         idle = start - pipe_free[pipe]
         if instruction.is_wait:
             source, destination, _ = instruction.event
-            cause = "data" if FLOW[source] < FLOW[destination] else "buffer"
+            cause = "data" if (source, destination) in DATA_FLAGS else "buffer"
             counters.stalls[cause] += max(0, idle)
         elif instruction.event is None:
             counters.busy[instruction.pipe] += instruction.cycles

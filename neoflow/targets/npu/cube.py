@@ -8,8 +8,13 @@ step of ``k0``, the operand tiles in 16x16 fractals (``mte1.img2col``: the gathe
 and the fp16 rounding on the way) in one half of L0A / L0B; the cube multiplies
 them into one half of L0C (fp32); FIXPIPE drains a finished tile to GM,
 converting and applying the epilogue on the way (an element-wise tail and
-per-row or per-column tensors, as a bias), or — an epilogue reading other tensors
-— leaves fp32 sums in a GM workspace for a vector program.  Every hand-over
+per-row or per-column tensors, as a bias).  An epilogue reading other tensors
+(a ReLU's mask, a residual) runs on chip where the core also holds a vector unit
+(``npu``): FIXPIPE drains the sums into one half of UB, MTE2 brings the elements
+the epilogue reads beside them, the vector unit applies it and MTE3 stores the
+result — the sums never visit GM.  Where it does not (``npu-split``), or where
+cores split the depth and their partial sums must meet first, FIXPIPE leaves fp32
+sums in a GM workspace for a vector program.  Every hand-over
 between pipes is a ``set_flag``/``wait_flag`` pair, every buffer is ping-ponged,
 so loads of the next step overlap the cube's work on this one.
 """
@@ -29,10 +34,19 @@ from neoflow.ir import dtypes as dt
 from neoflow.ir import index
 from neoflow.ir.expr import Read
 from neoflow.ir.interpreter import evaluate_at
-from neoflow.targets.npu.data import Footprint, OperandTile, OutputTile, align, read_footprint, reads_in
-from neoflow.targets.npu.isa import Program, Region, copy, mmad, set_flag, wait_flag
+from neoflow.targets.npu.data import (
+    EpilogueTile,
+    Footprint,
+    OperandTile,
+    OutputTile,
+    align,
+    read_footprint,
+    reads_in,
+)
+from neoflow.targets.npu.isa import Program, Region, copy, mmad, set_flag, vector, wait_flag
 from neoflow.targets.npu.loads import FirstTouch, gm_load, gm_region
 from neoflow.targets.npu.machine import GM, Machine
+from neoflow.targets.npu.vector import operations
 
 #: depth sizes a tile may take (multiples of the cube's 16) ...
 SIZES = (16, 32, 64, 128, 256)
@@ -102,6 +116,20 @@ def fixpipe_epilogue(view: GemmView) -> bool:
     return True
 
 
+def vector_epilogue(view: GemmView, machine: Machine) -> bool:
+    """Whether ``view``'s epilogue, which FIXPIPE cannot apply, runs on the vector unit of the core
+    that computed the tile (FIXPIPE drains L0C into UB): a machine whose cores hold both units."""
+    return machine.layout == "coupled" and machine.has_path("L0C", "UB")
+
+
+def epilogue_point_bytes(view: GemmView, output_itemsize: int) -> int:
+    """UB bytes an output point of an on-chip epilogue takes at most: its fp32 sum, the elements
+    its epilogue reads and its result."""
+    tensors = {t.name: t for t in view.op.inputs}
+    reads = sum(dt.numpy_dtype(tensors[r.tensor].dtype).itemsize for r in _epilogue_reads(view))
+    return ACCUMULATOR_BYTES + reads + output_itemsize
+
+
 def _tensor(view: GemmView, name: str):
     return next(t for t in view.op.inputs if t.name == name)
 
@@ -111,19 +139,26 @@ def _bound_bytes(view: GemmView, gather: Gather, rows: int, depth: int) -> int:
     return min(rows * depth, tensor.size) * dt.numpy_dtype(tensor.dtype).itemsize
 
 
-def tile_candidates(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int) -> list[CubeTiles]:
+def tile_candidates(
+    view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int, ub_point_bytes: int = 0
+) -> list[CubeTiles]:
     """The tiles that fit the buffers (each half of a ping-pong pair), best first by a pipelined
-    estimate (the slowest of cube, MTE1 and MTE2 per step, tiles spread over ``cores``)."""
+    estimate (the slowest of cube, MTE1 and MTE2 per step, tiles spread over ``cores``);
+    ``ub_point_bytes``: an on-chip epilogue's UB bytes per output point (16 rows of a tile and
+    their epilogue must fit a half of UB: FIXPIPE drains a tile in chunks of rows)."""
     batch, m_size, n_size, k_size = view.sizes
     l1 = machine.buffer("L1").capacity
     l0a, l0b, l0c = (machine.buffer(name).capacity for name in ("L0A", "L0B", "L0C"))
+    ub_half = machine.buffer("UB").capacity // 2 if ub_point_bytes else None
     mte2 = machine.mover(GM, "L1")
     mte1 = machine.mover("L1", "L0A")
     rate = min(mte2.bytes_per_cycle, machine.memory.l2_bytes_per_cycle / max(1, cores))
     found: list[tuple[float, int, CubeTiles]] = []
     for m in (s for s in ROW_SIZES if s <= _pad16(m_size)):
         for n in (s for s in ROW_SIZES if s <= _pad16(n_size)):
-            if 2 * m * n * ACCUMULATOR_BYTES > l0c:
+            if 2 * m * n * ACCUMULATOR_BYTES > l0c or (
+                ub_half is not None and 16 * n * ub_point_bytes + 1024 > ub_half
+            ):
                 continue
             tiles = batch * math.ceil(m_size / m) * math.ceil(n_size / n)
             for k0 in (s for s in SIZES if s <= _pad16(k_size)):
@@ -243,10 +278,12 @@ def emit_view(
     steps: dict[int, list[int]],
     touch: FirstTouch,
     busiest_only: bool = False,
+    on_chip: bool = False,
 ) -> None:
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
-    results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor).
-    ``steps`` counts per core its L1 steps, L0 steps and tiles so far in the program (the
+    results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor; with
+    ``on_chip``, through UB and the vector unit applying the epilogue, ``vector_epilogue``).
+    ``steps`` counts per core its L1 steps, L0 steps, tiles and on-chip epilogue chunks so far in the program (the
     ping-pong halves and their flags carry on from one view to the next); ``touch`` which input
     elements the program has read (``loads``); ``busiest_only``: the first core's share alone (the
     most work items: a trial of the tiles)."""
@@ -270,7 +307,8 @@ def emit_view(
         if not mine:
             continue
         flags = _Flags(program, core)
-        l1_step, l0_step, done = steps.setdefault(core, [0, 0, 0])
+        l1_step, l0_step, done, chunks = steps.setdefault(core, [0, 0, 0, 0])
+        drained = [chunks]
         for count, (z, mi, ni, depth) in enumerate(mine, start=done):
             rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
             env_z = batch_env(view, z)
@@ -328,6 +366,12 @@ def emit_view(
                 l1_step += 1
             flags.signal("CUBE", "FIXPIPE", acc_slot)
             flags.wait("CUBE", "FIXPIPE", acc_slot)
+            if on_chip:
+                tile = EpilogueTile(view, rows, cols, z)
+                _epilogue_on_chip(
+                    program, flags, tile, l0c, acc_slot, output, output_itemsize, drained, touch, len(cores)
+                )
+                continue
             env, offsets = output_offsets(view, rows, cols, z)
             epilogue = workspace is None
             extra = _epilogue_footprints(view, env) if epilogue else []
@@ -349,4 +393,84 @@ def emit_view(
                 )
             )
             flags.signal("FIXPIPE", "CUBE", acc_slot)
-        steps[core] = [l1_step, l0_step, done + len(mine)]
+        steps[core] = [l1_step, l0_step, done + len(mine), drained[0]]
+
+
+def _epilogue_on_chip(
+    program: Program,
+    flags: _Flags,
+    tile: EpilogueTile,
+    l0c: Region,
+    acc_slot: int,
+    output: str,
+    output_itemsize: int,
+    drained: list[int],
+    touch: FirstTouch,
+    cores: int,
+) -> None:
+    """The epilogue of a finished tile on its core's vector unit, in chunks of rows that fit a
+    half of UB: FIXPIPE drains a chunk's fp32 sums from ``l0c`` into the half, MTE2 brings the
+    elements the epilogue reads beside them, the vector unit applies it, MTE3 stores the result
+    into GM tensor ``output``; halves ping-pong between chunks (``drained[0]``: the core's chunks
+    so far).  L0C is released to the cube after the last chunk."""
+    machine = program.machine
+    view, core = tile.view, flags.core
+    width = machine.buffer("UB").capacity // 2
+    point = epilogue_point_bytes(view, output_itemsize)
+    per_chunk = max(16, (width - 256 * (len(_epilogue_reads(view)) + 2)) // (point * len(tile.cols)) // 16 * 16)
+    chunks = [range(r, min(r + per_chunk, tile.rows.stop)) for r in range(tile.rows.start, tile.rows.stop, per_chunk)]
+    for position, rows in enumerate(chunks):
+        count, half = drained[0], drained[0] % 2
+        drained[0] += 1
+        env, offsets = output_offsets(view, rows, tile.cols, tile.batch)
+        points = offsets.size
+        sums = Region("UB", half * width, align(points * ACCUMULATOR_BYTES, 32))
+        if count >= 2:
+            flags.wait("VECTOR", "FIXPIPE", half)  # the half's sums of two chunks ago are read
+        program.add(
+            copy(
+                machine,
+                core,
+                l0c,
+                sums,
+                moved=points * ACCUMULATOR_BYTES,
+                args=(("rows", len(rows)), ("cols", len(tile.cols)), ("epilogue", False)),
+                data=OutputTile(view, rows, tile.cols, tile.batch, False, tile_rows=tile.rows),
+            )
+        )
+        if position == len(chunks) - 1:
+            flags.signal("FIXPIPE", "CUBE", acc_slot)
+        flags.signal("FIXPIPE", "VECTOR", half)
+        if count >= 2:
+            flags.wait("VECTOR", "MTE2", half)  # the half's inputs of two chunks ago are read
+        offset, loaded = sums.offset + sums.size, []
+        for footprint in _epilogue_footprints(view, env):
+            region = Region("UB", offset, align(max(footprint.bytes, 32), 32))
+            loaded.append(region)
+            offset += region.size
+            touch.add(program, core, footprint, gm_load(machine, core, footprint, region), cores)
+        result = Region("UB", offset, align(points * output_itemsize, 32))
+        if result.offset + result.size > (half + 1) * width:
+            raise CompileError(
+                f"npu: op '{view.op.name}': an output tile's epilogue overflows a UB half ({width} bytes)",
+                op=view.op.name,
+            )
+        flags.signal("MTE2", "VECTOR", half)
+        flags.wait("FIXPIPE", "VECTOR", half)
+        flags.wait("MTE2", "VECTOR", half)
+        if count >= 2:
+            flags.wait("MTE3", "VECTOR", half)  # the half's results of two chunks ago are stored
+        lanes = points * (operations(view.epilogue) if view.epilogue is not None else 1)
+        repeats = math.ceil(lanes * ACCUMULATOR_BYTES / machine.vector.repeat_bytes)
+        chunk = EpilogueTile(view, rows, tile.cols, tile.batch)
+        program.add(
+            vector(machine, core, "epilogue", result, sums, *loaded, repeats=repeats, data=chunk, points=points)
+        )
+        for pipe in ("FIXPIPE", "MTE2", "MTE3"):
+            flags.signal("VECTOR", pipe, half)
+        flags.wait("VECTOR", "MTE3", half)
+        low, high = int(offsets.min()), int(offsets.max())
+        destination = Region(GM, low * output_itemsize, (high - low + 1) * output_itemsize, output)
+        # stored bytes as FIXPIPE's stores count them: L2 absorbs the writes (``loads``)
+        program.add(copy(machine, core, result, destination, moved=points * output_itemsize, data=offsets))
+        flags.signal("MTE3", "VECTOR", half)

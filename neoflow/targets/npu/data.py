@@ -4,6 +4,7 @@ An instruction's ``data`` says which elements it moves or combines, in the
 terms of the op it was compiled from: the GM elements a load brings on chip
 (``Footprint``), the operand tile an ``mte1.img2col`` builds from an L1 patch
 (``OperandTile``), the output tile a ``fixpipe.store`` writes (``OutputTile``),
+the output tile whose epilogue the vector unit applies on chip (``EpilogueTile``),
 the points a vector instruction computes (``VectorChunk``).  The compiler derives
 costs from the same specs (bytes, runs of consecutive addresses), so what is
 timed is what is computed.
@@ -113,7 +114,8 @@ class OutputTile:
     """Rows ``rows`` and columns ``cols`` of ``view``'s product at batch point ``batch``: where
     ``fixpipe.store`` puts them (``view.out_offset``) after the epilogue (``epilogue``: applied
     on the way; False: the raw fp32 sums go to the workspace ``workspace``, added atomically to
-    what is there with ``accumulate``: a depth split's partial sums)."""
+    what is there with ``accumulate``: a depth split's partial sums).  A store into UB drains
+    rows ``rows`` of the L0C tile holding rows ``tile_rows``."""
 
     view: GemmView
     rows: range
@@ -122,6 +124,19 @@ class OutputTile:
     epilogue: bool
     workspace: str | None = None
     accumulate: bool = False
+    tile_rows: range | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class EpilogueTile:
+    """Rows ``rows`` and columns ``cols`` of ``view``'s product at batch point ``batch``, whose
+    epilogue the vector unit applies in UB: to the fp32 sums FIXPIPE drained there and the
+    elements of other tensors MTE2 brought beside them; MTE3 stores the result."""
+
+    view: GemmView
+    rows: range
+    cols: range
+    batch: int
 
 
 @dataclass(frozen=True, eq=False)

@@ -137,6 +137,10 @@ class Machine:
                 return buffer
         raise CompileError(f"npu machine '{self.name}' has no buffer '{name}' (it has: {self._names(self.buffers)})")
 
+    def has_path(self, source: str, destination: str) -> bool:
+        """Whether a mover moves data ``source -> destination``."""
+        return any((source, destination) in mover.paths for mover in self.movers)
+
     def mover(self, source: str, destination: str) -> Mover:
         """The mover serving the path ``source -> destination``."""
         for mover in self.movers:

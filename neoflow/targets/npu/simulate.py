@@ -22,7 +22,7 @@ from neoflow.codegen.lattice import split_epilogue
 from neoflow.ir import dtypes as dt
 from neoflow.ir.interpreter import evaluate_at, evaluate_op, reduction_identity
 from neoflow.targets.npu import cube, vector
-from neoflow.targets.npu.data import Footprint, OperandTile, OutputTile, VectorChunk
+from neoflow.targets.npu.data import EpilogueTile, Footprint, OperandTile, OutputTile, VectorChunk
 from neoflow.targets.npu.isa import Instruction, Program, Region
 from neoflow.targets.npu.machine import GM
 from neoflow.targets.npu.replay import SimulationError
@@ -75,8 +75,14 @@ def _execute(instruction: Instruction, buffers, gm) -> None:
         if not init:
             product = _load(buffers, core, instruction.writes[0]) + product
         _store(buffers, core, instruction.writes[0], product)
+    elif isinstance(data, OutputTile) and instruction.writes[0].space != GM:  # fixpipe: L0C rows -> UB
+        first = data.rows.start - data.tile_rows.start
+        sums = _load(buffers, core, instruction.reads[0])[first : first + len(data.rows)]
+        _store(buffers, core, instruction.writes[0], sums)
     elif isinstance(data, OutputTile):  # fixpipe: L0C -> GM
         _fixpipe(data, _load(buffers, core, instruction.reads[0]), gm)
+    elif isinstance(data, EpilogueTile):
+        _epilogue(instruction, data, buffers)
     elif isinstance(data, VectorChunk):
         _vector(instruction, data, buffers, gm)
     elif opcode == "vec.dup":
@@ -87,6 +93,8 @@ def _execute(instruction: Instruction, buffers, gm) -> None:
         array = gm[destination.tensor]
         if isinstance(data, range):
             array[data.start : data.stop] = held
+        elif isinstance(data, np.ndarray):  # an output tile's points
+            array[data] = held
         else:  # zeros over a byte range
             size = array.itemsize
             array[destination.offset // size : (destination.offset + destination.size) // size] = 0
@@ -123,11 +131,22 @@ def _fixpipe(tile: OutputTile, sums: np.ndarray, gm) -> None:
     target[offsets] = result.astype(target.dtype, copy=False)
 
 
-def _masked(chunk: VectorChunk, patches: list[_Patch]) -> dict[str, np.ndarray]:
-    """Each input of the op as the step sees it: the elements its loads brought, NaN (0 for
+def _epilogue(instruction: Instruction, tile: EpilogueTile, buffers) -> None:
+    core, view = instruction.core, tile.view
+    held = [_load(buffers, core, r) for r in instruction.reads]
+    sums, patches = held[0], [h for h in held[1:] if isinstance(h, _Patch)]
+    env, _ = cube.output_offsets(view, tile.rows, tile.cols, tile.batch)
+    body = view.epilogue if view.epilogue is not None else view.reduce
+    value = evaluate_at(body, env, _masked(view.op, patches), view.op.name, reduction=sums)
+    out = np.broadcast_to(np.asarray(value), sums.shape).astype(dt.numpy_dtype(view.op.dtype))
+    _store(buffers, core, instruction.writes[0], out)
+
+
+def _masked(op, patches: list[_Patch]) -> dict[str, np.ndarray]:
+    """Each input of ``op`` as a step sees it: the elements its loads brought, NaN (0 for
     integers) elsewhere."""
     arrays = {}
-    for tensor in chunk.op.inputs:
+    for tensor in op.inputs:
         dtype = dt.numpy_dtype(tensor.dtype)
         fill = np.nan if np.issubdtype(dtype, np.floating) else 0
         flat = np.full(tensor.size, fill, dtype=dtype)
@@ -142,7 +161,7 @@ def _vector(instruction: Instruction, chunk: VectorChunk, buffers, gm) -> None:
     core, op = instruction.core, chunk.op
     held = [_load(buffers, core, r) for r in instruction.reads]
     patches = [h for h in held if isinstance(h, _Patch)]
-    arrays = _masked(chunk, patches)
+    arrays = _masked(chunk.op, patches)
     kind = vector.mode(op, chunk.accumulator)
     points_env = vector.points_env(op, chunk.points)
     out_dtype = dt.numpy_dtype(op.dtype)

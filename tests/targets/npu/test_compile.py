@@ -46,9 +46,9 @@ def _one_core():
     return dataclasses.replace(machine("npu"), cube_cores=1, vector_cores=1)
 
 
-def _simulate(op, preset: str = "npu") -> tuple[np.ndarray, object]:
-    """``op`` compiled for ``preset`` (replayed against its schedule) and run."""
-    compiled = _compiled(op, machine(preset))
+def _simulate(op, preset="npu") -> tuple[np.ndarray, object]:
+    """``op`` compiled for ``preset`` (a preset's name or a machine; replayed against its schedule) and run."""
+    compiled = _compiled(op, machine(preset) if isinstance(preset, str) else preset)
     inputs = _inputs(op)
     gm = {k: v.reshape(-1).copy() for k, v in inputs.items()}
     gm[op.name] = np.full(op.output.size, np.nan, np.float32)
@@ -131,12 +131,42 @@ def test_vector_ops(text: str, shapes, preset: str) -> None:
     assert _relative(got, want) < 1e-5
 
 
-def test_an_epilogue_reading_other_tensors_runs_on_the_vector_unit_from_a_workspace() -> None:
+@pytest.mark.parametrize(
+    "shapes", [{"W": (24, 40), "G": (32, 24), "X": (32, 40)}, {"W": (200, 136), "G": (48, 200), "X": (48, 136)}]
+)
+def test_an_epilogue_reading_other_tensors_runs_on_chip_beside_the_cube(shapes) -> None:
+    """On a coupled machine FIXPIPE drains the sums into UB, the same core's vector unit applies the
+    epilogue (reading W) and MTE3 stores it: the sums never visit GM."""
+    op = neoflow.op("Wn[i, j] = W[i, j] - 0.1 * ReduceAdd({b}, G[b, i] * X[b, j])", shapes=shapes)
+    got, (compiled, want) = _simulate(op)
+    assert [what for what, _ in compiled.phases] == ["cube"]
+    program = compiled.phases[0][1]
+    opcodes = [i.opcode for i in program.instructions]
+    assert "vec.epilogue" in opcodes
+    assert all(i.writes[0].space == "UB" for i in program.instructions if i.opcode == "fixpipe.store")
+    assert set(program.tensors) == {"W", "G", "X", "Wn"}  # no workspace
+    assert _relative(got, want) < 2e-3
+    # the split machine's workspace round trip moves the sums through GM twice more
+    _, (split, _) = _simulate(op, "npu-split")
+    assert [what for what, _ in split.phases] == ["cube", "vector"]
+    totals = [
+        sum(count(p, s).gm_bytes for (_, p), s in zip(c.phases, c.schedules, strict=True)) for c in (compiled, split)
+    ]
+    assert totals[0] + 2 * op.output.size * 4 <= totals[1]
+    # one core takes every tile: the UB halves ping-pong between tiles
+    got, (alone, want) = _simulate(op, _one_core())
+    assert sum(i.opcode == "vec.epilogue" for i in alone.phases[0][1].instructions) >= (
+        3 if shapes["W"][0] > 100 else 1
+    )
+    assert _relative(got, want) < 2e-3
+
+
+def test_an_epilogue_reading_other_tensors_runs_from_a_workspace_on_a_split_machine() -> None:
     op = neoflow.op(
         "Wn[i, j] = W[i, j] - 0.1 * ReduceAdd({b}, G[b, i] * X[b, j])",
         shapes={"W": (24, 40), "G": (32, 24), "X": (32, 40)},
     )
-    got, (compiled, want) = _simulate(op)
+    got, (compiled, want) = _simulate(op, "npu-split")
     assert [what for what, _ in compiled.phases] == ["cube", "vector"]
     assert _relative(got, want) < 2e-3
 
