@@ -85,7 +85,7 @@ def _zero_phase(op: Op, machine: Machine, tensor: str, total: int, extra: dict[s
 
 
 #: tile candidates (best first by the estimate) whose busiest core is scheduled to pick among
-TRIALS = 4
+TRIALS = 8
 
 
 def _best_tiles(

@@ -21,6 +21,7 @@ so loads of the next step overlap the cube's work on this one.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -73,10 +74,12 @@ class CubeTiles:
     splits: int = 1
 
     def depth_ranges(self, k_size: int) -> list[range]:
-        """The depth ranges of the splits (whole L1 steps each; none empty)."""
+        """The depth ranges of the splits: whole L1 steps each, as even as whole steps allow
+        (their counts differ by one at most), none empty."""
         steps = math.ceil(k_size / self.k1)
-        per = math.ceil(steps / self.splits)
-        return [range(s * self.k1, min((s + per) * self.k1, k_size)) for s in range(0, steps, per)]
+        parts = min(self.splits, steps)
+        bounds = [part * steps // parts for part in range(parts + 1)]
+        return [range(a * self.k1, min(b * self.k1, k_size)) for a, b in itertools.pairwise(bounds)]
 
 
 #: depth splits a contraction may take (when it has fewer output tiles than cores)
@@ -179,9 +182,12 @@ def tile_candidates(
                         cube = l0_steps * (m // 16) * (n // 16) * (k0 // 16)
                         moves1 = l0_steps * (m + n) * k0 * OPERAND_BYTES / mte1.bytes_per_cycle
                         moves2 = l1_steps * patch / rate
+                        # two L1 halves: a half is busy from its load's issue to the end of its img2cols,
+                        # so an L1 step takes at least half of a load, its latency and the step's MTE1 work
+                        ring = l1_steps * (patch / rate + mte2.latency) / 2 + moves1 / 2
                         drain = m * n * ACCUMULATOR_BYTES / machine.mover("L0C", GM).bytes_per_cycle
                         per_core = math.ceil(tiles * splits / cores)
-                        cycles = per_core * (max(cube, moves1, moves2) + drain / 4) + mte2.latency + drain
+                        cycles = per_core * (max(cube, moves1, moves2, ring) + drain / 4) + mte2.latency + drain
                         if splits > 1:  # zero the workspace, then the epilogue pass over it
                             cycles += 3 * m_size * n_size * batch * ACCUMULATOR_BYTES / (rate * cores) + 1000
                         found.append((cycles, -m * n * k1, CubeTiles(m, n, k0, k1, splits)))

@@ -5,6 +5,7 @@ counters, traces and the build directory; planted faults caught."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -404,3 +405,16 @@ def test_cores_reading_the_same_weights_share_their_fetch_from_hbm() -> None:
     assert sum(fetched.values()) == sum(t.size * 2 for t in op.inputs)
     a_share, b_share = 112 * 256 * 2, 256 * 64 * 2 / 32
     assert all(abs(bytes_ - (a_share + b_share)) <= 2 for bytes_ in fetched.values())
+
+
+@pytest.mark.parametrize("k_size, k1, splits", [(25088, 128, 16), (1000, 64, 8), (96, 32, 8), (12544, 128, 4)])
+def test_split_depth_ranges_are_even_whole_steps_covering_the_depth(k_size: int, k1: int, splits: int) -> None:
+    from neoflow.targets.npu.cube import CubeTiles
+
+    ranges = CubeTiles(16, 16, 16, k1, splits).depth_ranges(k_size)
+    assert ranges[0].start == 0 and ranges[-1].stop == k_size
+    assert all(a.stop == b.start for a, b in itertools.pairwise(ranges))
+    assert all(r.start % k1 == 0 and len(r) > 0 for r in ranges)
+    steps = [-(-len(r) // k1) for r in ranges]
+    assert max(steps) - min(steps) <= 1  # 196 steps in 16 splits: 12 or 13 each, not 13 and a last of 1
+    assert len(ranges) == min(splits, -(-k_size // k1))
