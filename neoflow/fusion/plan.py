@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from neoflow.errors import CompileError
 from neoflow.fusion.inline import InlineMemo, inline_all, why_not_inlined
 from neoflow.fusion.slicing import roles_in_kernel
-from neoflow.ir.expr import Select
+from neoflow.ir.expr import Read, Select
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 
@@ -93,6 +93,13 @@ def holders(groups: Iterable[Collection[str]]) -> dict[str, list[int]]:
 Nests = Callable[[list[Op], Collection[str]], Collection[str] | None]
 
 
+#: nodes an op's expression may reach with the producers its kernel inlines substituted; past it the
+#: producer is stored instead (inlining a graph into a tree multiplies a producer by its reads at every
+#: level: a BatchNorm adjoint's chain of ops reading the normalised input several times each grows
+#: exponentially, and a ResNet-18 training step's planning never finished)
+INLINE_NODES = 2000
+
+
 class Grouping:
     """The rule that turns groups of op names into kernels, with what it needs
     about ``graph`` computed once (policies call it for many candidate groupings).
@@ -106,7 +113,8 @@ class Grouping:
     holds only for recomputation that nothing left in it reads.  Given the
     target's ``nests``, an op a kernel would inline into two or more of its ops
     is buffered instead where the target's loop nest for the kernel can keep it
-    in a tile buffer (computed once, not once per reader)."""
+    in a tile buffer (computed once, not once per reader).  An op whose expression with its inlined
+    producers substituted would exceed ``INLINE_NODES`` nodes is stored where it is computed."""
 
     def __init__(self, graph: Graph, keep: Collection[str] = (), nests: Nests | None = None) -> None:
         self.graph = graph
@@ -128,6 +136,33 @@ class Grouping:
             for name, readers in self.readers.items()
             if any(why_not_inlined(self.ops[r], self.ops[name]) is not None for r in readers)
         }
+        # per op: its expression's nodes other than reads of ops, and how often it reads each op
+        self._nodes: dict[str, tuple[int, dict[str, int]]] = {}
+        for op in graph.ops:
+            reads: dict[str, int] = {}
+            own = 0
+            for node in op.body.walk():
+                if isinstance(node, Read) and node.tensor in self.ops:
+                    reads[node.tensor] = reads.get(node.tensor, 0) + 1
+                else:
+                    own += 1
+            self._nodes[op.name] = (own, reads)
+
+    def _too_big(self, group: Collection[str], stored: Collection[str], own: Collection[str]) -> set[str]:
+        """The ops of ``group`` a kernel storing ``stored`` would inline into expressions of more
+        than ``INLINE_NODES`` nodes (taken in graph order, each stored as found), of those it may
+        store (``own``: the group is the first holding them; elsewhere they are recomputed)."""
+        found: set[str] = set()
+        size: dict[str, int] = {}
+        for name in sorted(group, key=self.position.__getitem__):
+            nodes, reads = self._nodes[name]
+            size[name] = nodes + sum(
+                count * (size[r] if r in size and r not in stored and r not in found else 1)
+                for r, count in reads.items()
+            )
+            if size[name] > INLINE_NODES and name not in stored and name in own:
+                found.add(name)
+        return found
 
     def kernels(self, groups: list[frozenset[str]], which: Iterable[int] | None = None) -> list[Kernel]:
         """The kernels of ``groups`` (of those at positions ``which``), each
@@ -146,6 +181,7 @@ class Grouping:
                     )
                 )
             }
+            materialized |= self._too_big(groups[k], materialized, [n for n in groups[k] if where[n][0] == k])
             kernel = self._kernel(groups[k], materialized)
             if kernel is not None:
                 result.append(self._with_buffers(kernel))
@@ -180,6 +216,7 @@ class Grouping:
         stored = {
             n for n in group if where[n][0] == j and (n in self.always or self._outside_readers(groups, where, n))
         }
+        stored |= self._too_big(group, stored, [n for n in group if where[n][0] == j])
         kernel = self._kernel(group, stored)  # less the recomputed ops nothing in it uses
         members = set(kernel.ops) if kernel is not None else set()
         if any(r in stored for r in self.readers.get(name, ()) if r in members):
