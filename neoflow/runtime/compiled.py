@@ -134,7 +134,9 @@ class CompiledModel:
         self.step = 0
         self.lr = spec.lr if spec is not None else 0.0
         self.last_prediction: np.ndarray | None = None
-        self._run = build_executor(target, inference, inference.outputs, self.fusion, precision)
+        # a training compile builds the inference executor when it is first used: the step's own covers
+        # the same forward ops (and fails on them alike), and planning and compiling both doubled the wait
+        self._inference_built = None if training is not None else self._build_inference()
         self._names = {name: source for source, name in internal_names(inference).items()}
         if source is not None:
             initializers = {t.name for t in source.graph.initializer}
@@ -150,6 +152,16 @@ class CompiledModel:
             if spec.keep_prediction:
                 keep.insert(1, training.prediction)
             self._train = build_executor(target, training.graph, keep, self.fusion, precision)
+
+    def _build_inference(self):
+        return build_executor(self.target, self.inference, self.inference.outputs, self.fusion, self.precision)
+
+    @property
+    def _run(self):
+        """The inference graph's executor, built on first use."""
+        if self._inference_built is None:
+            self._inference_built = self._build_inference()
+        return self._inference_built
 
     # ----------------------------------------------------------------- running
 
