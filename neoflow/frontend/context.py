@@ -47,6 +47,7 @@ class Model:
     training: bool = False  # BatchNormalization uses batch statistics, Dropout drops
     state_updates: dict[str, str] = field(default_factory=dict)  # parameter -> tensor with its next value
     noise_inputs: list[str] = field(default_factory=list)  # inputs filled with uniform noise per run
+    consumers: set[str] = field(default_factory=set)  # ONNX names some node or the graph's outputs read
 
     def name_for(self, onnx_name: str) -> str:
         """The neoflow tensor name for an ONNX value name (a valid, unique identifier)."""

@@ -133,14 +133,19 @@ def global_pool(ctx: NodeContext) -> None:
 def batch_norm(ctx: NodeContext) -> None:
     """Inference: normalise with the running statistics.  Training: normalise
     with the batch's mean and (biased) variance and update the running
-    statistics as ONNX specifies: ``running = running * momentum + batch * (1 - momentum)``."""
-    training_outputs = [o for o in ctx.node.output[1:] if o]
-    if not ctx.model.training and (int(ctx.attr("training_mode", 0)) or training_outputs):
-        raise ctx.fail(
-            "BatchNormalization in training mode is compiled by the training compiler (neoflow.compile with "
-            "train=...), not imported for inference",
-            UnsupportedOpError,
-        )
+    statistics as ONNX specifies: ``running = running * momentum + batch * (1 - momentum)``.
+    A node exported in training mode (``training_mode=1``, as ``torch.onnx.export(...,
+    training=TrainingMode.TRAINING)`` writes it) is the same layer: its inference uses the
+    running statistics, as the model's eval mode does; its running-statistics outputs exist
+    only in a training step, so an inference graph reading them is refused."""
+    if not ctx.model.training:
+        for k, name in enumerate(ctx.node.output[1:], start=1):
+            if name and name in ctx.model.consumers:
+                raise ctx.fail(
+                    f"output {k} ('{name}', a running statistic) exists only in a training step "
+                    "(neoflow.compile with train=...), and the inference graph reads it",
+                    UnsupportedOpError,
+                )
     eps = float(ctx.attr("epsilon", 1e-5))
     x, scale, bias, mean, var = (ctx.input(i) for i in range(5))
     shape = ctx.shape(0)

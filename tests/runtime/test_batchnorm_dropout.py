@@ -120,8 +120,75 @@ def test_dropout_mask_is_seeded_and_drops_the_ratio() -> None:
     np.testing.assert_allclose(first.run({"x": batch["x"]})["logits"], plain.run({"x": batch["x"]})["logits"])
 
 
-def test_training_mode_batchnorm_is_refused_for_inference_import() -> None:
+def test_a_training_mode_batchnorm_infers_with_its_running_statistics() -> None:
+    """A node exported in training mode is the same layer: inference normalises with the running
+    statistics (the model's eval mode), exactly as the node without the attribute."""
+    plain = _model(0.0)
+    exported = _model(0.0)
+    node = exported.graph.node[1]
+    node.attribute.append(helper.make_attribute("training_mode", 1))
+    node.output.extend(["running_mean_out", "running_var_out"])
+    x = _batch()["x"]
+    got = neoflow.compile(exported).run({"x": x})["logits"]
+    np.testing.assert_array_equal(got, neoflow.compile(plain).run({"x": x})["logits"])
+
+
+def test_an_inference_graph_reading_a_running_statistic_output_is_refused() -> None:
     model = _model(0.0)
-    model.graph.node[1].attribute.append(helper.make_attribute("training_mode", 1))
-    with pytest.raises(UnsupportedOpError, match="compiled by the training compiler"):
+    node = model.graph.node[1]
+    node.attribute.append(helper.make_attribute("training_mode", 1))
+    node.output.extend(["running_mean_out", "running_var_out"])
+    model.graph.output.append(helper.make_tensor_value_info("running_mean_out", TensorProto.FLOAT, [4]))
+    with pytest.raises(UnsupportedOpError, match="exists only in a training step") as caught:
         neoflow.load_onnx(model, check=False)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_model_pytorch_exports_in_training_mode_trains_like_pytorch() -> None:
+    """``torch.onnx.export(..., training=TrainingMode.TRAINING)`` keeps BatchNormalization with
+    ``training_mode=1`` and its running-statistics outputs: the training compiler takes it (issue 39);
+    losses over three SGD steps match PyTorch's train mode, inference PyTorch's eval mode."""
+    import io
+
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    )
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((6, 3, 8, 8)).astype(np.float32), rng.integers(0, 5, 6).astype(np.int64)) for _ in range(3)
+    ]
+    buffer = io.BytesIO()
+    net.train()
+    torch.onnx.export(
+        net,
+        (torch.from_numpy(batches[0][0]),),
+        buffer,
+        dynamo=False,
+        training=torch.onnx.TrainingMode.TRAINING,
+        do_constant_folding=False,
+        input_names=["x"],
+        output_names=["logits"],
+    )
+    exported = onnx.load_from_string(buffer.getvalue())
+    assert any(a.name == "training_mode" and a.i == 1 for n in exported.graph.node for a in n.attribute)
+    with torch.no_grad():
+        want_inference = net.eval()(torch.from_numpy(batches[0][0])).numpy()
+    got_inference = neoflow.compile(exported).run({"x": batches[0][0]})["logits"]
+    np.testing.assert_allclose(got_inference, want_inference, rtol=1e-4, atol=1e-5)
+    model = neoflow.compile(exported, train=neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.1))
+    net.train()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        assert model.train_step({"x": x, "y": y}) == pytest.approx(loss.item(), rel=1e-5)
