@@ -6,10 +6,12 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
+from onnx import external_data_helper
 
 from neoflow.errors import InputError, NeoflowError, ParseError, UnsupportedOpError
 from neoflow.frontend import elementwise, indexing, linalg, nn, reduce, resize, shape  # noqa: F401  (they register converters)
@@ -39,6 +41,7 @@ def read_model(source: str | os.PathLike | onnx.ModelProto, check: bool = True) 
             raise InputError(f"'{path}' is not an ONNX model (or is truncated): {err}") from None
         if not model.graph.node and not model.graph.output:
             raise InputError(f"'{path}' is not an ONNX model (it holds no graph)")
+        _load_external_data(model, os.path.dirname(os.path.abspath(path)))
     if not check:
         return model
     try:
@@ -47,6 +50,26 @@ def read_model(source: str | os.PathLike | onnx.ModelProto, check: bool = True) 
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid model"
         raise InputError(f"the model fails onnx.checker: {first}") from None
     return model
+
+
+def _load_external_data(model: onnx.ModelProto, directory: str) -> None:
+    """Read the tensors ``model`` keeps in files beside it (``torch.onnx.export``'s default writes
+    ``m.onnx.data``) from ``directory``, the model file's own, whatever the working directory."""
+    stored = [t for t in model.graph.initializer if external_data_helper.uses_external_data(t)]
+    if not stored:
+        return
+    for tensor in stored:
+        location = external_data_helper.ExternalDataInfo(tensor).location
+        if os.path.isabs(location) or ".." in Path(location).parts:
+            raise InputError(f"tensor '{tensor.name}': its external data '{location}' lies outside the model's folder")
+        if not os.path.isfile(os.path.join(directory, location)):
+            raise InputError(
+                f"tensor '{tensor.name}': its external data file '{os.path.join(directory, location)}' does not exist"
+            )
+    try:
+        external_data_helper.load_external_data_for_model(model, directory)
+    except (OSError, ValueError) as err:
+        raise InputError(f"cannot read the model's external data from '{directory}': {err}") from None
 
 
 def _input_shape(value: onnx.ValueInfoProto, given: Mapping[str, Sequence[int]]) -> tuple[int, ...]:

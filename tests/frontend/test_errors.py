@@ -87,3 +87,40 @@ def test_input_file_is_not_modified(tmp_path) -> None:
     assert main(["run", str(tmp_path / "mlp.onnx"), "--random", "-o", str(tmp_path / "o")]) == 0
     assert (tmp_path / "mlp.onnx").read_bytes() == before
     assert np.load(tmp_path / "o" / "logits.npy").shape == (32, 10)
+
+
+def _external_model(tmp_path):
+    """A MatMul whose weight lies in ``m.onnx.data`` beside ``m.onnx`` (as PyTorch's exporter writes it)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.arange(64 * 8, dtype=np.float32).reshape(64, 8) / 512
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    onnx.save_model(model, folder / "m.onnx", save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    return folder / "m.onnx", weight
+
+
+def test_external_data_is_read_beside_the_model_whatever_the_working_directory(tmp_path, monkeypatch) -> None:
+    path, weight = _external_model(tmp_path)
+    before = path.read_bytes()
+    monkeypatch.chdir(tmp_path)  # not the model's folder
+    x = np.ones((2, 64), np.float32)
+    got = neoflow.compile(path, target="interp").run({"x": x})["y"]
+    np.testing.assert_allclose(got, x @ weight, rtol=1e-6)
+    assert path.read_bytes() == before  # the input file is not modified
+
+
+def test_missing_external_data_is_a_one_line_error_naming_the_tensor(tmp_path) -> None:
+    path, _ = _external_model(tmp_path)
+    (path.parent / "m.onnx.data").unlink()
+    with pytest.raises(InputError, match=r"tensor 'w': its external data file .* does not exist") as caught:
+        neoflow.load_onnx(path)
+    assert "\n" not in str(caught.value)
