@@ -229,7 +229,10 @@ class _AdjointBuilder:
         conditions = [map_indices(c, lambda e: e.xreplace(zmap).xreplace(rename)) for c in sol.conditions]
         for name in [*occ.variables, *sol.new_variables]:
             value = apply(index.var(name))
-            if value != index.var(name) and name in extents and not (value.is_Symbol and value.name in free):
+            # also where the value is the variable itself: the target's index of that name may range
+            # wider than the op's (a Split's first part reads h[i0, i1] with i1 < 8 of h's 24); the
+            # conditions the new box implies are dropped below
+            if name in extents and not (value.is_Symbol and value.name in free):
                 conditions.append(Binary(">=", _index(value), Const(0)))
                 conditions.append(Binary("<", _index(value), Const(extents[name])))
         conditions += [map_indices(g, apply) for guard in occ.guards for g in conjuncts(guard)]

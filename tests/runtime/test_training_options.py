@@ -103,3 +103,32 @@ def test_a_training_compile_builds_its_inference_executor_when_first_used(monkey
     want = neoflow.compile(MODELS_DIR / "mlp.onnx", target="interp").run({"x": x})
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
+
+
+def test_a_split_into_several_outputs_trains_like_pytorch() -> None:
+    """Each output of a multi-output Split reads its own slice; its adjoint writes that slice alone
+    (the adjoint of the first part once read its output's adjoint past its end: issue 39's qkv Split)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 24)).astype(np.float32) / 4
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Split", ["h", "parts"], ["q", "k", "v"], axis=1),
+        helper.make_node("Mul", ["q", "k"], ["qk"]),
+        helper.make_node("Add", ["qk", "v"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "qkv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([8, 8, 8], np.int64), "parts")],
+    )
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    batch = {"x": rng.standard_normal((4, 16)).astype(np.float32), "y": rng.integers(0, 8, 4)}
+    model = neoflow.compile(onnx_model, target="interp", train=neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.1))
+    weight = torch.tensor(w, requires_grad=True)
+    q, k, v = (torch.from_numpy(batch["x"]) @ weight).split(8, dim=1)
+    torch.nn.functional.cross_entropy(q * k + v, torch.from_numpy(batch["y"])).backward()
+    np.testing.assert_allclose(model.gradients(batch)["W"], weight.grad.numpy(), rtol=1e-5, atol=1e-6)
