@@ -8,7 +8,7 @@ value of each of them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,9 +104,10 @@ def _resolve(graph: Graph, name: str, what: str, choices: list[str]) -> str:
     return table[name]
 
 
-def build_training_graph(forward: Graph, spec: TrainSpec) -> TrainingGraph:
+def build_training_graph(forward: Graph, spec: TrainSpec, constants: Collection[str] = ()) -> TrainingGraph:
     """Build the training graph of ``forward`` (a graph imported in training
-    mode, whose ``parameters`` are the trainable candidates) under ``spec``.
+    mode, whose ``parameters`` are the trainable candidates but ``constants``:
+    values the import computed, as a folded ``Pow`` of two constants) under ``spec``.
 
     Errors: a frozen or output name that does not exist, a loss over a
     non-scalar, a label name that clashes with a tensor of the model."""
@@ -147,7 +148,8 @@ def build_training_graph(forward: Graph, spec: TrainSpec) -> TrainingGraph:
         prediction = forward.outputs[0] if spec.output is None else _resolve(forward, spec.output, "output", outputs)
         loss_ops, labels, stop = [], None, ()
     with_loss = Graph.from_ops([*forward.ops, *loss_ops], parameters=forward.parameters)
-    candidates = [p for p in forward.parameters if p not in frozen and p not in forward.state_updates]
+    fixed = set(constants)
+    candidates = [p for p in forward.parameters if p not in frozen | fixed and p not in forward.state_updates]
     reverse = backward(with_loss, loss_name, candidates, stop)
     learning_rate = fresh("learning_rate")
     tensors = with_loss.tensors

@@ -77,8 +77,25 @@ def compile(
     forward = inference
     if train is not None and proto is not None:
         forward = dataclasses.replace(load_onnx(proto, shapes, training=True), parameters=inference.parameters)
-    training = build_training_graph(forward, train) if train is not None else None
+    constants: list[str] = []
+    if proto is not None:  # a value the import computed (a folded Pow of two constants) is not trained
+        sources = {internal: source for source, internal in internal_names(forward).items()}
+        stored = _parameter_sources(proto) | set(parameters or {})
+        constants = [p for p in forward.parameters if sources.get(p, p) not in stored]
+    training = build_training_graph(forward, train, constants) if train is not None else None
     return CompiledModel(inference, training, train, target, proto, dict(shapes or {}), fusion, precision)
+
+
+def _parameter_sources(proto: onnx.ModelProto) -> set[str]:
+    """The ONNX names of a model's parameters: its initializers, and the outputs of ``Identity``
+    nodes reading one (PyTorch's exporter keeps one initializer of several equal parameters, as four
+    LayerNorms' fresh weights of ones, and the others as ``Identity`` copies: each is trained as the
+    parameter it was in the model)."""
+    found = {t.name for t in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type == "Identity" and node.input and node.input[0] in found:
+            found.add(node.output[0])
+    return found
 
 
 def _random(rng: np.random.Generator, shape: Sequence[int], dtype: str, classes: int) -> np.ndarray:
@@ -139,7 +156,7 @@ class CompiledModel:
         self._inference_built = None if training is not None else self._build_inference()
         self._names = {name: source for source, name in internal_names(inference).items()}
         if source is not None:
-            initializers = {t.name for t in source.graph.initializer}
+            initializers = _parameter_sources(source)
             self._parameter_names = [p for p in inference.parameters if self._names[p] in initializers]
         else:
             self._parameter_names = list(inference.parameters)
@@ -342,6 +359,11 @@ class CompiledModel:
                 old = numpy_helper.to_array(tensor)
                 new = numpy_helper.from_array(values[tensor.name].astype(old.dtype), tensor.name)
                 model.graph.initializer[k].CopyFrom(new)
+        # a parameter the exporter kept as an Identity copy of another becomes its own initializer again
+        copies = [n for n in model.graph.node if n.op_type == "Identity" and n.output[0] in values]
+        for node in copies:
+            model.graph.node.remove(node)
+            model.graph.initializer.append(numpy_helper.from_array(values[node.output[0]], node.output[0]))
         target = Path(path)
         _write_atomically(target, model.SerializeToString())
         return target

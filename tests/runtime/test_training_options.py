@@ -132,3 +132,73 @@ def test_a_split_into_several_outputs_trains_like_pytorch() -> None:
     q, k, v = (torch.from_numpy(batch["x"]) @ weight).split(8, dim=1)
     torch.nn.functional.cross_entropy(q * k + v, torch.from_numpy(batch["y"])).backward()
     np.testing.assert_allclose(model.gradients(batch)["W"], weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _encoder(width: int = 16, heads: int = 2):
+    """Two pre-LN transformer blocks (one qkv Linear and a Split, softmax, GELU) and a head."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+        def forward(self, x):
+            b, t, d = x.shape
+
+            def split_heads(z):
+                return z.reshape(b, t, heads, d // heads).transpose(1, 2)
+
+            q, k, v = (split_heads(z) for z in self.qkv(self.ln1(x)).split(d, dim=2))
+            a = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, dim=-1) @ v
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks, self.head = nn.Sequential(Block(), Block()), nn.Linear(width, 5)
+
+        def forward(self, x):
+            return self.head(self.blocks(x).mean(1))
+
+    return Net()
+
+
+def test_a_transformer_encoder_from_the_torchscript_exporter_trains_like_pytorch(tmp_path) -> None:
+    """Issue 39's encoder: its qkv Split trains; the exporter's folded constants (the attention
+    scale, a Pow of two constants) are not trained; the LayerNorm weights it deduplicated into one
+    initializer and Identity copies are trained each as its own parameter, as in PyTorch."""
+    import io
+
+    import onnx
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    net = _encoder()
+    x, y = torch.randn(4, 6, 16), torch.randint(0, 5, (4,))
+    buffer = io.BytesIO()
+    torch.onnx.export(net, (x,), buffer, dynamo=False, input_names=["x"], output_names=["logits"], opset_version=17)
+    exported = onnx.load_from_string(buffer.getvalue())
+    assert any(n.op_type == "Identity" for n in exported.graph.node)  # the deduplicated LayerNorm weights
+    model = neoflow.compile(exported, target="interp", train=neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.1))
+    assert "blocks.1.ln2.weight" in model.parameters()
+    assert not any("Pow" in model.public_name(p) for p in model.training.trainable)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        assert model.train_step({"x": x.numpy(), "y": y.numpy()}) == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    trained = net.state_dict()
+    np.testing.assert_allclose(model.parameters()["blocks.1.ln2.weight"], trained["blocks.1.ln2.weight"], atol=1e-6)
+    # exported, each trained copy is its own initializer again, and the file infers like the model
+    written = onnx.load(model.export_onnx(tmp_path / "trained.onnx"))
+    assert "blocks.1.ln2.weight" in {t.name for t in written.graph.initializer}
+    with torch.no_grad():
+        want = net(x).numpy()
+    np.testing.assert_allclose(neoflow.compile(written).run({"x": x.numpy()})["logits"], want, rtol=1e-4, atol=1e-5)
