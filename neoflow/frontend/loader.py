@@ -109,9 +109,8 @@ def load_onnx(
     model_proto = read_model(source, check)
     given = dict(shapes or {})
     opset = next((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), 1)
-    model = Model(training=training)
-    model.consumers = {name for node in model_proto.graph.node for name in node.input if name}
-    model.consumers |= {o.name for o in model_proto.graph.output}
+    read = {name for node in model_proto.graph.node for name in node.input if name}
+    model = Model(training=training, consumers=read | {o.name for o in model_proto.graph.output})
     bound = {name: np.asarray(v) for name, v in (constants or {}).items()}
     initializers = {t.name for t in model_proto.graph.initializer} | set(bound)
     values = [(t.name, to_array(t)) for t in model_proto.graph.initializer if t.name not in bound]

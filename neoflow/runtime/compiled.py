@@ -77,12 +77,14 @@ def compile(
     forward = inference
     if train is not None and proto is not None:
         forward = dataclasses.replace(load_onnx(proto, shapes, training=True), parameters=inference.parameters)
-    constants: list[str] = []
-    if proto is not None:  # a value the import computed (a folded Pow of two constants) is not trained
-        sources = {internal: source for source, internal in internal_names(forward).items()}
-        stored = _parameter_sources(proto) | set(parameters or {})
-        constants = [p for p in forward.parameters if sources.get(p, p) not in stored]
-    training = build_training_graph(forward, train, constants) if train is not None else None
+    training = None
+    if train is not None:
+        constants: list[str] = []
+        if proto is not None:  # a value the import computed (a folded Pow of two constants) is not trained
+            sources = {internal: source for source, internal in internal_names(forward).items()}
+            stored = _parameter_sources(proto) | set(parameters or {})
+            constants = [p for p in forward.parameters if sources.get(p, p) not in stored]
+        training = build_training_graph(forward, train, constants)
     return CompiledModel(inference, training, train, target, proto, dict(shapes or {}), fusion, precision)
 
 

@@ -184,24 +184,23 @@ def test_independent_kernels_run_in_the_graph_order_of_their_own_first_op() -> N
     assert [k.materialized for k in plan.kernels] == [("X2",), ("dX",), ("dW",)]
 
 
-def test_a_chain_whose_inlining_would_grow_exponentially_stores_its_big_ops() -> None:
-    """Each op reads the one before three times: inlining all 14 into the last would give an
-    expression of 3^14 reads.  Past ``INLINE_NODES`` nodes the producer is stored instead, so the
-    plan is made at once and its kernel still computes the chain."""
-    import time
+def test_a_chain_whose_inlining_would_grow_exponentially_stores_its_big_ops(monkeypatch) -> None:
+    """Each op reads the one before three times: inlining all 8 into the last would give an
+    expression of 3^8 reads.  Past ``INLINE_NODES`` nodes (lowered here, so the unbounded plan
+    stays quick to make and fails the checks rather than hanging) the producer is stored instead,
+    and the kernel still computes the chain."""
+    import neoflow.fusion.plan as plan_module
 
-    from neoflow.fusion.plan import INLINE_NODES
-
-    levels = 14
+    bound = 60
+    monkeypatch.setattr(plan_module, "INLINE_NODES", bound)
+    levels = 8
     text = "\n".join(f"A{k + 1}[i] = A{k}[i] * A{k}[i] - A{k}[i] * 0.5" for k in range(levels))
     graph = neoflow.graph(text, shapes={"A0": (8,)})
-    start = time.perf_counter()
     plan = plan_from_groups(graph, [[op.name for op in graph.ops]])
     fused, _ = apply_plan(graph, plan)
-    assert time.perf_counter() - start < 20
     kernel = plan.kernels[0]
     assert f"A{levels}" in kernel.materialized and len(kernel.materialized) > 1  # some big producers stored
-    assert all(sum(1 for _ in op.body.walk()) <= 2 * INLINE_NODES for op in fused.ops)
+    assert all(sum(1 for _ in op.body.walk()) <= 3 * bound for op in fused.ops)
     x = np.random.default_rng(0).uniform(-0.5, 0.5, 8).astype(np.float32)
     want = x
     for _ in range(levels):

@@ -143,14 +143,14 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
     phases: list[tuple[str, Program]] = []
     cores = machine.cores("cube")
     fixpipe = all(cube.fixpipe_epilogue(v) for v in views)
-    on_chip = not fixpipe and covers_output(op, views) and all(cube.vector_epilogue(v, machine) for v in views)
+    on_chip = not fixpipe and covers_output(op, views) and cube.vector_epilogue(machine)
     chosen = [
         _best_tiles(op, view, pair, machine, cores, fixpipe, on_chip) for view, pair in zip(views, gathers, strict=True)
     ]
     tiles = [t for t, _ in chosen]
-    on_chip = all(fits for _, fits in chosen)
+    on_chip = all(fits for _, fits in chosen)  # every piece's tiling undivided, its epilogue in UB
     split = any(t.splits > 1 for t in tiles)
-    direct = not split and (fixpipe or on_chip)
+    direct = on_chip or (fixpipe and not split)
     workspace = None if direct else workspace_name(op)
     extra = {} if direct else {workspace: op.output.size * cube.ACCUMULATOR_BYTES}
     if split or not covers_output(op, views):  # split partial sums add onto zeros
@@ -159,7 +159,6 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
         phases.append(("zero", _zero_phase(op, machine, zeroed, size, extra)))
     program = Program(machine, _tensors(op, extra))
     itemsize = dt.numpy_dtype(op.dtype).itemsize
-    through_ub = direct and not fixpipe
 
     def emit(target: Program, touch: FirstTouch) -> None:
         steps: dict[int, list[int]] = {}
@@ -175,7 +174,7 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
                 workspace,
                 steps,
                 touch,
-                on_chip=through_ub,
+                on_chip=on_chip,
             )
 
     fetched(program, _inputs(op), emit, len(cores))

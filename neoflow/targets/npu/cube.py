@@ -119,9 +119,9 @@ def fixpipe_epilogue(view: GemmView) -> bool:
     return True
 
 
-def vector_epilogue(view: GemmView, machine: Machine) -> bool:
-    """Whether ``view``'s epilogue, which FIXPIPE cannot apply, runs on the vector unit of the core
-    that computed the tile (FIXPIPE drains L0C into UB): a machine whose cores hold both units."""
+def vector_epilogue(machine: Machine) -> bool:
+    """Whether an epilogue FIXPIPE cannot apply runs on the vector unit of the core that computed
+    the tile (FIXPIPE drains L0C into UB): a machine whose cores hold both units."""
     return machine.layout == "coupled" and machine.has_path("L0C", "UB")
 
 

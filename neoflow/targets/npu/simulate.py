@@ -125,8 +125,7 @@ def _fixpipe(tile: OutputTile, sums: np.ndarray, gm) -> None:
             gm[tile.workspace][offsets] = sums
         return
     arrays = {t.name: gm[t.name].reshape(t.shape) for t in view.op.inputs}
-    body = view.epilogue if view.epilogue is not None else view.reduce
-    result = evaluate_at(body, env, arrays, view.op.name, reduction=sums)
+    result = _epilogue_value(view, env, arrays, sums)
     target = gm[view.op.name]
     target[offsets] = result.astype(target.dtype, copy=False)
 
@@ -136,10 +135,16 @@ def _epilogue(instruction: Instruction, tile: EpilogueTile, buffers) -> None:
     held = [_load(buffers, core, r) for r in instruction.reads]
     sums, patches = held[0], [h for h in held[1:] if isinstance(h, _Patch)]
     env, _ = cube.output_offsets(view, tile.rows, tile.cols, tile.batch)
-    body = view.epilogue if view.epilogue is not None else view.reduce
-    value = evaluate_at(body, env, _masked(view.op, patches), view.op.name, reduction=sums)
+    value = _epilogue_value(view, env, _masked(view.op, patches), sums)
     out = np.broadcast_to(np.asarray(value), sums.shape).astype(dt.numpy_dtype(view.op.dtype))
     _store(buffers, core, instruction.writes[0], out)
+
+
+def _epilogue_value(view, env: dict, arrays: dict, sums: np.ndarray):
+    """``view``'s epilogue (its reduction alone where it has none) at the points of ``env``, the
+    reduction's value there ``sums``."""
+    body = view.epilogue if view.epilogue is not None else view.reduce
+    return evaluate_at(body, env, arrays, view.op.name, reduction=sums)
 
 
 def _masked(op, patches: list[_Patch]) -> dict[str, np.ndarray]:
