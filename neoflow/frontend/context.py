@@ -48,6 +48,7 @@ class Model:
     state_updates: dict[str, str] = field(default_factory=dict)  # parameter -> tensor with its next value
     noise_inputs: list[str] = field(default_factory=list)  # inputs filled with uniform noise per run
     consumers: set[str] = field(default_factory=set)  # ONNX names some node or the graph's outputs read
+    unfolded: set[str] = field(default_factory=set)  # ONNX initializers whose values no node is folded from
 
     def name_for(self, onnx_name: str) -> str:
         """The neoflow tensor name for an ONNX value name (a valid, unique identifier)."""

@@ -95,6 +95,7 @@ def load_onnx(
     check: bool = True,
     constants: Mapping[str, np.ndarray] | None = None,
     training: bool = False,
+    fold_parameters: bool = True,
 ) -> Graph:
     """Import an ONNX model (path or ModelProto) as a Graph of tensor-expression ops.
 
@@ -105,12 +106,16 @@ def load_onnx(
     import (shape or axes inputs).  With ``training``, BatchNormalization uses
     batch statistics and updates its running statistics
     (``graph.state_updates``) and Dropout drops by a noise input
-    (``graph.noise_inputs``).  Errors name the node and the cause."""
+    (``graph.noise_inputs``).  ``fold_parameters`` False keeps every computation on an initializer
+    (a ``Transpose`` of a ``Linear`` weight) an op, so that training updates what it reads: a
+    model compiled to be trained is imported so.  Errors name the node and the cause."""
     model_proto = read_model(source, check)
     given = dict(shapes or {})
     opset = next((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     read = {name for node in model_proto.graph.node for name in node.input if name}
     model = Model(training=training, consumers=read | {o.name for o in model_proto.graph.output})
+    if not fold_parameters:
+        model.unfolded = {t.name for t in model_proto.graph.initializer}
     bound = {name: np.asarray(v) for name, v in (constants or {}).items()}
     initializers = {t.name for t in model_proto.graph.initializer} | set(bound)
     values = [(t.name, to_array(t)) for t in model_proto.graph.initializer if t.name not in bound]
@@ -182,10 +187,18 @@ def _convert(node: onnx.NodeProto, model: Model, opset: int) -> None:
         ) from None
 
 
+# ops whose result does not depend on their input's values (Identity: a copy of an initializer is a
+# parameter of its own, see ``runtime.compiled._parameter_sources``)
+_VALUE_FREE = frozenset({"Shape", "Size", "Identity"})
+
+
 def _fold(ctx: NodeContext, before: int) -> None:
-    """If every input of the node is a constant, evaluate its ops now and keep the values."""
+    """If every input of the node is a constant, evaluate its ops now and keep the values (not
+    where the node computes from the values of an initializer the import must keep unfolded)."""
     inputs = [i for i in range(len(ctx.node.input)) if ctx.has_input(i)]
     if not inputs or not all(ctx.constant(i) is not None for i in inputs):
+        return
+    if ctx.node.op_type not in _VALUE_FREE and any(ctx.node.input[i] in ctx.model.unfolded for i in inputs):
         return
     new_ops = ctx.model.ops[before:]
     del ctx.model.ops[before:]

@@ -71,12 +71,13 @@ def compile(
         inference = parse_graph(path.read_text(), shapes)
     else:
         proto = read_model(model)
-        inference = load_onnx(proto, shapes)
+        # trained, a weight read through a computation (a Linear's Transpose) must stay the weight
+        inference = load_onnx(proto, shapes, fold_parameters=train is None)
     if parameters:
         inference = _bind(inference, parameters)
     forward = inference
     if train is not None and proto is not None:
-        forward = dataclasses.replace(load_onnx(proto, shapes, training=True), parameters=inference.parameters)
+        forward = dataclasses.replace(load_onnx(proto, shapes, training=True, fold_parameters=False), parameters=inference.parameters)
     training = None
     if train is not None:
         constants: list[str] = []

@@ -202,3 +202,37 @@ def test_a_transformer_encoder_from_the_torchscript_exporter_trains_like_pytorch
     with torch.no_grad():
         want = net(x).numpy()
     np.testing.assert_allclose(neoflow.compile(written).run({"x": x.numpy()})["logits"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_weights_the_exporter_reads_through_a_transpose_are_trained_and_inference_sees_them() -> None:
+    """A training-mode export (no constant folding) reads each Linear's weight through a Transpose
+    node; folded at import it was a new constant, so the weight was never trained and inference after
+    training read the stale copy.  Every parameter of the module is trained, as in PyTorch."""
+    import io
+
+    import onnx
+    import torch.nn.functional as F
+
+    torch.manual_seed(1)
+    net = _encoder()
+    x, y = torch.randn(4, 6, 16), torch.randint(0, 5, (4,))
+    buffer = io.BytesIO()
+    torch.onnx.export(
+        net, (x,), buffer, dynamo=False, input_names=["x"], output_names=["logits"], opset_version=17,
+        training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+    )  # fmt: skip
+    exported = onnx.load_from_string(buffer.getvalue())
+    assert any(n.op_type == "Transpose" and n.input[0] == "blocks.0.fc1.weight" for n in exported.graph.node)
+    model = neoflow.compile(exported, target="interp", train=neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.1))
+    assert set(model.parameters()) == {name for name, _ in net.named_parameters()}
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        assert model.train_step({"x": x.numpy(), "y": y.numpy()}) == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(model.parameters()["blocks.0.fc1.weight"], net.blocks[0].fc1.weight.detach(), atol=1e-6)
+    with torch.no_grad():
+        want = net(x).numpy()
+    np.testing.assert_allclose(model.run({"x": x.numpy()})["logits"], want, rtol=1e-4, atol=1e-5)
