@@ -77,7 +77,9 @@ def compile(
         inference = _bind(inference, parameters)
     forward = inference
     if train is not None and proto is not None:
-        forward = dataclasses.replace(load_onnx(proto, shapes, training=True, fold_parameters=False), parameters=inference.parameters)
+        forward = dataclasses.replace(
+            load_onnx(proto, shapes, training=True, fold_parameters=False), parameters=inference.parameters
+        )
     training = None
     if train is not None:
         constants: list[str] = []
