@@ -26,6 +26,18 @@ from neoflow.runtime import CompiledModel, compile, load
 
 __version__ = "0.1.0"
 
+#: bridges imported on first use: ``neoflow.torch`` needs the ``torch`` extra
+_BRIDGES = ("torch",)
+
+
+def __getattr__(name: str):
+    if name in _BRIDGES:
+        import importlib
+
+        return importlib.import_module(f"neoflow.{name}")
+    raise AttributeError(f"module 'neoflow' has no attribute '{name}'")
+
+
 __all__ = [
     "CompileError",
     "CompiledModel",

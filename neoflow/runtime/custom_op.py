@@ -7,7 +7,7 @@ grads = layer.backward({"A": a, "B": b}, {"dC": dout})   # {"A": dA, "B": dB}
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -45,6 +45,7 @@ class CompiledOp:
         self.adjoints: dict[str, Op] = derive(op) if grad else {}
         self._backward = None
         self._both = None
+        self._partial: dict[frozenset[str], tuple[Graph, object]] = {}  # graph, executor of some adjoints
         if self.adjoints:
             self.backward_graph = Graph.from_ops(
                 [op, *self.adjoints.values()], outputs=[a.name for a in self.adjoints.values()]
@@ -90,16 +91,32 @@ class CompiledOp:
         inputs: Mapping[str, np.ndarray],
         output_grad: Mapping[str, np.ndarray],
         out: Mapping[str, object] | None = None,
+        wrt: Collection[str] | None = None,
     ) -> dict[str, np.ndarray]:
         """Adjoints of the op's inputs, by input name, given the inputs and the output
         adjoint (``{"d<Out>": array}``); ``out`` (``cuda``): GPU arrays, by input name, to
-        write adjoints into."""
+        write adjoints into; ``wrt``: only these inputs' adjoints (a kernel set of their own,
+        compiled on first use; None: all)."""
         if self._backward is None:
             raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
-        unknown = sorted(set(out or {}) - set(self.adjoints))
+        wanted = set(self.adjoints) if wrt is None else set(wrt)
+        unknown = sorted((wanted | set(out or {})) - set(self.adjoints))
         if unknown:
-            raise CompileError(f"out names '{unknown[0]}', which has no adjoint", op=self.op.name)
+            raise CompileError(
+                f"'{unknown[0]}' has no adjoint (inputs with one: {', '.join(self.adjoints)})", op=self.op.name
+            )
+        unwanted = sorted(set(out or {}) - wanted)
+        if unwanted:
+            raise CompileError(f"out names '{unwanted[0]}', whose adjoint wrt leaves out", op=self.op.name)
+        adjoints = {name: a for name, a in self.adjoints.items() if name in wanted}
+        graph, executor = self.backward_graph, self._backward
+        if len(adjoints) < len(self.adjoints):
+            key = frozenset(adjoints)
+            if key not in self._partial:
+                keep = [a.name for a in adjoints.values()]
+                graph = Graph.from_ops([self.op, *adjoints.values()], outputs=keep)
+                self._partial[key] = graph, build_executor(self.target, graph, keep, self.fusion, self.precision)
+            graph, executor = self._partial[key]
         targets = self._outputs({self.adjoints[name].name: value for name, value in (out or {}).items()})
-        given = self._inputs(self.backward_graph, {**inputs, **output_grad})
-        outputs = self._backward.run(given, **targets)
-        return {name: outputs[adjoint.name] for name, adjoint in self.adjoints.items()}
+        outputs = executor.run(self._inputs(graph, {**inputs, **output_grad}), **targets)
+        return {name: outputs[adjoint.name] for name, adjoint in adjoints.items()}

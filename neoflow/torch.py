@@ -1,0 +1,315 @@
+"""neoflow ops as PyTorch operators (the optional extra ``neoflow[torch]``).
+
+    import neoflow.torch
+    caps = neoflow.torch.op("Out[b, k, p, q, i, j] = ReduceAdd({c, r, s, t}, "
+                            "In[b, c, p*2 + r, q*2 + s, i, t] * W[k, c, r, s, t, j])")
+    y = caps(x, w)            # torch tensors in, a torch tensor out
+    y.sum().backward()        # x.grad, w.grad from the derived adjoints
+
+Each expression becomes a real PyTorch operator (``torch.library.custom_op``, namespace ``neoflow``) with a
+fake (meta) implementation and an autograd formula: it runs eagerly, inside ``torch.compile(fullgraph=True)``
+without a graph break, under ``torch.autograd.gradcheck``, ``torch.no_grad`` and ``torch.export``.  Its
+backward is a second operator running the op's derived gather-form adjoints, only those of the inputs that
+need a gradient.  Inputs bind by position (in the order the expression first reads them) or by name; shapes
+and dtype come from the tensors at call time, and the kernels are compiled once per shape, dtype and device
+(and cached on disk as every neoflow kernel).  CPU tensors run on the ``cpu`` target, read and written without
+copies (DLPack); CUDA tensors on the ``cuda`` target, read and written where they lie.
+``Module(expression, parameters={"W": shape})`` is an ``nn.Module`` holding the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields, is_dataclass
+
+import numpy as np
+import torch
+
+from neoflow.errors import InputError, ParseError
+from neoflow.ir import dtypes as dt
+from neoflow.ir.syntax import Assign, Subscript
+from neoflow.ir.text import parse, parse_op
+from neoflow.runtime.custom_op import CompiledOp
+
+__all__ = ["Module", "TorchOp", "op"]
+
+#: torch dtypes an op runs in, as neoflow dtype names
+DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: the neoflow target a tensor's device runs on
+TARGETS = {"cpu": "cpu", "cuda": "cuda"}
+
+
+def op(expression: str, name: str | None = None, fusion: str = "neoflow") -> TorchOp:
+    """The tensor expression ``expression`` (one statement) as a PyTorch operator: call it with
+    torch tensors (by position, in the order the expression first reads them, or by name).
+    ``name`` names the operator (``torch.ops.neoflow.<name>``; default: from a hash of the text)."""
+    with _REGISTRY_LOCK:
+        key = name or _default_name(expression)
+        found = _REGISTRY.get(key)
+        if found is None:
+            found = _REGISTRY[key] = TorchOp(expression, key, fusion)
+        elif found.expression != expression:
+            raise InputError(f"an operator named '{key}' is already registered, for '{found.expression}'")
+    return found
+
+
+#: the operators registered in this process, by name (PyTorch registers a name once)
+_REGISTRY: dict[str, TorchOp] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _default_name(expression: str) -> str:
+    return "op_" + hashlib.sha1(expression.encode()).hexdigest()[:12]
+
+
+class TorchOp:
+    """A tensor expression registered as the PyTorch operator ``torch.ops.neoflow.<name>`` (forward)
+    and ``torch.ops.neoflow.<name>_backward`` (the adjoints of the inputs asked for), with a fake
+    implementation and an autograd formula.  ``inputs``: the input names in call order;
+    ``output``: the output's name.  Made by ``op``, which registers each name once."""
+
+    def __init__(self, expression: str, name: str | None = None, fusion: str = "neoflow") -> None:
+        statements = [s for s in parse(expression) if isinstance(s, Assign)]
+        if len(statements) != 1:
+            raise ParseError(f"neoflow.torch.op takes one statement, found {len(statements)}")
+        self.expression = expression
+        self.output = statements[0].target.name
+        self.inputs = _reads(statements[0].value, self.output)
+        if not self.inputs:
+            raise ParseError(f"'{self.output}' reads no tensor: an operator needs inputs")
+        self.fusion = fusion
+        self.name = name or _default_name(expression)
+        self._compiled: dict[tuple, CompiledOp] = {}
+        self._lock = threading.Lock()
+        self.forward_op, self.backward_op = _register(self)
+
+    # ----------------------------------------------------------------- calling
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        """The op's output: tensors by position (``inputs`` order) or by name."""
+        return self.forward_op(*self.bind(args, kwargs))
+
+    def bind(self, args: Sequence[torch.Tensor], kwargs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The call's tensors in ``inputs`` order; an ``InputError`` naming what is missing or extra."""
+        if len(args) > len(self.inputs):
+            raise InputError(
+                f"{self.output} takes {len(self.inputs)} tensors ({', '.join(self.inputs)}), got {len(args)}"
+            )
+        bound = dict(zip(self.inputs, args, strict=False))
+        for key, value in kwargs.items():
+            if key not in self.inputs:
+                raise InputError(f"'{key}' is not an input of {self.output} (inputs: {', '.join(self.inputs)})")
+            if key in bound:
+                raise InputError(f"input '{key}' of {self.output} given twice")
+            bound[key] = value
+        missing = [n for n in self.inputs if n not in bound]
+        if missing:
+            raise InputError(f"missing input '{missing[0]}' of {self.output} (inputs: {', '.join(self.inputs)})")
+        tensors = [bound[n] for n in self.inputs]
+        for input_name, tensor in zip(self.inputs, tensors, strict=True):
+            if not isinstance(tensor, torch.Tensor):
+                raise InputError(f"input '{input_name}' of {self.output} is a {type(tensor).__name__}, not a tensor")
+        return tensors
+
+    # --------------------------------------------------------------- compiling
+
+    def compiled(self, tensors: Sequence[torch.Tensor], grad: bool = False) -> CompiledOp:
+        """The op compiled for these tensors' shapes, dtype and device (built on first use, then kept;
+        ``grad``: with its adjoints)."""
+        dtype, target = self._dtype_and_target(tensors)
+        shapes = {n: tuple(t.shape) for n, t in zip(self.inputs, tensors, strict=True)}
+        key = (tuple(shapes.values()), dtype, target, grad)
+        with self._lock:
+            found = self._compiled.get(key)
+            if found is None:
+                parsed = parse_op(self.expression, shapes, dtype=dtype, dtypes=self._index_dtypes(tensors))
+                found = self._compiled[key] = CompiledOp(parsed, target, grad, self.fusion)
+        return found
+
+    def output_spec(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], torch.dtype]:
+        """The output's shape and dtype for these inputs (without compiling: what the fake runs)."""
+        dtype, _ = self._dtype_and_target(tensors)
+        shapes = {n: tuple(t.shape) for n, t in zip(self.inputs, tensors, strict=True)}
+        parsed = parse_op(self.expression, shapes, dtype=dtype, dtypes=self._index_dtypes(tensors))
+        return parsed.shape, _torch_dtype(parsed.dtype)
+
+    def _dtype_and_target(self, tensors: Sequence[torch.Tensor]) -> tuple[str, str]:
+        floats = {t.dtype for t in tensors if t.is_floating_point()}
+        if len(floats) > 1:
+            raise InputError(f"{self.output}: inputs mix dtypes {sorted(str(d) for d in floats)}")
+        dtype = floats.pop() if floats else torch.float32
+        if dtype not in DTYPES:
+            raise InputError(f"{self.output}: dtype {dtype} is not supported (float16, bfloat16, float32, float64)")
+        devices = {t.device.type for t in tensors}
+        if len(devices) > 1 or {t.device for t in tensors if t.device.type != "meta"}.__len__() > 1:
+            raise InputError(
+                f"{self.output}: inputs lie on different devices ({sorted(str(t.device) for t in tensors)})"
+            )
+        device = devices.pop()
+        if device not in TARGETS and device != "meta":
+            raise InputError(f"{self.output}: tensors on '{device}' are not supported (cpu or cuda)")
+        return DTYPES[dtype], TARGETS.get(device, "cpu")
+
+    def _index_dtypes(self, tensors: Sequence[torch.Tensor]) -> dict[str, str]:
+        """Integer and bool inputs (index tables, masks) keep their own dtypes."""
+        return {
+            n: str(t.dtype).removeprefix("torch.")
+            for n, t in zip(self.inputs, tensors, strict=True)
+            if not t.is_floating_point()
+        }
+
+    # ----------------------------------------------------------------- running
+
+    def run_forward(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The forward operator's implementation: compile (once) and run."""
+        compiled = self.compiled(tensors)
+        if tensors[0].device.type == "cuda":
+            shape, dtype = self.output_spec(tensors)
+            result = torch.empty(shape, dtype=dtype, device=tensors[0].device)
+            compiled.run(dict(zip(self.inputs, (t.contiguous() for t in tensors), strict=True)), out=result)
+            return result
+        return torch.from_dlpack(compiled.run(_host_arrays(self.inputs, tensors)))
+
+    def run_backward(self, grad: torch.Tensor, tensors: Sequence[torch.Tensor], wanted: Sequence[bool]) -> list:
+        """The backward operator's implementation: the adjoints of the inputs ``wanted`` marks."""
+        names = [n for n, w in zip(self.inputs, wanted, strict=True) if w]
+        if not names:
+            return []
+        compiled = self.compiled(tensors, grad=True)
+        missing = [n for n in names if n not in compiled.adjoints]
+        if missing:
+            raise InputError(f"{self.output}: input '{missing[0]}' has no gradient (not a float tensor)")
+        output_grad = f"d{self.output}"
+        if grad.device.type == "cuda":
+            out = {
+                n: torch.empty_like(t, memory_format=torch.contiguous_format)
+                for n, t in zip(self.inputs, tensors, strict=True)
+                if n in names
+            }
+            given = dict(zip(self.inputs, (t.contiguous() for t in tensors), strict=True))
+            compiled.backward(given, {output_grad: grad.contiguous()}, out=out, wrt=names)
+            return [out[n] for n in names]
+        arrays = _host_arrays([*self.inputs, output_grad], [*tensors, grad])
+        results = compiled.backward(arrays, {output_grad: arrays.pop(output_grad)}, wrt=names)
+        return [torch.from_dlpack(results[n]) for n in names]
+
+
+def _reads(expression: object, output: str) -> list[str]:
+    """The tensors an expression's syntax tree reads, in the order of their first read in the text."""
+    found: list[tuple[tuple[int, int], str]] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, Subscript):
+            found.append((node.pos, node.name))
+        if is_dataclass(node):
+            for f in fields(node):
+                walk(getattr(node, f.name))
+        elif isinstance(node, (tuple, list)):
+            for item in node:
+                walk(item)
+
+    walk(expression)
+    names: list[str] = []
+    for _, name in sorted(found):
+        if name not in names and name != output:
+            names.append(name)
+    return names
+
+
+def _host_arrays(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
+    """numpy views of CPU tensors by name (DLPack, no copy; a non-contiguous tensor is made contiguous)."""
+    return {n: np.from_dlpack(t.detach().contiguous()) for n, t in zip(names, tensors, strict=True)}
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    return getattr(torch, str(dt.numpy_dtype(dtype)) if dtype != "bfloat16" else "bfloat16")
+
+
+def _register(layer: TorchOp) -> tuple[Callable, Callable]:
+    """Register ``layer``'s forward and backward operators with PyTorch (fake implementations and the
+    autograd formula included); returns the two operators."""
+    qualname = f"neoflow::{layer.name}"
+    arguments = ", ".join(f"Tensor {n}" for n in layer.inputs)
+    forward = torch.library.custom_op(
+        qualname, lambda *tensors: layer.run_forward(tensors), mutates_args=(), schema=f"({arguments}) -> Tensor"
+    )
+    backward = torch.library.custom_op(
+        f"{qualname}_backward",
+        lambda grad, *rest: layer.run_backward(grad, rest[:-1], rest[-1]),
+        mutates_args=(),
+        schema=f"(Tensor grad, {arguments}, bool[] wanted) -> Tensor[]",
+    )
+
+    @forward.register_fake
+    def _(*tensors: torch.Tensor) -> torch.Tensor:
+        shape, dtype = layer.output_spec(tensors)
+        return tensors[0].new_empty(shape, dtype=dtype)
+
+    @backward.register_fake
+    def _(grad: torch.Tensor, *rest) -> list[torch.Tensor]:
+        tensors, wanted = rest[:-1], rest[-1]
+        return [
+            torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t, w in zip(tensors, wanted, strict=True)
+            if w
+        ]
+
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    def gradient(ctx, grad: torch.Tensor):
+        tensors = ctx.saved_tensors
+        wanted = [bool(w) and t.is_floating_point() for w, t in zip(ctx.needs_input_grad, tensors, strict=True)]
+        results = iter(backward(grad, *tensors, wanted))
+        return tuple(next(results) if w else None for w in wanted)
+
+    forward.register_autograd(gradient, setup_context=setup_context)
+    return forward, backward
+
+
+class Module(torch.nn.Module):
+    """An ``nn.Module`` computing ``expression`` with the inputs named in ``parameters`` held as
+    ``nn.Parameter``s of the given shapes (initialised by ``init``, a function filling a tensor in
+    place; default uniform in +-1/sqrt(fan-in), fan-in the product of all dims but the first).
+    ``forward`` takes the other inputs, in the order the expression first reads them, or by name."""
+
+    def __init__(
+        self,
+        expression: str,
+        parameters: Mapping[str, Sequence[int]],
+        init: Callable[[torch.Tensor], object] | None = None,
+        dtype: torch.dtype = torch.float32,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.op = op(expression, name)
+        unknown = sorted(set(parameters) - set(self.op.inputs))
+        if unknown:
+            raise InputError(
+                f"parameter '{unknown[0]}' is not an input of {self.op.output} (inputs: {', '.join(self.op.inputs)})"
+            )
+        self.data_inputs = [n for n in self.op.inputs if n not in parameters]
+        for key, shape in parameters.items():
+            weight = torch.empty(tuple(shape), dtype=dtype)
+            with torch.no_grad():
+                if init is None:
+                    bound = 1.0 / math.sqrt(max(1, math.prod(shape[1:])))
+                    weight.uniform_(-bound, bound)
+                else:
+                    init(weight)
+            self.register_parameter(key, torch.nn.Parameter(weight))
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        """The expression on the data inputs (by position or name) and the module's parameters."""
+        if len(args) > len(self.data_inputs):
+            expected = f"{len(self.data_inputs)} data tensors ({', '.join(self.data_inputs)})"
+            raise InputError(f"{self.op.output} takes {expected}, got {len(args)}")
+        given = {**dict(zip(self.data_inputs, args, strict=False)), **kwargs}
+        given.update({n: p for n, p in self.named_parameters(recurse=False)})
+        return self.op(**given)
+
+    def extra_repr(self) -> str:
+        return repr(self.op.expression)
