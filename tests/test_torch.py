@@ -142,3 +142,20 @@ def test_module_holds_the_weights_and_trains() -> None:
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     torch.testing.assert_close(layer(In=x), capsule_reference(x, layer.W))
+
+
+def test_the_capsnet_example_trains_like_its_plain_pytorch_twin() -> None:
+    """models/capsnet_torch.py: its neoflow capsule layers give the losses of the einsum network."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "models" / "capsnet_torch.py"
+    spec = importlib.util.spec_from_file_location("capsnet_torch", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    ours, theirs = example.twins(channels=4)
+    ours_step, theirs_step = example.trainer(ours), example.trainer(theirs)
+    x, y = example.digits()
+    for k in range(5):
+        batch = x[16 * k : 16 * k + 16], y[16 * k : 16 * k + 16]
+        assert ours_step(*batch) == pytest.approx(theirs_step(*batch), abs=1e-5)
