@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.run import _set_threads, machine
+from benchmarks.run import machine, set_threads
 from benchmarks.timing import interleaved_medians, interleaved_rounds, pooled_medians, round_ratios
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/fusion_results", help="output prefix (.md)")
     parser.add_argument("--plot", default="docs/fusion-capsule.png", help="the capsule network's comparison plot")
     args = parser.parse_args(argv)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     runs = 5 if args.quick else max(5, args.runs)
     from neoflow.runtime.fusion_report import plot_comparison
 

@@ -25,7 +25,7 @@ import numpy as np
 from benchmarks.timing import interleaved_medians
 
 
-def _set_threads(threads: int) -> None:
+def set_threads(threads: int) -> None:
     os.environ["NEOFLOW_NUM_THREADS"] = str(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("XLA_FLAGS", f"--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={threads}")
@@ -56,7 +56,7 @@ class Workload:
     goal: str = ""
 
 
-def _torch_compile(fn: Callable, *args):
+def torch_compiled(fn: Callable, *args):
     import torch
 
     try:
@@ -82,7 +82,7 @@ def sgemm(n: int) -> Workload:
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     jitted = jax.jit(lambda x, y: x @ y)
-    compiled = _torch_compile(lambda x, y: x @ y, ta, tb)
+    compiled = torch_compiled(lambda x, y: x @ y, ta, tb)
     return Workload(
         f"sgemm {n}^3",
         2.0 * n**3,
@@ -138,7 +138,7 @@ def capsule(stride: int) -> Workload:
 
     jax_grad = jax.jit(jax.value_and_grad(jax_loss, argnums=(0, 1)))
     jx, jw, jd = (jnp.asarray(v) for v in (x, w, dout))
-    compiled = _torch_compile(lambda a, b: capsule_conv(a, b, stride), tx, tw)
+    compiled = torch_compiled(lambda a, b: capsule_conv(a, b, stride), tx, tw)
     macs = 16 * 32 * 14 * 14 * 4 * 4 * 32 * 3 * 3 * 4
     return Workload(
         f"capsule conv stride {stride} fwd+bwd",
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--out", default="benchmarks/results", help="output prefix (.md and .png)")
     args = parser.parse_args(argv)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     import torch
 
     torch.set_num_threads(args.threads)

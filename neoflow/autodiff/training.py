@@ -150,7 +150,7 @@ def build_training_graph(forward: Graph, spec: TrainSpec, constants: Collection[
     with_loss = Graph.from_ops([*forward.ops, *loss_ops], parameters=forward.parameters)
     fixed = set(constants)
     candidates = [p for p in forward.parameters if p not in frozen | fixed and p not in forward.state_updates]
-    reverse = backward(with_loss, loss_name, candidates, stop)
+    reverse = backward(with_loss, loss_name, candidates, (*stop, *forward.stop_gradients))
     learning_rate = fresh("learning_rate")
     tensors = with_loss.tensors
     optimizer = optimizer_ops(settings, tensors, reverse.gradients, learning_rate, fresh)

@@ -47,7 +47,9 @@ class Model:
     training: bool = False  # BatchNormalization uses batch statistics, Dropout drops
     state_updates: dict[str, str] = field(default_factory=dict)  # parameter -> tensor with its next value
     noise_inputs: list[str] = field(default_factory=list)  # inputs filled with uniform noise per run
+    stop_gradients: list[str] = field(default_factory=list)  # tensors autodiff treats as constants
     consumers: set[str] = field(default_factory=set)  # ONNX names some node or the graph's outputs read
+    pytorch: bool = False  # written by PyTorch's exporter (producer_name "pytorch"): its layers' conventions
     unfolded: set[str] = field(default_factory=set)  # ONNX initializers whose values no node is folded from
 
     def name_for(self, onnx_name: str) -> str:

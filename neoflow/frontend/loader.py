@@ -113,7 +113,11 @@ def load_onnx(
     given = dict(shapes or {})
     opset = next((o.version for o in model_proto.opset_import if o.domain in ("", "ai.onnx")), 1)
     read = {name for node in model_proto.graph.node for name in node.input if name}
-    model = Model(training=training, consumers=read | {o.name for o in model_proto.graph.output})
+    model = Model(
+        training=training,
+        consumers=read | {o.name for o in model_proto.graph.output},
+        pytorch=model_proto.producer_name == "pytorch",
+    )
     if not fold_parameters:
         model.unfolded = {t.name for t in model_proto.graph.initializer}
     bound = {name: np.asarray(v) for name, v in (constants or {}).items()}
@@ -154,6 +158,7 @@ def load_onnx(
         source_names={v: k for k, v in model.names.items()},
         state_updates=dict(model.state_updates),
         noise_inputs=tuple(model.noise_inputs),
+        stop_gradients=tuple(model.stop_gradients),
     )
 
 

@@ -133,7 +133,9 @@ def global_pool(ctx: NodeContext) -> None:
 def batch_norm(ctx: NodeContext) -> None:
     """Inference: normalise with the running statistics.  Training: normalise
     with the batch's mean and (biased) variance and update the running
-    statistics as ONNX specifies: ``running = running * momentum + batch * (1 - momentum)``.
+    statistics as ONNX specifies: ``running = running * momentum + batch * (1 - momentum)`` (in a
+    file PyTorch wrote, the running variance takes the unbiased batch variance, as the module it
+    was exported from does: ONNX's reference takes the biased one).
     A node exported in training mode (``training_mode=1``, as ``torch.onnx.export(...,
     training=TrainingMode.TRAINING)`` writes it) is the same layer: its inference uses the
     running statistics, as the model's eval mode does; its running-statistics outputs exist
@@ -160,6 +162,17 @@ def batch_norm(ctx: NodeContext) -> None:
     ctx.define(body, shape)
 
 
+def constant_mean(ctx: NodeContext, mean: str, shape: Sequence[int]) -> str:
+    """A copy of ``mean`` that autodiff treats as a constant, for a variance to read: the variance's
+    derivative through the mean, -2/n * sum(x - mean), is zero in exact arithmetic, and derived it is
+    one more reduction over the activation in the backward pass computing that sum's rounding noise.
+    Returns the copy's name."""
+    v = ", ".join(index_vars(len(shape)))
+    name = ctx.define(f"{mean}[{v}]", shape, name=ctx.model.fresh(f"{mean}_constant"))
+    ctx.model.stop_gradients.append(name)
+    return name
+
+
 def _batch_statistics(
     ctx: NodeContext, x: str, shape: Sequence[int], running_mean: str, running_var: str, momentum: float
 ) -> tuple[str, str]:
@@ -176,14 +189,19 @@ def _batch_statistics(
     batch_mean = ctx.define(
         f"ReduceAdd({{{axes}}}, {point}) / {count}", (shape[1],), name=ctx.model.fresh(f"{out}_mean")
     )
-    centered = f"({point} - {batch_mean}[i0])"
+    centered = f"({point} - {constant_mean(ctx, batch_mean, (shape[1],))}[i0])"
     batch_var = ctx.define(
         f"ReduceAdd({{{axes}}}, {centered} * {centered}) / {count}", (shape[1],), name=ctx.model.fresh(f"{out}_var")
     )
-    for k, (running, batch) in enumerate([(running_mean, batch_mean), (running_var, batch_var)], start=1):
+    # PyTorch's BatchNorm, which its exporter writes as this node, keeps the unbiased variance as running
+    correction = count / (count - 1) if ctx.model.pytorch and count > 1 else 1.0
+    for k, (running, batch, factor) in enumerate(
+        [(running_mean, batch_mean, 1.0), (running_var, batch_var, correction)], start=1
+    ):
         has_output = len(ctx.node.output) > k and ctx.node.output[k]
         target = ctx.output(k) if has_output else ctx.model.fresh(f"{running}_next")
-        ctx.define(f"{running}[i0] * {momentum!r} + {batch}[i0] * {1 - momentum!r}", (shape[1],), name=target)
+        weight = (1 - momentum) * factor
+        ctx.define(f"{running}[i0] * {momentum!r} + {batch}[i0] * {weight!r}", (shape[1],), name=target)
         ctx.model.state_updates[running] = target
     return batch_mean, batch_var
 
@@ -234,8 +252,9 @@ def _normalize(ctx: NodeContext, axis: int, eps: float, affine: str) -> None:
     centred = ctx.define(
         f"{x}[{', '.join(v)}] - {mean_name}[{', '.join(kept)}]", shape, name=ctx.model.fresh(f"{ctx.output()}_centred")
     )
+    deviation = f"({x}[{', '.join(reduced)}] - {constant_mean(ctx, mean_name, keep_shape)}[{', '.join(kept)}])"
     var_name = ctx.define(
-        f"ReduceAdd({{{red_axes}}}, {centred}[{', '.join(reduced)}] * {centred}[{', '.join(reduced)}]) / {count}",
+        f"ReduceAdd({{{red_axes}}}, {deviation} * {deviation}) / {count}",
         keep_shape,
         name=ctx.model.fresh(f"{ctx.output()}_var"),
     )

@@ -23,7 +23,10 @@ class Graph:
     ``state_updates`` maps a parameter that the graph itself updates (a
     BatchNormalization running mean in training mode) to the tensor holding
     its next value; ``noise_inputs`` are inputs a runtime fills with fresh
-    uniform [0, 1) noise on every run (dropout masks in training mode).
+    uniform [0, 1) noise on every run (dropout masks in training mode);
+    ``stop_gradients`` are tensors autodiff treats as constants (an import's copy of a
+    mean that a variance reads: the variance's gradient through the mean is zero in exact
+    arithmetic, and computed it is rounding noise of a sum of deviations).
     """
 
     ops: tuple[Op, ...]
@@ -33,6 +36,7 @@ class Graph:
     source_names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     state_updates: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     noise_inputs: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    stop_gradients: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @staticmethod
     def from_ops(
