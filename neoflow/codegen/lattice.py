@@ -204,6 +204,15 @@ class _State:
     epilogue: Expr | None
 
 
+@lru_cache(maxsize=1 << 16)
+def _replaced(expr: sympy.Expr, variable: sympy.Symbol, value: sympy.Expr) -> sympy.Expr:
+    """``expr`` with ``variable`` replaced by ``value``.  Cached across ops: the fusion planner splits
+    every candidate kernel holding a strided op, whose inlined bodies repeat the same index
+    expressions, and sympy's evaluation of each (floor, Mod) was most of a ShuffleNet's planning time;
+    xreplace, as sympy's pattern-matching subs is not needed to replace a symbol."""
+    return expr.xreplace({variable: value}) if variable in expr.free_symbols else expr
+
+
 def _substitute(state: _State, name: str, modulus: int, residue: int, output: bool) -> _State | None:
     """``state`` with ``name = modulus * name' + residue``; None when ``name'`` has no values
     and ``name`` is an output variable (the piece has no points at all)."""
@@ -212,10 +221,10 @@ def _substitute(state: _State, name: str, modulus: int, residue: int, output: bo
     count = -(-(state.extent[name] - residue) // modulus)
     if count <= 0 and output:
         return None
-    mapping = {index.var(name): modulus * index.var(new) + residue}
+    variable, value = index.var(name), modulus * index.var(new) + residue
 
     def rewrite(node: Expr | None) -> Expr | None:
-        return None if node is None else map_indices(node, lambda e: e.subs(mapping))
+        return None if node is None else map_indices(node, lambda e: _replaced(e, variable, value))
 
     extent = {(new if v == name else v): e for v, e in state.extent.items()}
     extent[new] = max(count, 0)
