@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,7 +100,7 @@ def training_row(name: str, batch: int) -> Row:
     systems: dict[str, Callable[[], object] | None] = {
         "neoflow": lambda: compiled.train_step({"x": x, "labels": labels}),
         "torch eager": eager,
-        "torch.compile": torch_step(compiled_net, forward) if forward else None,
+        "torch.compile": torch_step(compiled_net, forward) if forward is not None else None,
     }
     return Row(f"{name} training step (batch {batch})", systems, check, compile_s)
 
@@ -131,7 +133,7 @@ def inference_row(name: str, batch: int, threads: int) -> Row:
     systems: dict[str, Callable[[], object] | None] = {
         "neoflow": lambda: compiled.run({"x": x}),
         "onnxruntime": lambda: session.run(None, {"x": x}),
-        "torch.compile": compiled_forward if forward else None,
+        "torch.compile": compiled_forward if forward is not None else None,
     }
     return Row(f"{name} inference (batch {batch})", systems, _check(error, "PyTorch"), compile_s)
 
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/models_results", help="output prefix (.md and .png)")
     args = parser.parse_args(argv)
     set_threads(args.threads)
+    # compile times are cold: a kernel cache of their own, empty
+    os.environ["NEOFLOW_CACHE_DIR"] = tempfile.mkdtemp(prefix="neoflow-models-")
     import torch
 
     torch.set_num_threads(args.threads)
