@@ -26,8 +26,8 @@ from neoflow.runtime import CompiledModel, compile, load
 
 __version__ = "0.1.0"
 
-#: bridges imported on first use: ``neoflow.torch`` needs the ``torch`` extra
-_BRIDGES = ("torch",)
+#: bridges imported on first use: ``neoflow.torch`` needs the ``torch`` extra, ``neoflow.jax`` the ``jax`` one
+_BRIDGES = ("torch", "jax")
 
 
 def __getattr__(name: str):

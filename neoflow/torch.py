@@ -23,21 +23,17 @@ import hashlib
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields, is_dataclass
 
 import numpy as np
 import torch
 
-from neoflow.errors import InputError, ParseError
+from neoflow.errors import InputError
 from neoflow.ir import dtypes as dt
-from neoflow.ir.syntax import Assign, Subscript
-from neoflow.ir.text import parse, parse_op
 from neoflow.runtime.custom_op import CompiledOp
+from neoflow.runtime.expression_op import ExpressionOp
 
 __all__ = ["Module", "TorchOp", "op"]
 
-#: torch dtypes an op runs in, as neoflow dtype names
-DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 #: the neoflow target a tensor's device runs on
 TARGETS = {"cpu": "cpu", "cuda": "cuda"}
 
@@ -72,96 +68,43 @@ class TorchOp:
     ``output``: the output's name.  Made by ``op``, which registers each name once."""
 
     def __init__(self, expression: str, name: str | None = None, fusion: str = "neoflow") -> None:
-        statements = [s for s in parse(expression) if isinstance(s, Assign)]
-        if len(statements) != 1:
-            raise ParseError(f"neoflow.torch.op takes one statement, found {len(statements)}")
+        self.expression_op = ExpressionOp(expression, fusion)
         self.expression = expression
-        self.output = statements[0].target.name
-        self.inputs = _reads(statements[0].value, self.output)
-        if not self.inputs:
-            raise ParseError(f"'{self.output}' reads no tensor: an operator needs inputs")
-        self.fusion = fusion
+        self.output, self.inputs = self.expression_op.output, self.expression_op.inputs
         self.name = name or _default_name(expression)
-        self._compiled: dict[tuple, CompiledOp] = {}
-        self._lock = threading.Lock()
         self.forward_op, self.backward_op = _register(self)
-
-    # ----------------------------------------------------------------- calling
 
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """The op's output: tensors by position (``inputs`` order) or by name."""
-        return self.forward_op(*self.bind(args, kwargs))
-
-    def bind(self, args: Sequence[torch.Tensor], kwargs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The call's tensors in ``inputs`` order; an ``InputError`` naming what is missing or extra."""
-        if len(args) > len(self.inputs):
-            raise InputError(
-                f"{self.output} takes {len(self.inputs)} tensors ({', '.join(self.inputs)}), got {len(args)}"
-            )
-        bound = dict(zip(self.inputs, args, strict=False))
-        for key, value in kwargs.items():
-            if key not in self.inputs:
-                raise InputError(f"'{key}' is not an input of {self.output} (inputs: {', '.join(self.inputs)})")
-            if key in bound:
-                raise InputError(f"input '{key}' of {self.output} given twice")
-            bound[key] = value
-        missing = [n for n in self.inputs if n not in bound]
-        if missing:
-            raise InputError(f"missing input '{missing[0]}' of {self.output} (inputs: {', '.join(self.inputs)})")
-        tensors = [bound[n] for n in self.inputs]
+        tensors = self.expression_op.bind(args, kwargs)
         for input_name, tensor in zip(self.inputs, tensors, strict=True):
             if not isinstance(tensor, torch.Tensor):
                 raise InputError(f"input '{input_name}' of {self.output} is a {type(tensor).__name__}, not a tensor")
-        return tensors
-
-    # --------------------------------------------------------------- compiling
+        return self.forward_op(*tensors)
 
     def compiled(self, tensors: Sequence[torch.Tensor], grad: bool = False) -> CompiledOp:
-        """The op compiled for these tensors' shapes, dtype and device (built on first use, then kept;
-        ``grad``: with its adjoints)."""
-        dtype, target = self._dtype_and_target(tensors)
-        shapes = {n: tuple(t.shape) for n, t in zip(self.inputs, tensors, strict=True)}
-        key = (tuple(shapes.values()), dtype, target, grad)
-        with self._lock:
-            found = self._compiled.get(key)
-            if found is None:
-                parsed = parse_op(self.expression, shapes, dtype=dtype, dtypes=self._index_dtypes(tensors))
-                found = self._compiled[key] = CompiledOp(parsed, target, grad, self.fusion)
-        return found
+        """The op compiled for these tensors' shapes, dtypes and device (``grad``: with its adjoints)."""
+        shapes, dtypes = self._signature(tensors)
+        return self.expression_op.compiled(shapes, dtypes, self._target(tensors), grad)
 
     def output_spec(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], torch.dtype]:
         """The output's shape and dtype for these inputs (without compiling: what the fake runs)."""
-        dtype, _ = self._dtype_and_target(tensors)
-        shapes = {n: tuple(t.shape) for n, t in zip(self.inputs, tensors, strict=True)}
-        parsed = parse_op(self.expression, shapes, dtype=dtype, dtypes=self._index_dtypes(tensors))
+        self._target(tensors)
+        parsed = self.expression_op.parsed(*self._signature(tensors))
         return parsed.shape, _torch_dtype(parsed.dtype)
 
-    def _dtype_and_target(self, tensors: Sequence[torch.Tensor]) -> tuple[str, str]:
-        floats = {t.dtype for t in tensors if t.is_floating_point()}
-        if len(floats) > 1:
-            raise InputError(f"{self.output}: inputs mix dtypes {sorted(str(d) for d in floats)}")
-        dtype = floats.pop() if floats else torch.float32
-        if dtype not in DTYPES:
-            raise InputError(f"{self.output}: dtype {dtype} is not supported (float16, bfloat16, float32, float64)")
-        devices = {t.device.type for t in tensors}
-        if len(devices) > 1 or {t.device for t in tensors if t.device.type != "meta"}.__len__() > 1:
-            raise InputError(
-                f"{self.output}: inputs lie on different devices ({sorted(str(t.device) for t in tensors)})"
-            )
-        device = devices.pop()
+    def _signature(self, tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[int, ...]], list[str]]:
+        return [tuple(t.shape) for t in tensors], [str(t.dtype).removeprefix("torch.") for t in tensors]
+
+    def _target(self, tensors: Sequence[torch.Tensor]) -> str:
+        """The target of the tensors' device (a fake's meta tensors: cpu, for shapes only)."""
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise InputError(f"{self.output}: inputs lie on different devices ({sorted(map(str, devices))})")
+        device = devices.pop().type
         if device not in TARGETS and device != "meta":
             raise InputError(f"{self.output}: tensors on '{device}' are not supported (cpu or cuda)")
-        return DTYPES[dtype], TARGETS.get(device, "cpu")
-
-    def _index_dtypes(self, tensors: Sequence[torch.Tensor]) -> dict[str, str]:
-        """Integer and bool inputs (index tables, masks) keep their own dtypes."""
-        return {
-            n: str(t.dtype).removeprefix("torch.")
-            for n, t in zip(self.inputs, tensors, strict=True)
-            if not t.is_floating_point()
-        }
-
-    # ----------------------------------------------------------------- running
+        return TARGETS.get(device, "cpu")
 
     def run_forward(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The forward operator's implementation: compile (once) and run."""
@@ -195,28 +138,6 @@ class TorchOp:
         arrays = _host_arrays([*self.inputs, output_grad], [*tensors, grad])
         results = compiled.backward(arrays, {output_grad: arrays.pop(output_grad)}, wrt=names)
         return [torch.from_dlpack(results[n]) for n in names]
-
-
-def _reads(expression: object, output: str) -> list[str]:
-    """The tensors an expression's syntax tree reads, in the order of their first read in the text."""
-    found: list[tuple[tuple[int, int], str]] = []
-
-    def walk(node: object) -> None:
-        if isinstance(node, Subscript):
-            found.append((node.pos, node.name))
-        if is_dataclass(node):
-            for f in fields(node):
-                walk(getattr(node, f.name))
-        elif isinstance(node, (tuple, list)):
-            for item in node:
-                walk(item)
-
-    walk(expression)
-    names: list[str] = []
-    for _, name in sorted(found):
-        if name not in names and name != output:
-            names.append(name)
-    return names
 
 
 def _host_arrays(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
