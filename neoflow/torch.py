@@ -38,17 +38,22 @@ __all__ = ["Module", "TorchOp", "op"]
 TARGETS = {"cpu": "cpu", "cuda": "cuda"}
 
 
-def op(expression: str, name: str | None = None, fusion: str = "neoflow") -> TorchOp:
+def op(expression: str, name: str | None = None, fusion: str = "neoflow", precision: str | None = None) -> TorchOp:
     """The tensor expression ``expression`` (one statement) as a PyTorch operator: call it with
     torch tensors (by position, in the order the expression first reads them, or by name).
-    ``name`` names the operator (``torch.ops.neoflow.<name>``; default: from a hash of the text)."""
+    ``name`` names the operator (``torch.ops.neoflow.<name>``; default: from a hash of the text);
+    ``precision``: how CUDA tensors' float32 contractions use the tensor cores (``tf32``, the
+    default; ``fp32`` exact; ``fp16``, ``bf16``), as for ``neoflow.compile``."""
     with _REGISTRY_LOCK:
-        key = name or _default_name(expression)
+        key = name or _default_name(expression, precision)
         found = _REGISTRY.get(key)
         if found is None:
-            found = _REGISTRY[key] = TorchOp(expression, key, fusion)
-        elif found.expression != expression:
-            raise InputError(f"an operator named '{key}' is already registered, for '{found.expression}'")
+            found = _REGISTRY[key] = TorchOp(expression, key, fusion, precision)
+        elif found.expression != expression or found.expression_op.precision != precision:
+            raise InputError(
+                f"an operator named '{key}' is already registered, for '{found.expression}' "
+                f"(precision {found.expression_op.precision})"
+            )
     return found
 
 
@@ -57,8 +62,9 @@ _REGISTRY: dict[str, TorchOp] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def _default_name(expression: str) -> str:
-    return "op_" + hashlib.sha1(expression.encode()).hexdigest()[:12]
+def _default_name(expression: str, precision: str | None = None) -> str:
+    text = expression if precision is None else f"{expression}\n{precision}"
+    return "op_" + hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 class TorchOp:
@@ -67,11 +73,13 @@ class TorchOp:
     implementation and an autograd formula.  ``inputs``: the input names in call order;
     ``output``: the output's name.  Made by ``op``, which registers each name once."""
 
-    def __init__(self, expression: str, name: str | None = None, fusion: str = "neoflow") -> None:
-        self.expression_op = ExpressionOp(expression, fusion)
+    def __init__(
+        self, expression: str, name: str | None = None, fusion: str = "neoflow", precision: str | None = None
+    ) -> None:
+        self.expression_op = ExpressionOp(expression, fusion, precision)
         self.expression = expression
         self.output, self.inputs = self.expression_op.output, self.expression_op.inputs
-        self.name = name or _default_name(expression)
+        self.name = name or _default_name(expression, precision)
         self.forward_op, self.backward_op = _register(self)
 
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
@@ -94,7 +102,9 @@ class TorchOp:
         return parsed.shape, _torch_dtype(parsed.dtype)
 
     def _signature(self, tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[int, ...]], list[str]]:
-        return [tuple(t.shape) for t in tensors], [str(t.dtype).removeprefix("torch.") for t in tensors]
+        # int(): a traced symbolic size is specialised (kernels are compiled per shape)
+        shapes = [tuple(int(d) for d in t.shape) for t in tensors]
+        return shapes, [str(t.dtype).removeprefix("torch.") for t in tensors]
 
     def _target(self, tensors: Sequence[torch.Tensor]) -> str:
         """The target of the tensors' device (a fake's meta tensors: cpu, for shapes only)."""
@@ -112,7 +122,7 @@ class TorchOp:
         if tensors[0].device.type == "cuda":
             shape, dtype = self.output_spec(tensors)
             result = torch.empty(shape, dtype=dtype, device=tensors[0].device)
-            compiled.run(dict(zip(self.inputs, (t.contiguous() for t in tensors), strict=True)), out=result)
+            compiled.run(dict(zip(self.inputs, _device_arrays(tensors), strict=True)), out=result)
             return result
         return torch.from_dlpack(compiled.run(_host_arrays(self.inputs, tensors)))
 
@@ -132,12 +142,18 @@ class TorchOp:
                 for n, t in zip(self.inputs, tensors, strict=True)
                 if n in names
             }
-            given = dict(zip(self.inputs, (t.contiguous() for t in tensors), strict=True))
-            compiled.backward(given, {output_grad: grad.contiguous()}, out=out, wrt=names)
+            given = dict(zip(self.inputs, _device_arrays(tensors), strict=True))
+            compiled.backward(given, {output_grad: grad.detach().contiguous()}, out=out, wrt=names)
             return [out[n] for n in names]
         arrays = _host_arrays([*self.inputs, output_grad], [*tensors, grad])
         results = compiled.backward(arrays, {output_grad: arrays.pop(output_grad)}, wrt=names)
         return [torch.from_dlpack(results[n]) for n in names]
+
+
+def _device_arrays(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """CUDA tensors as the cuda executor reads them in place: detached (autograd's flag hides the
+    ``__cuda_array_interface__``) and contiguous."""
+    return [t.detach().contiguous() for t in tensors]
 
 
 def _host_arrays(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:

@@ -19,9 +19,10 @@ FLOATS = ("float32", "float64", "float16", "bfloat16")
 
 class ExpressionOp:
     """``expression`` (one statement): ``output`` its output's name, ``inputs`` the tensors it reads in
-    the order the text first reads them (the order callers pass them in)."""
+    the order the text first reads them (the order callers pass them in); ``fusion`` and ``precision``
+    as for ``neoflow.compile``."""
 
-    def __init__(self, expression: str, fusion: str = "neoflow") -> None:
+    def __init__(self, expression: str, fusion: str = "neoflow", precision: str | None = None) -> None:
         statements = [s for s in parse(expression) if isinstance(s, Assign)]
         if len(statements) != 1:
             raise ParseError(f"an operator is one statement, found {len(statements)}")
@@ -31,7 +32,9 @@ class ExpressionOp:
         if not self.inputs:
             raise ParseError(f"'{self.output}' reads no tensor: an operator needs inputs")
         self.fusion = fusion
+        self.precision = precision
         self._compiled: dict[tuple, CompiledOp] = {}
+        self._parsed: dict[tuple, Op] = {}
         self._lock = threading.Lock()
 
     def bind(self, args: Sequence[object], kwargs: Mapping[str, object]) -> list[object]:
@@ -65,12 +68,16 @@ class ExpressionOp:
         return dtype
 
     def parsed(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> Op:
-        """The op for inputs of these shapes and dtypes (integer and bool inputs keep theirs)."""
-        dtype = self.float_dtype(dtypes)
-        own = {n: d for n, d in zip(self.inputs, dtypes, strict=True) if not d.startswith(("float", "bfloat"))}
-        return parse_op(
-            self.expression, dict(zip(self.inputs, map(tuple, shapes), strict=True)), dtype=dtype, dtypes=own
-        )
+        """The op for inputs of these shapes and dtypes (integer and bool inputs keep theirs), kept:
+        a framework asks for the output's shape on every call, and parsing takes milliseconds."""
+        key = (tuple(map(tuple, shapes)), tuple(dtypes))
+        found = self._parsed.get(key)
+        if found is None:
+            dtype = self.float_dtype(dtypes)
+            own = {n: d for n, d in zip(self.inputs, dtypes, strict=True) if not d.startswith(("float", "bfloat"))}
+            named = dict(zip(self.inputs, key[0], strict=True))
+            found = self._parsed[key] = parse_op(self.expression, named, dtype=dtype, dtypes=own)
+        return found
 
     def compiled(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[str], target: str, grad: bool) -> CompiledOp:
         """The op compiled for ``target`` (with its adjoints: ``grad``), built on first use, then kept."""
@@ -78,7 +85,9 @@ class ExpressionOp:
         with self._lock:
             found = self._compiled.get(key)
             if found is None:
-                found = self._compiled[key] = CompiledOp(self.parsed(shapes, dtypes), target, grad, self.fusion)
+                found = self._compiled[key] = CompiledOp(
+                    self.parsed(shapes, dtypes), target, grad, self.fusion, self.precision
+                )
         return found
 
     def compiled_keys(self) -> list[tuple]:

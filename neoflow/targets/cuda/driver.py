@@ -77,6 +77,12 @@ def device() -> Device:
     return Device(handle, context, f"sm_{major}{minor}", name, stream)
 
 
+def make_current(device: Device) -> None:
+    """Make ``device``'s context current on the calling thread (a context is current per thread: a
+    framework's autograd engine runs a backward pass on a thread of its own)."""
+    check(_driver().cuCtxSetCurrent(device.context), "cuCtxSetCurrent")
+
+
 def default_arch() -> str:
     """The architecture to compile for: ``NEOFLOW_CUDA_ARCH``, else the GPU's when one answers, else ``sm_90``."""
     chosen = os.environ.get("NEOFLOW_CUDA_ARCH")

@@ -132,6 +132,7 @@ class CudaExecutor(PlannedExecutor):
         from neoflow.targets.cuda.nvrtc import compile_cubin
 
         self.device = driver.device()
+        driver.make_current(self.device)
         if self.cubin.arch != self.device.arch:
             self.cubin = compile_cubin(self.source, self.device.arch)
         self.module = driver.Module(self.cubin.path.read_bytes())
@@ -251,6 +252,8 @@ class CudaExecutor(PlannedExecutor):
 
         if self.device is None:
             self._attach()
+        else:
+            driver.make_current(self.device)
         out = dict(out or {})
         unknown = sorted(set(out) - set(self.keep))
         if unknown:

@@ -34,8 +34,11 @@ def is_device_array(value: object) -> bool:
     """Whether ``value`` lies in GPU memory by either protocol (a numpy array or a CPU tensor does not)."""
     if isinstance(value, np.ndarray):
         return False
-    if hasattr(value, "__cuda_array_interface__"):
-        return True
+    try:
+        if hasattr(value, "__cuda_array_interface__"):
+            return True
+    except RuntimeError:  # a tensor that requires grad refuses the interface: its device still counts
+        pass
     device = getattr(value, "__dlpack_device__", None)
     if device is None:
         return False
@@ -48,7 +51,10 @@ def is_device_array(value: object) -> bool:
 def device_array(value: object, name: str) -> DeviceArray:
     """The ``DeviceArray`` of GPU array ``value`` (input or output ``name``); an ``InputError``
     where it is not contiguous (row-major) or its type has no neoflow dtype."""
-    interface = getattr(value, "__cuda_array_interface__", None)
+    try:
+        interface = getattr(value, "__cuda_array_interface__", None)
+    except RuntimeError as err:  # PyTorch: a tensor that requires grad
+        raise InputError(f"'{name}' cannot be read in place ({str(err).splitlines()[0]})") from None
     if interface is not None:
         return _from_interface(value, interface, name)
     return _from_dlpack(value, name)
