@@ -239,11 +239,14 @@ def _lattice_guarded(node: Expr) -> bool:
     return any(isinstance(n, Index) and n.expr.has(sympy.Mod, sympy.floor) for n in node.walk())
 
 
-def guards_to_domain(op: Op) -> Op:
+def guards_to_domain(op: Op, lattice_only: bool = True) -> Op:
     """``op`` with a factor ``Select(cond, x, 0)`` of its sum, whose condition is a lattice
     (a transposed convolution's ``(h - r) % 2 == 0`` and bounds), moved into the sum's domain
     condition: the same sum (the terms it skips are zeros), and ``split_lattice`` then cuts the
-    domain into dense pieces whose reads are affine."""
+    domain into dense pieces whose reads are affine.  Not ``lattice_only``: any such condition on
+    the sum's axes (a padded convolution's bounds), which a loop nest then meets in its loops'
+    bounds instead of testing at every point — a branch in the innermost loop kept a depthwise
+    convolution from vectorising."""
     parts = product_sum(op)
     if parts is None:
         return op
@@ -254,7 +257,7 @@ def guards_to_domain(op: Op) -> Op:
             isinstance(factor, Select)
             and isinstance(factor.b, Const)
             and factor.b.value == 0
-            and _lattice_guarded(factor.cond)
+            and (_lattice_guarded(factor.cond) or not lattice_only)
             and index_variables(factor.cond) & set(reduce.axes)
         ):
             factors[k] = factor.a

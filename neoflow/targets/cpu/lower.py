@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import islpy as isl
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, cast, linear_index
+from neoflow.codegen.implicit_gemm import guards_to_domain
 from neoflow.codegen.inner_split import Written, split_inner
 from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.merged import merged_inner
@@ -623,6 +624,8 @@ def lower_op(op: Op, name: str) -> str:
         split = split_inner(op, None) if op.scatter is None and not op.reductions else None
         if split is not None:  # the depth-to-space family: unit-stride inner loops
             return Lowering(split[0], written=split[1]).function(name)
+        if op.scatter is None:  # a padding guard becomes loop bounds
+            op = guards_to_domain(op, lattice_only=False)
         return Lowering(merged_inner(op) or op).function(name)
     except CompileError as err:
         raise err.with_context(op=op.name) from None

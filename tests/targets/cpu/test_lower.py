@@ -30,6 +30,29 @@ def test_affine_select_guard_becomes_loop_bounds() -> None:
     assert "for (int c3 = 3; c3 <= 225; c3 += 1)" in code
 
 
+DEPTHWISE = (
+    "Y[n, c, h, w] = ReduceAdd({r, s}, Select(h + r - 1 >= 0 && h + r - 1 < 12 && w + s - 1 >= 0 && w + s - 1 < 12, "
+    "X[n, c, h + r - 1, w + s - 1], 0) * W[c, r, s]) + B[c]"
+)
+
+
+def test_a_padding_guard_on_a_sum_becomes_its_loops_bounds() -> None:
+    """A padded depthwise convolution (no blocked kernel: one input channel per output channel) is a
+    loop nest whose padding test was a select at every point, which kept its innermost loop from
+    vectorising (4x slower on MobileNetV2's); the guard is the sum's domain instead."""
+    shapes = {"X": (2, 5, 12, 12), "W": (5, 3, 3), "B": (5,)}
+    code = _c(DEPTHWISE, shapes, (2, 5, 12, 12))
+    assert "?" not in _statements(code)
+    assert re.search(r"for \(int c\d+ = max\(0, -c\d+ \+ 1\); c\d+ <= min\(11, -c\d+ \+ 12\)", code), code
+    op = neoflow.op(DEPTHWISE, shapes=shapes, out_shape=(2, 5, 12, 12))
+    inputs = {
+        name: np.random.default_rng(1).standard_normal(shape).astype(np.float32) for name, shape in shapes.items()
+    }
+    np.testing.assert_allclose(
+        neoflow.compile(op, target="cpu").run(inputs), neoflow.evaluate(op, inputs), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_strided_adjoint_domain_becomes_a_strided_loop() -> None:
     op = neoflow.op("Y[p] = ReduceAdd({r}, X[2*p + r] * W[r])", shapes={"X": (21,), "W": (5,)})
     code = Lowering(neoflow.grad(op)["X"]).function("kernel")  # the loop nest of the whole lattice
