@@ -3,10 +3,11 @@
     python models/capsnet_torch.py [--epochs 3] [--channels 16]
 
 Two capsule convolutions (3x3 stride 1, then 3x3 stride 2; 1x2 poses, the second layer's weights 2x2
-per pair of capsules) with a ReLU between them and a linear classifier, trained with Adam on scikit-learn's 8x8 digits.  Each capsule layer
-is one line of tensor expression, ``neoflow.torch.Module``: neoflow derives its backward and compiles both.
-The same network written with PyTorch alone (strided slices + einsum, ``--reference``) is what the script
-checks against: the first 20 steps' losses must agree to 1e-4, then it times a training step of each
+per pair of capsules) with a ReLU between them and a linear classifier, trained with Adam on
+scikit-learn's 8x8 digits.  Each capsule layer is one line of tensor expression, a
+``neoflow.torch.Module``: neoflow derives its backward and compiles both.  The same network written with
+PyTorch alone (strided slices + einsum, ``CapsNet(reference=True)``) is what the script checks against:
+the first 20 steps' losses must agree to 1e-4; then it trains, and times a training step of each
 (blocks of steps taking turns) and prints the ratio.
 """
 
