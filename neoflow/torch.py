@@ -13,7 +13,8 @@ backward is a second operator running the op's derived gather-form adjoints, onl
 need a gradient.  Inputs bind by position (in the order the expression first reads them) or by name; shapes
 and dtype come from the tensors at call time, and the kernels are compiled once per shape, dtype and device
 (and cached on disk as every neoflow kernel).  CPU tensors run on the ``cpu`` target, read and written without
-copies (DLPack); CUDA tensors on the ``cuda`` target, read and written where they lie.
+copies (DLPack); CUDA tensors on the ``cuda`` target, read and written where they lie, the kernels queued on
+the current stream.
 ``Module(expression, parameters={"W": shape})`` is an ``nn.Module`` holding the weights.
 """
 
@@ -122,7 +123,8 @@ class TorchOp:
         if tensors[0].device.type == "cuda":
             shape, dtype = self.output_spec(tensors)
             result = torch.empty(shape, dtype=dtype, device=tensors[0].device)
-            compiled.run(dict(zip(self.inputs, _device_arrays(tensors), strict=True)), out=result)
+            given = dict(zip(self.inputs, _device_arrays(tensors), strict=True))
+            compiled.run(given, out=result, stream=torch.cuda.current_stream(result.device).cuda_stream)
             return result
         return torch.from_dlpack(compiled.run(_host_arrays(self.inputs, tensors)))
 
@@ -143,7 +145,8 @@ class TorchOp:
                 if n in names
             }
             given = dict(zip(self.inputs, _device_arrays(tensors), strict=True))
-            compiled.backward(given, {output_grad: grad.detach().contiguous()}, out=out, wrt=names)
+            stream = torch.cuda.current_stream(grad.device).cuda_stream
+            compiled.backward(given, {output_grad: grad.detach().contiguous()}, out=out, wrt=names, stream=stream)
             return [out[n] for n in names]
         arrays = _host_arrays([*self.inputs, output_grad], [*tensors, grad])
         results = compiled.backward(arrays, {output_grad: arrays.pop(output_grad)}, wrt=names)

@@ -59,19 +59,22 @@ class CompiledOp:
             from neoflow.targets.cuda.interop import is_device_array as as_is
         return check_inputs(graph.free_inputs, given, self.op.name, as_is)
 
-    def _outputs(self, out: Mapping[str, object] | None) -> dict:
-        """The executor's ``out`` argument: GPU arrays to write outputs into (``cuda`` only)."""
-        if not out:
+    def _outputs(self, out: Mapping[str, object] | None, stream: int | None = None) -> dict:
+        """The executor's ``out`` (GPU arrays to write outputs into) and ``stream`` arguments (``cuda`` only)."""
+        if not out and stream is None:
             return {}
         if self.target != "cuda":
-            raise CompileError(f"out= takes GPU arrays, for the cuda target (this op is compiled for {self.target})")
-        return {"out": out}
+            raise CompileError(
+                f"out= and stream= are for GPU arrays on the cuda target (this op is compiled for {self.target})"
+            )
+        return {"out": out} if stream is None else {"out": out, "stream": stream}
 
-    def run(self, inputs: Mapping[str, np.ndarray], out: object = None) -> np.ndarray:
+    def run(self, inputs: Mapping[str, np.ndarray], out: object = None, stream: int | None = None) -> np.ndarray:
         """The op's output on ``inputs`` (arrays by input name: numpy, or on the ``cuda`` target
         GPU arrays, read in place); with ``out`` (a GPU array, ``cuda``) the output is written
-        there and ``out`` returned."""
-        outputs = self._outputs(None if out is None else {self.op.name: out})
+        there and ``out`` returned; ``stream`` (``cuda``, GPU arrays only): queued on that CUDA
+        stream, not waited for."""
+        outputs = self._outputs(None if out is None else {self.op.name: out}, stream)
         return self._forward.run(self._inputs(self.forward_graph, inputs), **outputs)[self.op.name]
 
     def forward_backward(
@@ -92,11 +95,12 @@ class CompiledOp:
         output_grad: Mapping[str, np.ndarray],
         out: Mapping[str, object] | None = None,
         wrt: Collection[str] | None = None,
+        stream: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Adjoints of the op's inputs, by input name, given the inputs and the output
         adjoint (``{"d<Out>": array}``); ``out`` (``cuda``): GPU arrays, by input name, to
         write adjoints into; ``wrt``: only these inputs' adjoints (a kernel set of their own,
-        compiled on first use; None: all)."""
+        compiled on first use; None: all); ``stream``: as for ``run``."""
         if self._backward is None:
             raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
         wanted = set(self.adjoints) if wrt is None else set(wrt)
@@ -117,6 +121,6 @@ class CompiledOp:
                 graph = Graph.from_ops([self.op, *adjoints.values()], outputs=keep)
                 self._partial[key] = graph, build_executor(self.target, graph, keep, self.fusion, self.precision)
             graph, executor = self._partial[key]
-        targets = self._outputs({self.adjoints[name].name: value for name, value in (out or {}).items()})
+        targets = self._outputs({self.adjoints[name].name: value for name, value in (out or {}).items()}, stream)
         outputs = executor.run(self._inputs(graph, {**inputs, **output_grad}), **targets)
         return {name: outputs[adjoint.name] for name, adjoint in adjoints.items()}

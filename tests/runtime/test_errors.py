@@ -101,3 +101,9 @@ def test_errors_are_neoflow_errors() -> None:
         neoflow.compile(MODELS_DIR / "missing.onnx")
     with pytest.raises(InputError, match="not a neoflow build directory"):
         neoflow.load(MODELS_DIR)
+
+
+def test_a_stream_is_for_gpu_arrays_on_the_cuda_target() -> None:
+    layer = neoflow.compile(neoflow.op("Y[i] = X[i] * 2", shapes={"X": (4,)}), target="cpu")
+    with pytest.raises(neoflow.CompileError, match="stream= are for GPU arrays on the cuda target"):
+        layer.run({"X": np.ones(4, np.float32)}, stream=0)

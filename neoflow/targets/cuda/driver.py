@@ -225,8 +225,14 @@ class Graph:
         self.graph = graph
         self.executable = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
 
-    def replay(self) -> None:
-        check(_driver().cuGraphLaunch(self.executable, self.stream), "cuGraphLaunch")
+    def replay(self, stream: object = None) -> None:
+        """Launch the graph on ``stream`` (a ``CUstream``; None: the one it was captured on)."""
+        check(_driver().cuGraphLaunch(self.executable, self.stream if stream is None else stream), "cuGraphLaunch")
+
+
+def as_stream(handle: int) -> object:
+    """A caller's stream (its handle, as ``torch.cuda.Stream.cuda_stream`` gives it) as a ``CUstream``."""
+    return _driver().CUstream(int(handle))
 
 
 def time_replays(graph: Graph, repeats: int) -> list[float]:

@@ -242,12 +242,19 @@ class CudaExecutor(PlannedExecutor):
         return bound
 
     def run(
-        self, inputs: Mapping[str, object], recycle: bool = False, out: Mapping[str, object] | None = None
+        self,
+        inputs: Mapping[str, object],
+        recycle: bool = False,
+        out: Mapping[str, object] | None = None,
+        stream: int | None = None,
     ) -> dict[str, object]:
         """The kept tensors by name, from every graph input by name.  Inputs are numpy arrays
         (uploaded) or GPU arrays (``__cuda_array_interface__`` or DLPack: read where they are,
         after the work pending on the GPU); kept tensors named in ``out`` are written into the
-        caller's GPU arrays there (and returned as they are), the others come back as numpy."""
+        caller's GPU arrays there (and returned as they are), the others come back as numpy.
+        ``stream`` (a caller's CUDA stream handle; every input a GPU array and every kept tensor in
+        ``out``): the run is queued on that stream, after the work queued there before it, and the
+        call returns without waiting for it — as a framework's own operators run."""
         from neoflow.targets.cuda import driver
 
         if self.device is None:
@@ -259,6 +266,12 @@ class CudaExecutor(PlannedExecutor):
         if unknown:
             raise InputError(f"'{unknown[0]}' is not an output of the graph (outputs: {', '.join(self.keep)})")
         bound = self._bind({t.name: inputs[t.name] for t in self.graph.inputs}, "input") | self._bind(out, "out")
+        if stream is not None:
+            host = [t.name for t in self.graph.inputs if t.name not in bound] + [k for k in self.keep if k not in out]
+            if host:
+                raise InputError(
+                    f"a run on a caller's stream reads and writes GPU arrays only ('{host[0]}' is not one)"
+                )
         for tensor in self.graph.inputs:
             if tensor.name not in bound:
                 array = np.ascontiguousarray(inputs[tensor.name], dtype=dt.numpy_dtype(tensor.dtype))
@@ -270,6 +283,9 @@ class CudaExecutor(PlannedExecutor):
             if len(self._graphs) >= self.GRAPHS_KEPT:
                 self._graphs.pop(next(iter(self._graphs)))
         self._graphs[key] = self._graph = graph  # the most recent last
+        if stream is not None:  # ordered on the caller's stream, like its own kernels
+            graph.replay(driver.as_stream(stream))
+            return dict(out)
         if bound:
             driver.synchronize_context()  # the caller's streams' work on these arrays comes first
         graph.replay()
