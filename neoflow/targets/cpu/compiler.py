@@ -5,13 +5,21 @@ in ``kernels/<hash>.so``, the hash covering the source, the compiler command, th
 flags and the compiler's version; the source is kept beside it.  A build goes to a temporary
 file that is renamed into place, so two processes compiling the same source at
 once both end with a complete library.
+
+A large source whose top-level functions the generator separated with ``UNIT`` lines is
+compiled as several translation units at once (one compiler process per core), each the
+source's header (what precedes the first ``UNIT``), prototypes of every exported function,
+and a share of the functions; the objects are cached by their own source (a model whose
+kernels mostly did not change recompiles only those that did) and linked into the library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -27,6 +35,12 @@ from neoflow.targets.cache import cache_dir
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 LIBRARIES = ("-lm",)
 ERROR_LINES = 6
+#: the line separating top-level functions a build may put in different translation units
+UNIT = "\n/* nf-unit */\n"
+#: below this much source (bytes), one translation unit: a compiler process and a link cost more
+UNIT_BYTES = 200_000
+#: an exported (not static) function's one-line definition in generated code
+_EXPORTED = re.compile(r"^((?!static)[A-Za-z_][\w \t\*]*?\b(nf_\w+)\([^;{}]*\))\s*\{\s*$", re.M)
 
 
 def compiler() -> str:
@@ -45,39 +59,113 @@ def _version(command: str) -> str:
     return (result.stdout or result.stderr).splitlines()[0] if (result.stdout or result.stderr) else "unknown"
 
 
+def _key(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
 def build_library(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """The path of a shared library built from ``source`` (from the cache when it is there)."""
     command = compiler()
     flags = (*FLAGS, *extra_flags)
     # the command itself too: a wrapper or a CC with its own flags builds different code from the same compiler
-    key = hashlib.sha256("\0".join([source, command, *flags, _version(command)]).encode()).hexdigest()[:32]
+    key = _key(source, command, *flags, _version(command))
     directory = cache_dir() / "kernels"
     library = directory / f"{key}.so"
     if library.is_file():
         return library
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{key}.c").write_text(source)
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{key}.", suffix=".so")
-    os.close(handle)
-    try:
-        result = subprocess.run(
-            [*shlex.split(command), *flags, "-x", "c", "-", "-o", temporary, *LIBRARIES],
-            input=source,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if result.returncode != 0:
-            lines = [line for line in result.stderr.splitlines() if line.strip()][:ERROR_LINES]
-            raise CompileError(
-                f"the C compiler failed (exit {result.returncode}; source {directory / f'{key}.c'}): "
-                + " | ".join(lines)
+    units = translation_units(source, os.cpu_count() or 1)
+    with _temporary(directory, key, ".so") as temporary:
+        if len(units) > 1:
+            objects = _objects(units, command, flags, directory)
+            _check(
+                _run([*shlex.split(command), *flags, *map(str, objects), "-o", temporary, *LIBRARIES]),
+                source_of=directory / f"{key}.c",
+            )
+        else:
+            _check(
+                _run([*shlex.split(command), *flags, "-x", "c", "-", "-o", temporary, *LIBRARIES], source),
+                directory / f"{key}.c",
             )
         os.replace(temporary, library)
+    return library
+
+
+def translation_units(source: str, count: int) -> list[str]:
+    """``source`` as up to ``count`` translation units of about equal size (one where it is small or
+    has no ``UNIT`` lines): each the header, prototypes of every exported function, and its share of
+    the functions, the largest first to the least filled."""
+    header, *chunks = source.split(UNIT)
+    if count < 2 or len(chunks) < 2 or len(source) < UNIT_BYTES:
+        return [source]
+    prototypes = "\n".join(f"{match.group(1)};" for chunk in chunks for match in _EXPORTED.finditer(chunk))
+    bins: list[list[str]] = [[] for _ in range(min(count, len(chunks), -(-len(source) // (UNIT_BYTES // 2))))]
+    sizes = [0] * len(bins)
+    for chunk in sorted(chunks, key=len, reverse=True):
+        k = sizes.index(min(sizes))
+        bins[k].append(chunk)
+        sizes[k] += len(chunk)
+    return [f"{header}\n{prototypes}\n" + "\n\n".join(chunk for chunk in chunks if chunk in set(b)) for b in bins]
+
+
+def _objects(units: list[str], command: str, flags: tuple[str, ...], directory: Path) -> list[Path]:
+    """The object files of ``units``, compiled at once (one process each) where not cached."""
+    objects = directory / "objects"
+    objects.mkdir(exist_ok=True)
+    paths = [objects / f"{_key(unit, command, *flags, _version(command))}.o" for unit in units]
+    running = []
+    with contextlib.ExitStack() as stack:
+        for unit, path in zip(units, paths, strict=True):
+            if path.is_file():
+                continue
+            temporary = stack.enter_context(_temporary(objects, path.stem, ".o"))
+            process = subprocess.Popen(
+                [*shlex.split(command), *flags, "-c", "-x", "c", "-", "-o", temporary],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            process.stdin.write(unit)
+            process.stdin.close()
+            running.append((process, temporary, path, unit))
+        for process, temporary, path, unit in running:
+            stderr = process.stderr.read()
+            process.wait()
+            process.stdout.close()
+            process.stderr.close()
+            if process.returncode != 0:
+                failed = path.with_suffix(".c")
+                failed.write_text(unit)
+                _check(subprocess.CompletedProcess([], process.returncode, "", stderr), failed)
+            os.replace(temporary, path)
+    return paths
+
+
+@contextlib.contextmanager
+def _temporary(directory: Path, key: str, suffix: str):
+    """A temporary file's name in ``directory`` (removed afterwards unless renamed into place)."""
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{key}.", suffix=suffix)
+    os.close(handle)
+    try:
+        yield temporary
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-    return library
+
+
+def _run(arguments: list[str], source: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(arguments, input=source, capture_output=True, text=True, check=False)
+
+
+def _check(result: subprocess.CompletedProcess, source_of: Path) -> None:
+    """A ``CompileError`` with the compiler's first lines where it failed."""
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.strip()][:ERROR_LINES]
+        raise CompileError(
+            f"the C compiler failed (exit {result.returncode}; source {source_of}): " + " | ".join(lines)
+        )
 
 
 def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:

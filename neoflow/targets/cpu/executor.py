@@ -17,7 +17,7 @@ from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
 from neoflow.ir.op import Op
 from neoflow.targets.base import run_graph, sequential_call
-from neoflow.targets.cpu.compiler import build_library
+from neoflow.targets.cpu.compiler import UNIT, build_library
 from neoflow.targets.cpu.gemm import MICROKERNEL
 from neoflow.targets.cpu.lower import lower_op
 from neoflow.targets.cpu.nest import Nest, nest_function, shared_nest
@@ -53,7 +53,8 @@ def module_source(graph: Graph, skip: Collection[str] = ()) -> tuple[str, dict[s
             by_code[code] = f"nf_kernel{len(by_code)}"
             parts.append(code.replace("KERNEL", by_code[code]))
         functions[op.name] = by_code[code]
-    return "\n\n".join(parts) + "\n", functions, interpreted
+    # the functions are units the compiler may spread over translation units compiled in parallel
+    return "\n\n".join(parts[:2]) + UNIT + UNIT.join(parts[2:]) + "\n", functions, interpreted
 
 
 def graph_nests(graph: Graph, groups: Collection[Collection[str]], keep: Collection[str] = ()) -> dict[str, Nest]:
@@ -86,7 +87,7 @@ def nest_source(nests: Mapping[str, Nest]) -> tuple[str, dict[str, tuple[Nest, s
     for k, (first, nest) in enumerate(nests.items()):
         named[first] = (nest, f"nf_nest{k}")
         parts.append(nest_function(nest, f"nf_nest{k}"))
-    return "\n\n".join(parts) + "\n", named
+    return UNIT.join(parts) + "\n", named
 
 
 def tensor_slots(graph: Graph) -> dict[str, int]:
@@ -108,7 +109,7 @@ def sliced_source(graph: Graph, runs: Collection[SliceRun]) -> tuple[str, dict[s
         except CompileError:
             continue
         named[run.ops[0]] = (run, function)
-    return "\n\n".join(parts) + "\n", named
+    return UNIT.join(parts) + "\n", named
 
 
 def slice_members(sliced: Mapping[str, tuple[SliceRun, str]]) -> set[str]:
@@ -208,7 +209,7 @@ class CpuExecutor:
         self.plan: MemoryPlan = plan_memory(graph, self.keep, together, unstored)
         if not self.interpreted:
             nests_c, self._nest_functions = nest_source(self.nests)
-            self.source += "\n" + nests_c + "\n" + sliced_c + "\n"
+            self.source += UNIT + nests_c + UNIT + sliced_c + UNIT
             self.source += graph_entry(graph, names, self._nest_functions, self._sliced_functions)
         self.library_path = build_library(self.source)
         self.library = ctypes.CDLL(str(self.library_path))

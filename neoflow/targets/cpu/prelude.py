@@ -85,8 +85,8 @@ static void *nf_scratch(void **kept, size_t *capacity, size_t bytes) {
     static __thread void *name##_kept_; static __thread size_t name##_capacity_; \
     type *restrict name = (type *)nf_scratch(&name##_kept_, &name##_capacity_, sizeof(type) * (size_t)(count))
 #ifdef _OPENMP
-void nf_set_threads(int n) { omp_set_num_threads(n); }
+__attribute__((weak)) void nf_set_threads(int n) { omp_set_num_threads(n); }
 #else
-void nf_set_threads(int n) { (void)n; }
+__attribute__((weak)) void nf_set_threads(int n) { (void)n; }
 #endif
 """

@@ -77,3 +77,47 @@ def test_two_processes_compiling_at_once(tmp_path) -> None:
     runs = [subprocess.Popen([sys.executable, "-c", code, source], env=env, stdout=subprocess.PIPE) for _ in range(3)]
     assert [p.communicate()[0].strip() for p in runs] == [b"42"] * 3
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+
+
+def test_a_large_source_is_split_into_translation_units_with_every_function_once(monkeypatch) -> None:
+    monkeypatch.setattr(compiler, "UNIT_BYTES", 10)
+    header = "#include <stdint.h>\nstatic inline int nf_twice(int x) { return 2 * x; }"
+    functions = [
+        f"static int helper{k}(int x) {{ return x + {k}; }}\n"
+        f"int nf_f{k}(int x) {{\n    return helper{k}(nf_twice(x));\n}}"
+        for k in range(5)
+    ]
+    entry = "int nf_all(int x) {\n    return nf_f0(x) + nf_f4(x);\n}"
+    units = compiler.translation_units(header + compiler.UNIT + compiler.UNIT.join([*functions, entry]), 2)
+    assert len(units) == 2
+    for unit in units:
+        assert unit.startswith(header)
+        assert "int nf_f3(int x);" in unit and "int nf_all(int x);" in unit and "helper1(int x);" not in unit
+    for k in range(5):
+        assert sum(f"int nf_f{k}(int x) {{" in unit for unit in units) == 1
+    assert compiler.translation_units("int nf_a(void) { return 1; }", 4) == ["int nf_a(void) { return 1; }"]
+
+
+@NEEDS_CC
+def test_a_model_compiled_in_several_units_at_once_runs_like_one(tmp_path, monkeypatch) -> None:
+    """The kernels of a model spread over translation units compiled in parallel (objects cached, then
+    linked) compute what the interpreter does."""
+    monkeypatch.setenv("NEOFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiler, "UNIT_BYTES", 1000)
+    monkeypatch.setattr(compiler.os, "cpu_count", lambda: 2)
+    text = "\n".join(
+        [
+            "H[i, j] = ReduceAdd({k}, X[i, k] * W[k, j])",
+            "R[i, j] = max(H[i, j], 0)",
+            "Y[i] = ReduceAdd({j}, R[i, j] * R[i, j])",
+        ]
+    )
+    graph = neoflow.graph(text, shapes={"X": (8, 16), "W": (16, 4)})
+    rng = np.random.default_rng(0)
+    inputs = {
+        "X": rng.standard_normal((8, 16)).astype(np.float32),
+        "W": rng.standard_normal((16, 4)).astype(np.float32),
+    }
+    got = neoflow.compile(graph, target="cpu", fusion="none").run(inputs)["Y"]
+    assert len(list((tmp_path / "kernels" / "objects").glob("*.o"))) >= 2
+    np.testing.assert_allclose(got, neoflow.evaluate(graph, inputs)["Y"], rtol=1e-5, atol=1e-5)
