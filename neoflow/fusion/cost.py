@@ -101,6 +101,10 @@ class CostModel:
         self._ops: dict[Op, Cost] = {}
         self._kernels: dict[Kernel, Cost] = {}
 
+    def __getstate__(self) -> dict:
+        """Pickled (a compile cache keeps an executor's cost model) without its memoised costs."""
+        return {**self.__dict__, "_ops": {}, "_kernels": {}}
+
     @property
     def machine(self) -> Machine:
         """The machine's figures; a callable given for them is called on first

@@ -14,7 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from neoflow.autodiff.training import TrainingGraph, TrainSpec, build_training_graph, internal_names
-from neoflow.errors import CompileError, InputError
+from neoflow.errors import CompileError, InputError, NeoflowError
 from neoflow.frontend import load_onnx, read_model
 from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.ir import dtypes as dt
@@ -22,6 +22,7 @@ from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import print_graph
 from neoflow.ir.text import parse_graph
+from neoflow.runtime import compile_cache
 from neoflow.runtime.custom_op import CompiledOp
 from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
 from neoflow.runtime.report import compile_report
@@ -61,6 +62,38 @@ def compile(
     check_target(target)
     if isinstance(model, Op):
         return CompiledOp(model, target, grad, fusion, precision)
+    name = _cache_key(model, target, train, shapes, parameters, fusion, precision)
+    if name is not None:
+        found = compile_cache.lookup(name)
+        if isinstance(found, CompiledModel):
+            found.from_cache = True
+            return found
+    compiled = _compile_model(model, target, train, shapes, parameters, fusion, precision)
+    if name is not None:
+        compile_cache.store(name, compiled)
+    return compiled
+
+
+def _cache_key(model, target, train, shapes, parameters, fusion, precision) -> str | None:
+    """The compile cache's key for these arguments; None where the compile is not cached (a graph
+    object, parameters given as arrays, a policy object, or the cache turned off)."""
+    if not compile_cache.enabled() or parameters or not isinstance(fusion, str) or isinstance(model, Graph):
+        return None
+    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".nf"):
+        path = Path(model)
+        if not path.is_file():
+            return None
+        data = path.read_bytes()
+    else:
+        try:
+            data = read_model(model).SerializeToString(deterministic=True)
+        except NeoflowError:
+            return None  # the compile itself reports it
+    options = repr((target, train, sorted((k, tuple(v)) for k, v in (shapes or {}).items()), fusion, precision))
+    return compile_cache.key(data, options)
+
+
+def _compile_model(model, target, train, shapes, parameters, fusion, precision) -> CompiledModel:
     proto = None
     if isinstance(model, Graph):
         inference = model
@@ -168,12 +201,17 @@ class CompiledModel:
         self._values = {p: np.array(inference.parameters[p]) for p in self._parameter_names}
         self._train = self._gradients = None
         self._input_tables: dict[tuple[int, tuple[str, ...]], dict[str, Tensor]] = {}
+        self.from_cache = False  # loaded from the compile cache (``runtime.compile_cache``)
         if training is not None:
             self._values.update({name: np.array(v) for name, v in training.state.items()})
             keep = [training.loss, *training.updates.values()]
             if spec.keep_prediction:
                 keep.insert(1, training.prediction)
             self._train = build_executor(target, training.graph, keep, self.fusion, precision)
+
+    def __getstate__(self) -> dict:
+        """What the compile cache stores (the input tables are keyed by the graphs' ids: rebuilt)."""
+        return {**self.__dict__, "_input_tables": {}}
 
     def _build_inference(self):
         return build_executor(self.target, self.inference, self.inference.outputs, self.fusion, self.precision)

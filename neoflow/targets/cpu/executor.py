@@ -212,20 +212,8 @@ class CpuExecutor:
             self.source += UNIT + nests_c + UNIT + sliced_c + UNIT
             self.source += graph_entry(graph, names, self._nest_functions, self._sliced_functions)
         self.library_path = build_library(self.source)
-        self.library = ctypes.CDLL(str(self.library_path))
-        self.library.nf_set_threads(ctypes.c_int(threads()))
-        self.kernels = {}
-        for op in graph.ops:
-            if op.name in names:
-                function = getattr(self.library, names[op.name])
-                function.argtypes = [ctypes.c_void_p] * (1 + len(op.inputs))
-                function.restype = None
-                self.kernels[op.name] = function
-        self.entry = None
-        if not self.interpreted:
-            self.entry = self.library.nf_run_graph
-            self.entry.argtypes = [ctypes.c_void_p]
-            self.entry.restype = None
+        self._function_names = names
+        self._load_library()
         slots = tensor_slots(graph)
         produced = {op.name: op for op in graph.ops}
         self._input_slots = [(t.name, slots[t.name], dt.numpy_dtype(t.dtype)) for t in graph.inputs]
@@ -248,6 +236,39 @@ class CpuExecutor:
             self._kept_bytes += aligned_size(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
         self._recycled: list[_RecycledBlock] = []  # the two blocks recycled runs write in turn
         self._recycle_turn = 0
+
+    def _load_library(self) -> None:
+        """Load the compiled library (rebuilt from the source where the kernel cache lost it) and bind
+        its functions; a fresh arena and fresh recycled blocks."""
+        if not self.library_path.is_file():
+            self.library_path = build_library(self.source)
+        self.library = ctypes.CDLL(str(self.library_path))
+        self.library.nf_set_threads(ctypes.c_int(threads()))
+        self.kernels = {}
+        for op in self.graph.ops:
+            if op.name in self._function_names:
+                function = getattr(self.library, self._function_names[op.name])
+                function.argtypes = [ctypes.c_void_p] * (1 + len(op.inputs))
+                function.restype = None
+                self.kernels[op.name] = function
+        self.entry = None
+        if not self.interpreted:
+            self.entry = self.library.nf_run_graph
+            self.entry.argtypes = [ctypes.c_void_p]
+            self.entry.restype = None
+
+    _UNPICKLED = ("library", "kernels", "entry", "_arena", "_arena_pointers", "_arena_lock", "_recycled")
+
+    def __getstate__(self) -> dict:
+        """What a compile cache stores: everything but the loaded library and the run-time buffers."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._arena = self._arena_pointers = None
+        self._arena_lock = threading.Lock()
+        self._recycled, self._recycle_turn = [], 0
+        self._load_library()
 
     def artifacts(self) -> dict[str, bytes]:
         """What a build directory keeps of this executor, by file suffix: the C and its library."""
