@@ -11,10 +11,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-import torch.nn.functional as F
 
 import neoflow
 from benchmarks.architectures import build, export
+from tests.runtime.torch_models import assert_trains_like
 
 BATCH = 4
 SIZES = {"resnet18": 4, "mobilenet_v2": 4, "vit": 8}  # widths small enough for CI
@@ -72,14 +72,11 @@ def test_a_training_mode_export_trains_like_pytorch(name: str) -> None:
     reference = copy.deepcopy(net).double().train()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
     generator = torch.Generator().manual_seed(1)
-    for _ in range(5):
-        x = torch.randn(BATCH, 3, 32, 32, generator=generator)
-        y = torch.randint(0, 10, (BATCH,), generator=generator)
-        optimizer.zero_grad()
-        loss = F.cross_entropy(reference(x.double()), y)
-        loss.backward()
-        optimizer.step()
-        assert model.train_step({"x": x.numpy(), "labels": y.numpy()}) == pytest.approx(loss.item(), rel=1e-3)
+    batches = [
+        (torch.randn(BATCH, 3, 32, 32, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator))
+        for _ in range(5)
+    ]
+    assert_trains_like(model, reference, optimizer, batches, labels="labels", rel=1e-3, abs=0)
     ours = model.parameters()
     for key, value in reference.state_dict().items():
         if key.endswith(("running_mean", "running_var")):
@@ -97,12 +94,7 @@ def test_the_dynamo_exporters_file_trains_like_the_model_it_describes() -> None:
     model = neoflow.compile(proto, target="interp", train=neoflow.TrainSpec(labels="labels", optimizer="sgd", lr=0.05))
     reference = copy.deepcopy(net).train()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
-    for _ in range(5):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(reference(x), y)
-        loss.backward()
-        optimizer.step()
-        assert model.train_step({"x": x.numpy(), "labels": y.numpy()}) == pytest.approx(loss.item(), rel=1e-4)
+    assert_trains_like(model, reference, optimizer, [(x, y)] * 5, labels="labels", rel=1e-4, abs=0)
 
 
 def test_a_dynamo_export_with_external_data_loads_from_its_folder(tmp_path, monkeypatch) -> None:

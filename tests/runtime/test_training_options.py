@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import neoflow
+from tests.runtime.torch_models import assert_trains_like
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 
@@ -175,7 +176,6 @@ def test_a_transformer_encoder_from_the_torchscript_exporter_trains_like_pytorch
     import io
 
     import onnx
-    import torch.nn.functional as F
 
     torch.manual_seed(0)
     net = _encoder()
@@ -187,13 +187,7 @@ def test_a_transformer_encoder_from_the_torchscript_exporter_trains_like_pytorch
     model = neoflow.compile(exported, target="interp", train=neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.1))
     assert "blocks.1.ln2.weight" in model.parameters()
     assert not any("Pow" in model.public_name(p) for p in model.training.trainable)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    for _ in range(3):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        optimizer.step()
-        assert model.train_step({"x": x.numpy(), "y": y.numpy()}) == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    assert_trains_like(model, net, torch.optim.SGD(net.parameters(), lr=0.1), [(x, y)] * 3)
     trained = net.state_dict()
     np.testing.assert_allclose(model.parameters()["blocks.1.ln2.weight"], trained["blocks.1.ln2.weight"], atol=1e-6)
     # exported, each trained copy is its own initializer again, and the file infers like the model
@@ -211,7 +205,6 @@ def test_weights_the_exporter_reads_through_a_transpose_are_trained_and_inferenc
     import io
 
     import onnx
-    import torch.nn.functional as F
 
     torch.manual_seed(1)
     net = _encoder()
@@ -225,13 +218,7 @@ def test_weights_the_exporter_reads_through_a_transpose_are_trained_and_inferenc
     assert any(n.op_type == "Transpose" and n.input[0] == "blocks.0.fc1.weight" for n in exported.graph.node)
     model = neoflow.compile(exported, target="interp", train=neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.1))
     assert set(model.parameters()) == {name for name, _ in net.named_parameters()}
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    for _ in range(3):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        optimizer.step()
-        assert model.train_step({"x": x.numpy(), "y": y.numpy()}) == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    assert_trains_like(model, net, torch.optim.SGD(net.parameters(), lr=0.1), [(x, y)] * 3)
     np.testing.assert_allclose(model.parameters()["blocks.0.fc1.weight"], net.blocks[0].fc1.weight.detach(), atol=1e-6)
     with torch.no_grad():
         want = net(x).numpy()

@@ -54,3 +54,27 @@ def four_op(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 MODELS = {"mlp": mlp, "cnn": cnn, "capsule": capsule}
+
+
+def assert_trains_like(
+    model,
+    reference: Callable[[torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches,
+    labels: str = "y",
+    rel: float = 1e-5,
+    abs: float = 1e-6,
+) -> None:
+    """Each of ``batches`` (x, y tensors) one cross-entropy step of PyTorch's ``reference`` with
+    ``optimizer`` and one ``model.train_step`` (x as float32, labels named ``labels``): the losses agree.
+    ``reference`` sees x in its own parameters' dtype (a float64 reference holds the exact losses)."""
+    import pytest
+
+    for x, y in batches:
+        optimizer.zero_grad()
+        dtype = next(iter(optimizer.param_groups[0]["params"])).dtype
+        loss = F.cross_entropy(reference(x.to(dtype)), y)
+        loss.backward()
+        optimizer.step()
+        ours = model.train_step({"x": x.float().numpy(), labels: y.numpy()})
+        assert ours == pytest.approx(loss.item(), rel=rel, abs=abs)
