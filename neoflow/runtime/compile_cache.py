@@ -4,8 +4,8 @@ instead of importing, differentiating, planning and lowering it again.
 
 Kept under ``$NEOFLOW_CACHE_DIR/models/<key>.pickle``; the key covers the model's bytes, every compile option
 and a hash of neoflow's own source, so a changed model, option or neoflow never finds a stale entry.
-``NEOFLOW_COMPILE_CACHE=0`` turns it off.  A model whose executors cannot be stored (a target holding a GPU
-context) is compiled every time.
+``NEOFLOW_COMPILE_CACHE=0`` turns it off.  Only the ``cpu`` and ``interp`` targets' models are cached (``TARGETS``);
+a model whose executors cannot be pickled is compiled every time.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from functools import cache
 from pathlib import Path
 
 from neoflow.targets.cache import cache_dir
+
+#: the targets whose compiled models are cached (their executors reload from what they keep)
+TARGETS = ("cpu", "interp")
 
 
 def enabled() -> bool:

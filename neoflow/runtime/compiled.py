@@ -76,8 +76,11 @@ def compile(
 
 def _cache_key(model, target, train, shapes, parameters, fusion, precision) -> str | None:
     """The compile cache's key for these arguments; None where the compile is not cached (a graph
-    object, parameters given as arrays, a policy object, or the cache turned off)."""
-    if not compile_cache.enabled() or parameters or not isinstance(fusion, str) or isinstance(model, Graph):
+    object, parameters given as arrays, a policy object, a target whose executors are not known to reload
+    — the cuda one holds paths into NVRTC's cache and a GPU context — or the cache turned off)."""
+    if target not in compile_cache.TARGETS or not compile_cache.enabled():
+        return None
+    if parameters or not isinstance(fusion, str) or isinstance(model, Graph):
         return None
     if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".nf"):
         path = Path(model)
