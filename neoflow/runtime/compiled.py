@@ -213,8 +213,27 @@ class CompiledModel:
             self._train = build_executor(target, training.graph, keep, self.fusion, precision)
 
     def __getstate__(self) -> dict:
-        """What the compile cache stores (the input tables are keyed by the graphs' ids: rebuilt)."""
-        return {**self.__dict__, "_input_tables": {}}
+        """What the compile cache stores: the input tables are keyed by the graphs' ids (rebuilt), and a
+        current value equal to the graphs' own (every one, fresh from a compile) is not stored twice."""
+        sources = self._value_sources()
+        shared = [
+            name
+            for name, value in self._values.items()
+            if name in sources and sources[name].shape == value.shape and np.array_equal(sources[name], value)
+        ]
+        values = {name: value for name, value in self._values.items() if name not in shared}
+        return {**self.__dict__, "_input_tables": {}, "_values": values, "_shared_values": shared}
+
+    def __setstate__(self, state: dict) -> None:
+        shared = state.pop("_shared_values", [])
+        self.__dict__.update(state)
+        sources = self._value_sources()
+        self._values.update({name: np.array(sources[name]) for name in shared})
+
+    def _value_sources(self) -> dict[str, np.ndarray]:
+        """The graphs' own values of parameters and optimizer state, by internal name."""
+        training = {} if self.training is None else self.training.graph.parameters
+        return {**self.inference.parameters, **training}
 
     def _build_inference(self):
         return build_executor(self.target, self.inference, self.inference.outputs, self.fusion, self.precision)
