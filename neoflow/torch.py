@@ -154,14 +154,14 @@ class TorchOp:
 
 
 def _device_arrays(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """CUDA tensors as the cuda executor reads them in place: detached (autograd's flag hides the
-    ``__cuda_array_interface__``) and contiguous."""
+    """Tensors as neoflow's executors read them in place: detached (autograd's flag hides the
+    ``__cuda_array_interface__`` and DLPack) and contiguous (a strided view is copied)."""
     return [t.detach().contiguous() for t in tensors]
 
 
 def _host_arrays(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> dict[str, np.ndarray]:
-    """numpy views of CPU tensors by name (DLPack, no copy; a non-contiguous tensor is made contiguous)."""
-    return {n: np.from_dlpack(t.detach().contiguous()) for n, t in zip(names, tensors, strict=True)}
+    """numpy views of CPU tensors by name (DLPack, no copy)."""
+    return {n: np.from_dlpack(t) for n, t in zip(names, _device_arrays(tensors), strict=True)}
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:

@@ -14,7 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from neoflow.autodiff.training import TrainingGraph, TrainSpec, build_training_graph, internal_names
-from neoflow.errors import CompileError, InputError, NeoflowError
+from neoflow.errors import CompileError, InputError
 from neoflow.frontend import load_onnx, read_model
 from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.ir import dtypes as dt
@@ -62,6 +62,8 @@ def compile(
     check_target(target)
     if isinstance(model, Op):
         return CompiledOp(model, target, grad, fusion, precision)
+    if not isinstance(model, Graph) and not _is_program(model):
+        model = read_model(model)  # read and checked once: the cache key and the compile take this proto
     name = _cache_key(model, target, train, shapes, parameters, fusion, precision)
     if name is not None:
         found = compile_cache.lookup(name)
@@ -82,31 +84,34 @@ def _cache_key(model, target, train, shapes, parameters, fusion, precision) -> s
         return None
     if parameters or not isinstance(fusion, str) or isinstance(model, Graph):
         return None
-    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".nf"):
+    if _is_program(model):
         path = Path(model)
         if not path.is_file():
-            return None
+            return None  # the compile itself reports it
         data = path.read_bytes()
     else:
-        try:
-            data = read_model(model).SerializeToString(deterministic=True)
-        except NeoflowError:
-            return None  # the compile itself reports it
+        data = model.SerializeToString(deterministic=True)
     options = repr((target, train, sorted((k, tuple(v)) for k, v in (shapes or {}).items()), fusion, precision))
     return compile_cache.key(data, options)
 
 
+def _is_program(model: object) -> bool:
+    """Whether ``model`` names a ``.nf`` program file."""
+    return isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".nf")
+
+
 def _compile_model(model, target, train, shapes, parameters, fusion, precision) -> CompiledModel:
+    """The compile itself, of a ``Graph``, a ``.nf`` path or a checked ``ModelProto``."""
     proto = None
     if isinstance(model, Graph):
         inference = model
-    elif isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".nf"):
+    elif _is_program(model):
         path = Path(model)
         if not path.is_file():
             raise InputError(f"no such file: '{path}'")
         inference = parse_graph(path.read_text(), shapes)
     else:
-        proto = read_model(model)
+        proto = model
         # trained, a weight read through a computation (a Linear's Transpose) must stay the weight
         inference = load_onnx(proto, shapes, fold_parameters=train is None)
     if parameters:

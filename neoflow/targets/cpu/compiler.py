@@ -100,13 +100,13 @@ def translation_units(source: str, count: int) -> list[str]:
     if count < 2 or len(chunks) < 2 or len(source) < UNIT_BYTES:
         return [source]
     prototypes = "\n".join(f"{match.group(1)};" for chunk in chunks for match in _EXPORTED.finditer(chunk))
-    bins: list[list[str]] = [[] for _ in range(min(count, len(chunks), -(-len(source) // (UNIT_BYTES // 2))))]
+    bins: list[list[int]] = [[] for _ in range(min(count, len(chunks), -(-len(source) // (UNIT_BYTES // 2))))]
     sizes = [0] * len(bins)
-    for chunk in sorted(chunks, key=len, reverse=True):
-        k = sizes.index(min(sizes))
-        bins[k].append(chunk)
-        sizes[k] += len(chunk)
-    return [f"{header}\n{prototypes}\n" + "\n\n".join(chunk for chunk in chunks if chunk in set(b)) for b in bins]
+    for k in sorted(range(len(chunks)), key=lambda k: len(chunks[k]), reverse=True):
+        least = sizes.index(min(sizes))
+        bins[least].append(k)
+        sizes[least] += len(chunks[k])
+    return [f"{header}\n{prototypes}\n" + "\n\n".join(chunks[k] for k in sorted(b)) for b in bins]
 
 
 def _objects(units: list[str], command: str, flags: tuple[str, ...], directory: Path) -> list[Path]:

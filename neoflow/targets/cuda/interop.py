@@ -6,6 +6,7 @@ needs their device pointer, shape, dtype and that they are contiguous.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import dataclass
 
@@ -34,11 +35,10 @@ def is_device_array(value: object) -> bool:
     """Whether ``value`` lies in GPU memory by either protocol (a numpy array or a CPU tensor does not)."""
     if isinstance(value, np.ndarray):
         return False
-    try:
+    # a tensor that requires grad refuses the interface (RuntimeError): its DLPack device still counts
+    with contextlib.suppress(RuntimeError):
         if hasattr(value, "__cuda_array_interface__"):
             return True
-    except RuntimeError:  # a tensor that requires grad refuses the interface: its device still counts
-        pass
     device = getattr(value, "__dlpack_device__", None)
     if device is None:
         return False
