@@ -56,11 +56,13 @@ def test_another_option_model_or_neoflow_is_another_entry(cache, tmp_path, monke
 
 
 def test_only_targets_whose_executors_reload_are_cached(cache) -> None:
+    from neoflow.frontend import read_model
     from neoflow.runtime.compiled import _cache_key
 
-    assert _cache_key(CNN, "interp", None, None, None, "neoflow", None) is not None
-    assert _cache_key(CNN, "cuda", None, None, None, "neoflow", None) is None  # NVRTC paths, a GPU context
-    assert _cache_key(CNN, "interp", None, None, {"c1": np.zeros(1)}, "neoflow", None) is None
+    proto = read_model(CNN)  # what compile hands the key, read once
+    assert _cache_key(proto, "interp", None, None, None, "neoflow", None) is not None
+    assert _cache_key(proto, "cuda", None, None, None, "neoflow", None) is None  # NVRTC paths, a GPU context
+    assert _cache_key(proto, "interp", None, None, {"c1": np.zeros(1)}, "neoflow", None) is None
 
 
 def test_an_unreadable_entry_is_compiled_again(cache) -> None:
