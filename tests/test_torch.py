@@ -160,3 +160,44 @@ def test_the_capsnet_example_trains_like_its_plain_pytorch_twin() -> None:
     for k in range(5):
         batch = x[16 * k : 16 * k + 16], y[16 * k : 16 * k + 16]
         assert ours_step(*batch) == pytest.approx(theirs_step(*batch), abs=1e-5)
+
+
+def test_eager_calls_run_the_kernels_directly_and_traced_ones_the_operator() -> None:
+    """An eager call skips the registered operator's Python dispatch (autograd runs its formula
+    directly); under a dispatch mode (as tracing and fake tensors are) the operator runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    caps = nt.op(CAPSULE)
+    x, w = _tensors()
+    eager = caps(x, w)
+    assert type(eager.grad_fn).__name__ == "_EagerCallBackward"
+    with Seen() as seen:
+        traced = caps(x, w)
+    assert f"neoflow.{caps.name}.default" in seen.ops
+    torch.testing.assert_close(traced, eager)
+    eager.sum().backward()
+    got = w.grad.clone()
+    w.grad = None
+    traced.sum().backward()
+    torch.testing.assert_close(got, w.grad)
+
+
+def test_a_backward_does_not_recompute_the_forward_unless_an_adjoint_reads_it() -> None:
+    caps = nt.op(CAPSULE)
+    x, w = _tensors()
+    compiled = caps.compiled([x, w], grad=True)
+    assert caps.output not in {op.name for op in compiled.backward_graph.ops}
+    exp = nt.op("Y[i] = exp(X[i])", name="exp_reads_its_output")
+    compiled = exp.compiled([torch.randn(5)], grad=True)
+    assert "Y" in {op.name for op in compiled.backward_graph.ops}
+    v = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(exp, (v,))

@@ -47,11 +47,17 @@ class CompiledOp:
         self._both = None
         self._partial: dict[frozenset[str], tuple[Graph, object]] = {}  # graph, executor of some adjoints
         if self.adjoints:
-            self.backward_graph = Graph.from_ops(
-                [op, *self.adjoints.values()], outputs=[a.name for a in self.adjoints.values()]
-            )
+            self.backward_graph = self._adjoint_graph(self.adjoints.values())
             keep = [a.name for a in self.adjoints.values()]
             self._backward = build_executor(target, self.backward_graph, keep, self.fusion, precision)
+
+    def _adjoint_graph(self, adjoints: Collection[Op], with_output: bool = False) -> Graph:
+        """The graph computing ``adjoints``: the forward op is in it only where an adjoint reads the
+        op's output (``exp``'s does, a contraction's does not) or ``with_output`` asks for it —
+        a backward would otherwise recompute the forward for nothing."""
+        reads_output = with_output or any(self.op.name in a.input_names for a in adjoints)
+        keep = [*([self.op.name] if with_output else []), *(a.name for a in adjoints)]
+        return Graph.from_ops([self.op, *adjoints] if reads_output else list(adjoints), outputs=keep)
 
     def _inputs(self, graph: Graph, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         as_is = None
@@ -84,10 +90,33 @@ class CompiledOp:
         if self._backward is None:
             raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
         if self._both is None:
+            graph = self._adjoint_graph(self.adjoints.values(), with_output=True)
             keep = [self.op.name, *(a.name for a in self.adjoints.values())]
-            self._both = build_executor(self.target, self.backward_graph, keep, self.fusion, self.precision)
-        outputs = self._both.run(self._inputs(self.backward_graph, {**inputs, **output_grad}))
+            self._both = graph, build_executor(self.target, graph, keep, self.fusion, self.precision)
+        graph, executor = self._both
+        outputs = executor.run(self._inputs(graph, {**inputs, **output_grad}))
         return outputs[self.op.name], {name: outputs[a.name] for name, a in self.adjoints.items()}
+
+    @property
+    def forward_executor(self) -> object:
+        """The target's executor of the forward graph (``run``'s)."""
+        return self._forward
+
+    def adjoint_executor(self, wrt: Collection[str]) -> tuple[Graph, object]:
+        """The graph computing the adjoints of the inputs ``wrt`` (names with an adjoint) and the
+        target's executor of it: all of them the one built with the op, a subset a kernel set of its
+        own, built on first use and kept."""
+        if self._backward is None:
+            raise CompileError("compiled without grad=True (or the op has no float inputs)", op=self.op.name)
+        if len(set(wrt)) == len(self.adjoints):
+            return self.backward_graph, self._backward
+        key = frozenset(wrt)
+        if key not in self._partial:
+            adjoints = [a for name, a in self.adjoints.items() if name in key]
+            graph = self._adjoint_graph(adjoints)
+            keep = [a.name for a in adjoints]
+            self._partial[key] = graph, build_executor(self.target, graph, keep, self.fusion, self.precision)
+        return self._partial[key]
 
     def backward(
         self,
@@ -113,14 +142,7 @@ class CompiledOp:
         if unwanted:
             raise CompileError(f"out names '{unwanted[0]}', whose adjoint wrt leaves out", op=self.op.name)
         adjoints = {name: a for name, a in self.adjoints.items() if name in wanted}
-        graph, executor = self.backward_graph, self._backward
-        if len(adjoints) < len(self.adjoints):
-            key = frozenset(adjoints)
-            if key not in self._partial:
-                keep = [a.name for a in adjoints.values()]
-                graph = Graph.from_ops([self.op, *adjoints.values()], outputs=keep)
-                self._partial[key] = graph, build_executor(self.target, graph, keep, self.fusion, self.precision)
-            graph, executor = self._partial[key]
+        graph, executor = self.adjoint_executor(adjoints)
         targets = self._outputs({self.adjoints[name].name: value for name, value in (out or {}).items()}, stream)
         outputs = executor.run(self._inputs(graph, {**inputs, **output_grad}), **targets)
         return {name: outputs[adjoint.name] for name, adjoint in adjoints.items()}

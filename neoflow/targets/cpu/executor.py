@@ -5,8 +5,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -24,6 +25,8 @@ from neoflow.targets.cpu.nest import Nest, nest_function, shared_nest
 from neoflow.targets.cpu.prelude import PRELUDE
 from neoflow.targets.cpu.slices import sliced_function
 from neoflow.targets.memory import MemoryPlan, aligned_buffer, aligned_size, plan_memory
+
+T = TypeVar("T")
 
 
 def threads() -> int:
@@ -289,16 +292,54 @@ class CpuExecutor:
         addresses than computing."""
         if self.entry is None:
             return run_graph(self, inputs)
+        recycled = (lambda: self._run_recycled(inputs)) if recycle else None
+        return self._in_arena(lambda pointers: self._run_in(pointers, inputs), recycled)
+
+    @property
+    def addressable(self) -> bool:
+        """Whether ``run_at`` can run the graph (every op has a C kernel)."""
+        return self.entry is not None
+
+    @property
+    def input_names(self) -> list[str]:
+        """The graph's inputs in the order ``run_at`` takes their addresses."""
+        return [name for name, _, _ in self._input_slots]
+
+    @property
+    def output_specs(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+        """The computed kept tensors (name, shape, dtype) in the order ``run_at`` takes their addresses."""
+        return [(name, shape, dtype) for name, _, shape, dtype in self._kept_slots]
+
+    def run_at(self, inputs: Sequence[int], outputs: Sequence[int]) -> None:
+        """One run reading each input at its address and writing each computed kept tensor to its
+        address (``input_names``, ``output_specs`` orders): C-contiguous memory of the graph's shapes
+        and dtypes, 64-byte aligned outputs, all owned and kept alive by the caller — a framework's own
+        tensors, with no array made per run (a small op's call otherwise spends as long making and
+        checking arrays as computing).  Only where ``addressable``."""
+
+        def run(pointers: np.ndarray) -> None:
+            for (_, slot, _), address in zip(self._input_slots, inputs, strict=True):
+                pointers[slot] = address
+            for (_, slot, _, _), address in zip(self._kept_slots, outputs, strict=True):
+                pointers[slot] = address
+            self.entry(pointers.ctypes.data)
+
+        self._in_arena(run)
+
+    def _in_arena(self, run: Callable[[np.ndarray], T], recycled: Callable[[], T] | None = None) -> T:
+        """``run(pointers)`` with the intermediates' slots of ``pointers`` in the reused arena (its
+        lock held), or in a fresh arena while another thread's run holds that one; ``recycled()``
+        instead where given and the reused arena is free."""
         if not self._arena_lock.acquire(blocking=False):
             _own_arena, start = aligned_buffer(self.plan.arena_bytes)  # alive until the run returns
-            return self._run_in(self._slot_pointers(start), inputs)
+            return run(self._slot_pointers(start))
         try:
             if self._arena is None:
                 self._arena, start = aligned_buffer(self.plan.arena_bytes)
                 self._arena_pointers = self._slot_pointers(start)
-            if recycle:
-                return self._run_recycled(inputs)
-            return self._run_in(self._arena_pointers.copy(), inputs)
+            if recycled is not None:
+                return recycled()
+            return run(self._arena_pointers.copy())
         finally:
             self._arena_lock.release()
 

@@ -191,3 +191,18 @@ def test_a_timed_call_keeps_the_inputs_it_converted() -> None:
     litter = [np.full((64, 48), 7.0, np.float32) for _ in range(50)]  # reuses freed memory
     np.testing.assert_array_equal(call(), expected)
     assert litter[0][0, 0] == 7.0
+
+
+@NEEDS_CC
+def test_a_run_at_addresses_reads_and_writes_the_callers_memory() -> None:
+    graph = neoflow.graph(CHAIN)
+    executor = CpuExecutor(graph, keep=("T", "L"))
+    assert executor.addressable and executor.input_names == ["X", "W"]
+    assert [(name, shape) for name, shape, _ in executor.output_specs] == [("T", (64, 32)), ("L", ())]
+    (inputs,) = _batches(3, 1)
+    outputs = {name: np.full(shape, np.nan, dtype) for name, shape, dtype in executor.output_specs}
+    addresses = [data_address(inputs[name]) for name in executor.input_names]
+    executor.run_at(addresses, [data_address(outputs[name]) for name, _, _ in executor.output_specs])
+    expected = executor.run(inputs)
+    for name in ("T", "L"):
+        np.testing.assert_array_equal(outputs[name], expected[name])
