@@ -195,12 +195,16 @@ def _convert(node: onnx.NodeProto, model: Model, opset: int) -> None:
 # ops whose result does not depend on their input's values (Identity: a copy of an initializer is a
 # parameter of its own, see ``runtime.compiled._parameter_sources``)
 _VALUE_FREE = frozenset({"Shape", "Size", "Identity"})
+# inputs read for their type alone: a node is constant when its other inputs are (the dynamo exporter's
+# ``Clip(x, CastLike(min, x), CastLike(max, x))``)
+_TYPE_ONLY_INPUTS = {"CastLike": frozenset({1})}
 
 
 def _fold(ctx: NodeContext, before: int) -> None:
     """If every input of the node is a constant, evaluate its ops now and keep the values (not
     where the node computes from the values of an initializer the import must keep unfolded)."""
-    inputs = [i for i in range(len(ctx.node.input)) if ctx.has_input(i)]
+    type_only = _TYPE_ONLY_INPUTS.get(ctx.node.op_type, frozenset())
+    inputs = [i for i in range(len(ctx.node.input)) if ctx.has_input(i) and i not in type_only]
     if not inputs or not all(ctx.constant(i) is not None for i in inputs):
         return
     if ctx.node.op_type not in _VALUE_FREE and any(ctx.node.input[i] in ctx.model.unfolded for i in inputs):

@@ -42,3 +42,31 @@ def test_pad_modes_on_several_axes_match_numpy() -> None:
     for mode in ("constant", "edge", "reflect", "wrap"):
         out = backend.run_node(helper.make_node("Pad", ["x", "pads"], ["y"], mode=mode), [x, pads])[0]
         np.testing.assert_array_equal(out, np.pad(x, ((1, 2), (2, 1)), mode=mode), err_msg=mode)
+
+
+def test_a_castlike_of_a_constant_is_a_constant_whatever_its_type_source() -> None:
+    """The dynamo exporter's unoptimised ReLU6: Clip(x, CastLike(0, x), CastLike(6, x)) — Clip's bounds
+    must be constants, and a CastLike reads only its second input's type."""
+    from onnx import TensorProto
+
+    from neoflow.frontend import load_onnx
+
+    nodes = [
+        helper.make_node("Constant", [], ["low"], value_float=0.0),
+        helper.make_node("Constant", [], ["high"], value_float=6.0),
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("CastLike", ["low", "r"], ["low_cast"]),
+        helper.make_node("CastLike", ["high", "r"], ["high_cast"]),
+        helper.make_node("Clip", ["x", "low_cast", "high_cast"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "relu6",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    imported = load_onnx(model)
+    assert all(op.name not in ("low_cast", "high_cast") for op in imported.ops)
+    x = np.array([-1, 0.5, 3, 6.5, 9], np.float32)
+    np.testing.assert_array_equal(backend.prepare(model).run([x])[0], np.clip(x, 0, 6))

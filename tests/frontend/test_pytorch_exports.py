@@ -32,11 +32,14 @@ def _net(name: str) -> torch.nn.Module:
     return net
 
 
-def _dynamo(net: torch.nn.Module, x: torch.Tensor) -> onnx.ModelProto:
+def _dynamo(net: torch.nn.Module, x: torch.Tensor, train: bool = False) -> onnx.ModelProto:
+    """``net`` through the default (dynamo) exporter; ``train``: in training mode and unoptimised (the
+    exporter's optimiser folds BatchNorm into the convolutions, even in training mode)."""
     pytest.importorskip("onnxscript")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(copy.deepcopy(net).eval(), (x,), dynamo=True, input_names=["x"], output_names=["y"])
+        model = copy.deepcopy(net).train(train)
+        program = torch.onnx.export(model, (x,), dynamo=True, optimize=not train, input_names=["x"], output_names=["y"])
     return program.model_proto
 
 
@@ -56,16 +59,21 @@ def test_an_eval_export_infers_like_pytorch(name: str, exporter: str) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("name", list(SIZES))
-def test_a_training_mode_export_trains_like_pytorch(name: str) -> None:
-    """TorchScript exporter, TrainingMode.TRAINING: BatchNorm trains on batch statistics and updates its
-    running statistics as PyTorch's does; every parameter of the module is trained.  The reference is
+def test_a_training_mode_export_trains_like_pytorch(name: str, exporter: str) -> None:
+    """TorchScript exporter with TrainingMode.TRAINING, or the dynamo one with ``optimize=False``:
+    BatchNorm trains on batch statistics and updates its running statistics as PyTorch's does; every
+    parameter of the module is trained.  The reference is
     PyTorch in float64: in float32 a ReLU input within rounding of zero lands on one side in one library
     and on the other in the other (one such element in MobileNetV2's step 3 moves a BatchNorm's gradient
     by 0.6 %), and a few steps amplify it — PyTorch's own float32 ResNet ends 4e-3 from its float64 one
     by step 5 where neoflow's is 2e-7 — so losses are held to 1e-3 of the exact ones."""
     net = _net(name)
-    proto = onnx.load_from_string(export(net, BATCH, train=True))
+    if exporter == "dynamo":
+        proto = _dynamo(net, torch.zeros(BATCH, 3, 32, 32), train=True)
+    else:
+        proto = onnx.load_from_string(export(net, BATCH, train=True))
     spec = neoflow.TrainSpec(labels="labels", optimizer="sgd", lr=0.01, momentum=0.9)
     model = neoflow.compile(proto, target="interp", train=spec)
     assert {n for n, _ in net.named_parameters()} <= set(model.parameters())
@@ -83,10 +91,10 @@ def test_a_training_mode_export_trains_like_pytorch(name: str) -> None:
             np.testing.assert_allclose(ours[key], value.numpy(), rtol=1e-3, atol=1e-4, err_msg=key)
 
 
-def test_the_dynamo_exporters_file_trains_like_the_model_it_describes() -> None:
-    """The dynamo exporter writes an inference graph (BatchNorm folded even in training mode, Linear
-    weights pre-transposed under new names): trained, it follows PyTorch where the model has no
-    BatchNorm — the ViT, its transposed weights trained as the weights they are."""
+def test_the_dynamo_exporters_optimised_file_trains_like_the_model_it_describes() -> None:
+    """Optimised (its default), the dynamo exporter writes an inference graph (BatchNorm folded even in
+    training mode, Linear weights pre-transposed under new names): trained, it follows PyTorch where the
+    model has no BatchNorm — the ViT, its transposed weights trained as the weights they are."""
     net = _net("vit")
     x = torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     y = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(3))
