@@ -40,6 +40,7 @@ from neoflow.ir.expr import (
     map_children,
     map_indices,
 )
+from neoflow.ir.factor import hoist_invariant_factors
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import to_text
 
@@ -143,7 +144,7 @@ class _AdjointBuilder:
                 expr, axes = built
                 exprs.append(expr)
                 new_axes.update(axes)
-        body = _merge(exprs) if exprs else Const(0)
+        body = hoist_invariant_factors(_merge(exprs)) if exprs else Const(0)
         self.info.new_axes = tuple(new_axes.items())
         try:
             adjoint = make_op(f"d{self.wrt}", names, body, self.tensors(), self.target.shape, self.target.dtype)

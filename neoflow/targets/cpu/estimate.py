@@ -15,7 +15,7 @@ from neoflow.ir.simplify import read_offset
 from neoflow.targets.cpu.chain import chain_cycles, chain_plan
 from neoflow.targets.cpu.flat_depth import flat_depth_plan
 from neoflow.targets.cpu.gemm import MR, NR, STEP_CYCLES, domain_points, gemm_plan, plan_cycles
-from neoflow.targets.cpu.lower import in_place_reduction
+from neoflow.targets.cpu.lower import SHORT_SUM_LOOP, in_place_reduction
 from neoflow.targets.cpu.staging import staged_plan
 
 #: Multiply-adds per cycle of one core at the micro-kernel's peak (MR x NR a depth step).
@@ -67,8 +67,12 @@ def schedule(op: Op) -> Scheduled:
     reductions = [node for node in op.body.walk() if isinstance(node, Reduce)]
     if not reductions or in_place_reduction(op) is not None:
         inner = op.indices[-1] if op.indices else None  # the innermost loop runs over the output's last index
-    elif len(reductions) == 1 and reductions[0].kind == "ReduceAdd" and not op.indices:
-        inner = reductions[0].axes[-1]  # a sum in vector lanes
+    elif (
+        len(reductions) == 1
+        and reductions[0].kind == "ReduceAdd"
+        and (not op.indices or op.extent[reductions[0].axes[-1]] >= SHORT_SUM_LOOP)
+    ):
+        inner = reductions[0].axes[-1]  # a sum in vector lanes (each point's, innermost)
     else:
         inner = None
     return Scheduled(vector=inner is not None and _contiguous(op, inner))

@@ -11,7 +11,8 @@ import pytest
 import neoflow
 from neoflow.codegen.inner_split import split_inner
 from neoflow.codegen.lattice import split_lattice
-from neoflow.targets.cpu.lower import Lowering, lower_op, most_trips, trip_count
+from neoflow.targets.cpu.estimate import schedule
+from neoflow.targets.cpu.lower import Lowering, in_place_reduction, lower_op, most_trips, trip_count
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from tests.on_targets import NEEDS_CC
 
@@ -75,6 +76,19 @@ def test_reduction_accumulates_in_place_outside_the_innermost_output_loop() -> N
     assert "omp parallel" not in small  # too little work to start threads for
 
 
+def test_a_per_channel_sum_runs_along_the_rows_it_reads_not_across_them() -> None:
+    """A BatchNorm statistic: accumulated in place, ``c`` innermost, each step would read a float a
+    plane apart; summed per channel instead, the innermost loop runs along ``w`` in vector lanes."""
+    shapes = {"G": (4, 16, 8, 8), "X": (4, 16, 8, 8), "M": (16,)}
+    op = neoflow.op("S[c] = ReduceAdd({n, h, w}, G[n, c, h, w] * (X[n, c, h, w] - M[c]))", shapes=shapes)
+    assert in_place_reduction(op) is None
+    code = Lowering(op).function("kernel")
+    assert "simd reduction(+:acc0)" in code
+    assert schedule(op).vector
+    row = neoflow.op("S[h, w] = ReduceAdd({n}, X[n, h, w])", shapes={"X": (4, 8, 8)})
+    assert in_place_reduction(row) is not None  # reads run along w: in place, w innermost, stays
+
+
 def test_reductions_inside_an_expression_use_accumulators() -> None:
     code = _c("Y[i] = ReduceAdd({k}, X[i, k]) / ReduceAdd({k}, X[i, k] * X[i, k])", {"X": (512, 64)})
     init = code.index("acc0 = ((float)(0))")
@@ -107,6 +121,7 @@ def test_a_scalar_sum_is_shared_among_threads_and_vector_lanes() -> None:
         ("Y[i, j] = Select(j > 0, ReduceAdd({k}, A[i, k] * B[k, j]), 0) + 1", {"A": (7, 9), "B": (9, 30)}),
         ("L[] = ReduceAdd({a, b}, A[a, b] * A[a, b]) / 2", {"A": (300, 200)}),
         ("Y[i] = ReduceAdd({k}, A[i, k]) / ReduceAdd({k}, A[i, k] * A[i, k])", {"A": (512, 64)}),
+        ("S[c] = ReduceAdd({n, h, w}, G[n, c, h, w] * G[n, c, h, w])", {"G": (3, 8, 5, 7)}),
     ],
 )
 def test_epilogues_and_sums_compute_what_the_interpreter_does(text: str, shapes: dict) -> None:
