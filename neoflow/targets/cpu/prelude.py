@@ -9,6 +9,16 @@ PRELUDE = r"""
 #include <stddef.h>
 #include <string.h>
 #include <math.h>
+#if defined(NF_VECTOR_MATH) && defined(__GNUC__) && !defined(__clang__)
+/* SIMD-callable, so that loops calling them vectorise: glibc's libmvec has their vector versions
+   (linked with -lmvec; see compiler.vector_math) */
+#define NF_SIMD_MATH __attribute__((__simd__("notinbranch")))
+extern float expf(float) NF_SIMD_MATH; extern double exp(double) NF_SIMD_MATH;
+extern float logf(float) NF_SIMD_MATH; extern double log(double) NF_SIMD_MATH;
+extern float erff(float) NF_SIMD_MATH; extern double erf(double) NF_SIMD_MATH;
+extern float tanhf(float) NF_SIMD_MATH; extern double tanh(double) NF_SIMD_MATH;
+extern float powf(float, float) NF_SIMD_MATH; extern double pow(double, double) NF_SIMD_MATH;
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -121,3 +121,23 @@ def test_a_model_compiled_in_several_units_at_once_runs_like_one(tmp_path, monke
     got = neoflow.compile(graph, target="cpu", fusion="none").run(inputs)["Y"]
     assert len(list((tmp_path / "kernels" / "objects").glob("*.o"))) >= 2
     np.testing.assert_allclose(got, neoflow.evaluate(graph, inputs)["Y"], rtol=1e-5, atol=1e-5)
+
+
+def test_loops_calling_math_functions_vectorise_with_the_vector_math_library(tmp_path, monkeypatch) -> None:
+    """A GELU's erf and a sigmoid's exp: with glibc's libmvec the loops call its vector versions
+    (``_ZGV...``) and compute what the interpreter does; ``NEOFLOW_VECTOR_MATH=0`` keeps them scalar."""
+    monkeypatch.setenv("NEOFLOW_CACHE_DIR", str(tmp_path))
+    op = neoflow.op(
+        "Y[i, j] = 0.5 * X[i, j] * (1 + erf(X[i, j] * 0.7071067811865476)) + sigmoid(X[i, j]) * tanh(X[i, j])",
+        shapes={"X": (64, 256)},
+    )
+    x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    expected = neoflow.compile(op, target="interp").run({"X": x})
+    for setting in ("1", "0"):
+        monkeypatch.setenv("NEOFLOW_VECTOR_MATH", setting)
+        compiler.vector_math.cache_clear()
+        layer = neoflow.compile(op, target="cpu")
+        np.testing.assert_allclose(layer.run({"X": x}), expected, rtol=1e-5, atol=1e-6)
+        vectorised = b"_ZGV" in layer._forward.library_path.read_bytes()
+        assert vectorised == (setting == "1" and compiler.vector_math())
+    compiler.vector_math.cache_clear()
