@@ -59,11 +59,7 @@ def split_inner(member: Op, written: Written | None) -> tuple[Op, Written] | Non
             exprs += node.indices
         elif isinstance(node, Index):
             exprs.append(node.expr)
-    moduli = set()
-    for expr in exprs:
-        for atom in expr.atoms(sympy.floor, sympy.Mod):
-            if w in atom.free_symbols:
-                moduli.add(int(atom.args[1]) if isinstance(atom, sympy.Mod) else index.denominator(atom.args[0]))
+    moduli = _moduli(exprs, w)
     extent = member.extent[inner]
     if len(moduli) != 1 or (m := moduli.pop()) < 2 or extent % m:
         return None
@@ -82,3 +78,55 @@ def split_inner(member: Op, written: Written | None) -> tuple[Op, Written] | Non
     if written is not None:
         constraint = f"{written.constraint} and {constraint}"
     return op, Written(tuple(at_split(e) for e in target), hidden, constraint)
+
+
+def _moduli(exprs: list[sympy.Expr], w: sympy.Symbol) -> set[int]:
+    """The ``m`` of every ``w // m`` and ``w % m`` in ``exprs``."""
+    moduli = set()
+    for expr in exprs:
+        for atom in expr.atoms(sympy.floor, sympy.Mod):
+            if w in atom.free_symbols:
+                moduli.add(int(atom.args[1]) if isinstance(atom, sympy.Mod) else index.denominator(atom.args[0]))
+    return moduli
+
+
+def split_groups(op: Op) -> Op | None:
+    """``op`` with each output index ``v`` its reads use through ``v // m`` (or ``v % m``) split as
+    ``v = m*g + j`` in place (``g`` then ``j``, the output's shape split the same way, so that its
+    memory layout is unchanged): a grouped convolution's ``X[n, k0 + 136*(i1//136), ...]`` becomes
+    ``X[n, k0 + 136*g, ...]``, affine, a batch of ``G`` contractions for the blocked kernel instead of
+    a loop nest dividing at every point.  None when no index is used so (or its extent is no multiple)."""
+    if op.scatter is not None or not op.indices:
+        return None
+    reads = [e for node in op.body.walk() if isinstance(node, Read) for e in node.indices]
+    reads += [node.expr for node in op.body.walk() if isinstance(node, Index)]
+    indices, ranges, split = [], [], {}
+    taken = set(op.extent)
+    for v in op.indices:
+        moduli = _moduli(reads, index.var(v))
+        extent = op.extent[v]
+        if len(moduli) == 1 and (m := next(iter(moduli))) >= 2 and extent % m == 0 and extent > m:
+            g, j = index.fresh_name(f"{v}_group", taken), index.fresh_name(f"{v}_in_group", taken)
+            taken |= {g, j}
+            split[index.var(v)] = m * index.var(g) + index.var(j)
+            indices += [g, j]
+            ranges += [(g, extent // m), (j, m)]
+        else:
+            indices.append(v)
+            ranges.append((v, extent))
+    if not split:
+        return None
+    ranges += [(a, e) for a, e in op.ranges if a not in op.indices]  # the sums' axes
+    box = dict(ranges)
+
+    def at_split(expr: sympy.Expr) -> sympy.Expr:
+        return simplify_index(expr.xreplace(split), box)
+
+    body = map_indices(op.body, at_split)
+    new = {s for value in split.values() for s in value.free_symbols}
+    for node in body.walk():
+        exprs = node.indices if isinstance(node, Read) else (node.expr,) if isinstance(node, Index) else ()
+        if any(atom.free_symbols & new for e in exprs for atom in e.atoms(sympy.floor, sympy.Mod)):
+            return None  # a division the split does not resolve
+    shape = tuple(e for v, e in ranges if v in indices)
+    return replace(op, body=body, indices=tuple(indices), ranges=tuple(ranges), output=replace(op.output, shape=shape))

@@ -14,7 +14,7 @@ from neoflow.ir.op import Op
 from neoflow.ir.simplify import read_offset
 from neoflow.targets.cpu.chain import chain_cycles, chain_plan
 from neoflow.targets.cpu.flat_depth import flat_depth_plan
-from neoflow.targets.cpu.gemm import MR, NR, STEP_CYCLES, domain_points, gemm_plan, plan_cycles
+from neoflow.targets.cpu.gemm import MR, NR, STEP_CYCLES, blocked_form, domain_points, plan_cycles
 from neoflow.targets.cpu.lower import SHORT_SUM_LOOP, in_place_reduction
 from neoflow.targets.cpu.staging import staged_plan
 
@@ -27,9 +27,10 @@ def blocked_schedule(op: Op) -> Scheduled | None:
     peak its cycle model gives (padding, packing and write-back included: an operand's
     inlined prologue is applied once per element packed, not per multiply-add), or None
     when ``op`` does not run on it."""
-    plan = gemm_plan(op)
-    if plan is None:
+    blocked = blocked_form(op)
+    if blocked is None:
         return None
+    plan = blocked[1]
     cycles = plan_cycles(plan)
     macs = sum(math.prod(piece.op.extent.values()) for piece, mapping in plan.pieces if mapping is not None)
     if not cycles:

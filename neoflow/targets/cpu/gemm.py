@@ -37,6 +37,7 @@ import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, unflatten_index
 from neoflow.codegen.hardware import AVX2, AVX512
+from neoflow.codegen.inner_split import split_groups
 from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.ir.bounds import reduction_points
@@ -326,6 +327,18 @@ def gemm_plan(op: Op) -> GemmPlan | None:
     if plan_cycles(plan) >= GENERIC_CYCLES_PER_POINT * domain_points(op):
         return None
     return plan
+
+
+def blocked_form(op: Op) -> tuple[Op, GemmPlan] | None:
+    """The op the blocked kernel runs for ``op`` and its plan: ``op`` itself, or where that has no
+    plan, ``op`` with its grouped output indices split (``split_groups``: a grouped convolution, a
+    batch of contractions; its output's layout is ``op``'s), or None."""
+    plan = gemm_plan(op)
+    if plan is not None:
+        return op, plan
+    grouped = split_groups(op)
+    plan = gemm_plan(grouped) if grouped is not None else None
+    return None if plan is None else (grouped, plan)
 
 
 def unsplit_cycles(op: Op) -> float:

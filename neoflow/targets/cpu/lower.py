@@ -39,7 +39,7 @@ from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select, index_variables
 from neoflow.ir.op import Op
 from neoflow.targets.cpu.chain import chain_function, chain_plan
 from neoflow.targets.cpu.flat_depth import FlatDepthPlan, flat_depth_plan
-from neoflow.targets.cpu.gemm import gemm_function, gemm_plan, store_slice
+from neoflow.targets.cpu.gemm import blocked_form, gemm_function, store_slice
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from neoflow.targets.cpu.staging import StagedPlan, staged_plan
 
@@ -624,9 +624,9 @@ def lower_op(op: Op, name: str) -> str:
         staged = staged_plan(op)
         if staged is not None:
             return staged_function(op, staged, name)
-        plan = gemm_plan(op)
-        if plan is not None:
-            return gemm_function(op, plan, name)
+        blocked = blocked_form(op)
+        if blocked is not None:
+            return gemm_function(blocked[0], blocked[1], name)
         pieces = split_lattice(op) if op.scatter is None else None
         if pieces is not None and (len(pieces) > 1 or pieces[0].empty):
             return lower_pieces(op, pieces, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import sympy
 
 import neoflow
 from neoflow.codegen.hardware import cpu_flags
@@ -345,3 +346,30 @@ def test_a_strip_read_every_other_element_is_priced_as_the_packer_copies_it(
     finally:
         gemm._pack_cycles.cache_clear()
     assert price == cycles
+
+
+@pytest.mark.parametrize(
+    ("text", "shapes"),
+    [
+        # ShuffleNet's 1x1 grouped convolution (4 groups of 24), a BatchNorm and ReLU after it
+        (
+            "Y[n, k, p, q] = max(ReduceAdd({c}, X[n, c + 24*(k//24), p, q] * W[k, c]) * S[k] + B[k], 0)",
+            {"X": (2, 96, 7, 7), "W": (96, 24), "S": (96,), "B": (96,)},
+        ),
+        # a 3x3 grouped convolution, 2 groups of 16, padded
+        (
+            "Y[n, k, p, q] = ReduceAdd({c, r, s}, Select(p + r >= 1 && p + r <= 8 && q + s >= 1 && q + s <= 8, "
+            "X[n, c + 16*(k//16), p + r - 1, q + s - 1], 0) * W[k, c, r, s])",
+            {"X": (2, 32, 8, 8), "W": (32, 16, 3, 3), "Y": (2, 32, 8, 8)},
+        ),
+    ],
+)
+def test_a_grouped_convolution_runs_the_blocked_kernel_once_its_groups_are_split(text: str, shapes: dict) -> None:
+    out_shape = shapes.pop("Y", None)
+    op = neoflow.op(text, shapes=shapes, out_shape=out_shape)
+    assert gemm_plan(op) is None  # k // 24 in a read: no affine map
+    grouped, plan = gemm.blocked_form(op)
+    assert grouped.indices[1:3] == ("k_group", "k_in_group") and grouped.output.size == op.output.size
+    assert not any(atom for r in grouped.body.reads() for i in r.indices for atom in i.atoms(sympy.floor))
+    assert plan is not None and "nf_micro_6x16" in lower_op(op, "kernel")
+    assert_compiled_matches_interpreter(op, 3)
