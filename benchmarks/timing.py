@@ -6,6 +6,12 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 
+#: seconds each block waits before it starts, untimed: the worker threads of the system that ran
+#: before spin for a while after their last call (ONNX Runtime's pool, OpenMP's), and on a small
+#: machine they take the cores from the next system's first calls (squeezenet inference here:
+#: neoflow 14.3 ms a call right after ONNX Runtime's block, 7.8 ms alone)
+SETTLE_SECONDS = 0.05
+
 
 def interleaved_rounds(
     systems: Mapping[str, Callable[[], object]], runs: int, warmup: int = 2, block: int = 1
@@ -13,15 +19,16 @@ def interleaved_rounds(
     """Wall times of each of ``systems`` round by round: ``runs`` rounds after ``warmup``
     untimed ones, each round running every system ``block`` times in a row (each call
     timed), in turn, so that a slow spell of a shared machine falls on all of them alike
-    rather than on whichever ran then.  A block of several calls is what a training
-    loop does (step after step of one model); one call a round measures every call
-    just after the other systems have had the caches."""
+    rather than on whichever ran then; each block after ``SETTLE_SECONDS`` of quiet.  A block
+    of several calls is what a training loop does (step after step of one model); one call a
+    round measures every call just after the other systems have had the caches."""
     for _ in range(warmup):
         for fn in systems.values():
             fn()
     times: dict[str, list[list[float]]] = {name: [] for name in systems}
     for _ in range(runs):
         for name, fn in systems.items():
+            time.sleep(SETTLE_SECONDS)
             calls = []
             for _ in range(block):
                 start = time.perf_counter()

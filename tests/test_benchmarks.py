@@ -46,3 +46,15 @@ def test_the_gpu_operator_suite_matches_pytorch_on_the_cpu() -> None:
         if operator.name in cheap:  # the same values (the convolutions' sizes are for a GPU)
             ours = neoflow.evaluate(op, arrays)
             assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max(), operator.name
+
+
+def test_each_block_starts_after_a_quiet_pause_that_is_not_timed(monkeypatch) -> None:
+    import benchmarks.timing as timing
+
+    events: list[object] = []
+    monkeypatch.setattr(timing.time, "sleep", lambda seconds: events.append(seconds))
+    systems = {name: (lambda name=name: events.append(name)) for name in ("ours", "peer")}
+    rounds = interleaved_rounds(systems, runs=2, warmup=0, block=2)
+    pause = timing.SETTLE_SECONDS
+    assert pause > 0 and events == [pause, "ours", "ours", pause, "peer", "peer"] * 2
+    assert all(t < pause for calls in rounds.values() for block in calls for t in block)
