@@ -6,10 +6,12 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 
-#: seconds each block waits before it starts, untimed: the worker threads of the system that ran
-#: before spin for a while after their last call (ONNX Runtime's pool, OpenMP's), and on a small
-#: machine they take the cores from the next system's first calls (squeezenet inference here:
-#: neoflow 14.3 ms a call right after ONNX Runtime's block, 7.8 ms alone)
+#: seconds each block waits before it starts, untimed, then one untimed call of its system: the
+#: worker threads of the system that ran before spin for a while after their last call (ONNX Runtime's
+#: pool, OpenMP's), and on a small machine they take the cores from the next system's first calls
+#: (squeezenet inference here: neoflow 14.3 ms a call right after ONNX Runtime's block, 6.9 ms after
+#: the pause); the untimed call wakes the block's own threads, asleep after the pause (alone, the
+#: pause made a 0.4 ms step take 10 ms)
 SETTLE_SECONDS = 0.05
 
 
@@ -19,7 +21,8 @@ def interleaved_rounds(
     """Wall times of each of ``systems`` round by round: ``runs`` rounds after ``warmup``
     untimed ones, each round running every system ``block`` times in a row (each call
     timed), in turn, so that a slow spell of a shared machine falls on all of them alike
-    rather than on whichever ran then; each block after ``SETTLE_SECONDS`` of quiet.  A block
+    rather than on whichever ran then; each block after ``SETTLE_SECONDS`` of quiet and one untimed
+    call.  A block
     of several calls is what a training loop does (step after step of one model); one call a
     round measures every call just after the other systems have had the caches."""
     for _ in range(warmup):
@@ -29,6 +32,7 @@ def interleaved_rounds(
     for _ in range(runs):
         for name, fn in systems.items():
             time.sleep(SETTLE_SECONDS)
+            fn()
             calls = []
             for _ in range(block):
                 start = time.perf_counter()
