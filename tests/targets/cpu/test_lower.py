@@ -87,6 +87,10 @@ def test_a_per_channel_sum_runs_along_the_rows_it_reads_not_across_them() -> Non
     assert schedule(op).vector
     row = neoflow.op("S[h, w] = ReduceAdd({n}, X[n, h, w])", shapes={"X": (4, 8, 8)})
     assert in_place_reduction(row) is not None  # reads run along w: in place, w innermost, stays
+    # the cost model's vector lanes: a step of the inner loop moves every access by 0 or 1
+    assert schedule(neoflow.op("Y[i] = X[i] + X[3]", shapes={"X": (64,)})).vector
+    for text in ("Y[i] = X[2*i]", "Y[i] = X[i // 2]", "Y[i] = X[i % 4]"):
+        assert not schedule(neoflow.op(text, shapes={"X": (64,)}, out_shape=(32,))).vector, text
 
 
 def test_reductions_inside_an_expression_use_accumulators() -> None:
