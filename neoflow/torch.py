@@ -224,7 +224,7 @@ class _HostCall:
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The outputs (``output_names`` order) of one run on ``tensors`` (the call's, all positions)."""
-        held = [tensors[k].detach().contiguous() for k in self._picks]  # alive until the run returns
+        held = _device_arrays([tensors[k] for k in self._picks])  # alive until the run returns
         outputs = [torch.empty(shape, dtype=dtype) for shape, dtype in self._outputs]
         self._run_at([t.data_ptr() for t in held], [t.data_ptr() for t in outputs])
         return outputs

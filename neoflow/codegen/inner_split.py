@@ -17,7 +17,7 @@ import sympy
 
 from neoflow.ir import index
 from neoflow.ir.bounds import PREFIX
-from neoflow.ir.expr import Index, Read, map_indices
+from neoflow.ir.expr import Expr, Index, Read, map_indices
 from neoflow.ir.op import Op
 from neoflow.ir.simplify import simplify_index
 
@@ -53,13 +53,7 @@ def split_inner(member: Op, written: Written | None) -> tuple[Op, Written] | Non
     w = index.var(inner)
     point = tuple(index.var(v) for v in member.indices)
     target = written.target if written is not None else point
-    exprs = [*target]
-    for node in member.body.walk():
-        if isinstance(node, Read):
-            exprs += node.indices
-        elif isinstance(node, Index):
-            exprs.append(node.expr)
-    moduli = _moduli(exprs, w)
+    moduli = _moduli([*target, *_index_exprs(member.body)], w)
     extent = member.extent[inner]
     if len(moduli) != 1 or (m := moduli.pop()) < 2 or extent % m:
         return None
@@ -80,6 +74,17 @@ def split_inner(member: Op, written: Written | None) -> tuple[Op, Written] | Non
     return op, Written(tuple(at_split(e) for e in target), hidden, constraint)
 
 
+def _index_exprs(body: Expr) -> list[sympy.Expr]:
+    """Every index expression ``body`` uses: its reads' indices and its index values."""
+    exprs: list[sympy.Expr] = []
+    for node in body.walk():
+        if isinstance(node, Read):
+            exprs += node.indices
+        elif isinstance(node, Index):
+            exprs.append(node.expr)
+    return exprs
+
+
 def _moduli(exprs: list[sympy.Expr], w: sympy.Symbol) -> set[int]:
     """The ``m`` of every ``w // m`` and ``w % m`` in ``exprs``."""
     moduli = set()
@@ -98,8 +103,7 @@ def split_groups(op: Op) -> Op | None:
     a loop nest dividing at every point.  None when no index is used so (or its extent is no multiple)."""
     if op.scatter is not None or not op.indices:
         return None
-    reads = [e for node in op.body.walk() if isinstance(node, Read) for e in node.indices]
-    reads += [node.expr for node in op.body.walk() if isinstance(node, Index)]
+    reads = _index_exprs(op.body)
     indices, ranges, split = [], [], {}
     taken = set(op.extent)
     for v in op.indices:
@@ -124,9 +128,7 @@ def split_groups(op: Op) -> Op | None:
 
     body = map_indices(op.body, at_split)
     new = {s for value in split.values() for s in value.free_symbols}
-    for node in body.walk():
-        exprs = node.indices if isinstance(node, Read) else (node.expr,) if isinstance(node, Index) else ()
-        if any(atom.free_symbols & new for e in exprs for atom in e.atoms(sympy.floor, sympy.Mod)):
-            return None  # a division the split does not resolve
+    if any(atom.free_symbols & new for e in _index_exprs(body) for atom in e.atoms(sympy.floor, sympy.Mod)):
+        return None  # a division the split does not resolve
     shape = tuple(e for v, e in ranges if v in indices)
     return replace(op, body=body, indices=tuple(indices), ranges=tuple(ranges), output=replace(op.output, shape=shape))

@@ -27,9 +27,9 @@ def hoist_invariant_factors(node: Expr) -> Expr:
         axes = set(n.axes)
         if n.where is not None and index_variables(n.where) - axes:
             return n  # the sum is empty at some points, where a factor taken out may not be readable
-        factors = _factors(n.body, 1)
-        varying = [(f, p) for f, p in factors if index_variables(f) & axes]
-        fixed = [(f, p) for f, p in factors if not index_variables(f) & axes]
+        varying, fixed = [], []
+        for f, p in _factors(n.body, 1):
+            (varying if index_variables(f) & axes else fixed).append((f, p))
         if not varying or not any(not isinstance(f, (Const, Index)) for f, _ in fixed):
             return n
         body = _product(varying)

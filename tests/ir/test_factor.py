@@ -9,6 +9,7 @@ from neoflow.autodiff import grad
 from neoflow.ir.expr import Reduce, index_variables, reductions
 from neoflow.ir.factor import hoist_invariant_factors
 from neoflow.ir.interpreter import evaluate_op
+from neoflow.ir.printer import to_text
 
 SHAPES = {"G": (6, 3), "W": (3,), "X": (6, 3), "M": (3,), "V": (3,)}
 # a BatchNorm variance's adjoint as the training graph derives it
@@ -28,7 +29,7 @@ def test_factors_of_the_output_index_alone_leave_the_sum_and_the_value_holds() -
     (summed,) = reductions(hoisted)
     assert "pow" not in str(summed.body) and "W" not in {r.tensor for r in summed.body.reads()}
     assert index_variables(summed.body) == {"n", "c"}
-    rewritten = neoflow.op(f"Y[c] = {neoflow.ir.printer.to_text(hoisted)}", shapes=SHAPES, dtype="float64")
+    rewritten = neoflow.op(f"Y[c] = {to_text(hoisted)}", shapes=SHAPES, dtype="float64")
     values = _inputs()
     np.testing.assert_allclose(evaluate_op(rewritten, values), evaluate_op(op, values), rtol=1e-14)
 

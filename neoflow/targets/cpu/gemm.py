@@ -329,10 +329,12 @@ def gemm_plan(op: Op) -> GemmPlan | None:
     return plan
 
 
+@lru_cache(maxsize=1024)
 def blocked_form(op: Op) -> tuple[Op, GemmPlan] | None:
     """The op the blocked kernel runs for ``op`` and its plan: ``op`` itself, or where that has no
     plan, ``op`` with its grouped output indices split (``split_groups``: a grouped convolution, a
-    batch of contractions; its output's layout is ``op``'s), or None."""
+    batch of contractions; its output's layout is ``op``'s), or None.  Cached as ``gemm_plan`` is:
+    the planner's cost model asks it of every candidate kernel, the lowering again."""
     plan = gemm_plan(op)
     if plan is not None:
         return op, plan
