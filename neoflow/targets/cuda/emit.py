@@ -21,8 +21,10 @@ from neoflow.ir import index
 from neoflow.ir.expr import Const, Expr, Index, Read, Reduce
 from neoflow.ir.op import Op, Tensor
 from neoflow.targets.cuda.plan import (
+    ATOM_BYTES,
     ELEMENT,
     VEC,
+    WGMMA_K,
     MmaKernel,
     OpPlan,
     SimtKernel,
@@ -104,6 +106,48 @@ static __device__ __forceinline__ void nf_ldmatrix_x4_trans(uint32_t *r, const v
     const uint32_t address = (uint32_t)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+/* Hopper wgmma (sm_90a): the 128-byte swizzle of a 16-bit element's place in a 1024-byte-aligned tile,
+   a shared-memory matrix descriptor of such a tile (start, leading and stride byte offsets), and the
+   fences and groups that order the asynchronous multiplies */
+static __device__ __forceinline__ int nf_swz128(int e) { return e ^ (((e >> 6) & 7) << 3); }
+static __device__ __forceinline__ uint64_t nf_desc(uint32_t address, uint32_t leading, uint32_t stride) {
+    return (uint64_t)((address & 0x3FFFF) >> 4) | ((uint64_t)(leading >> 4) << 16)
+        | ((uint64_t)(stride >> 4) << 32) | (1ull << 62);
+}
+static __device__ __forceinline__ void nf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void nf_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void nf_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+static __device__ __forceinline__ void nf_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+/* a 16-byte cp.async that skips L1 (a wgmma kernel's operand tiles are read once a block) */
+static __device__ __forceinline__ void nf_copy_cg(void *shared, const void *global, bool valid) {
+    const uint32_t address = (uint32_t)__cvta_generic_to_shared(shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(global), "r"(valid ? 16 : 0));
+}
+/* mbarriers handing shared-memory stages between a wgmma kernel's producer and its multiplying warpgroups */
+static __device__ __forceinline__ void nf_bar_init(unsigned long long *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;"
+                 :: "r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void nf_bar_wait(unsigned long long *bar, int parity) {
+    const uint32_t address = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(address), "r"(parity) : "memory");
+    } while (!done);
+}
+static __device__ __forceinline__ void nf_bar_arrive(unsigned long long *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"((uint32_t)__cvta_generic_to_shared(bar)) : "memory");
+}
+/* arrive on BAR once every cp.async this thread issued before has landed */
+static __device__ __forceinline__ void nf_bar_copies(unsigned long long *bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
+                 :: "r"((uint32_t)__cvta_generic_to_shared(bar)) : "memory");
 }
 static __device__ __forceinline__ void nf_ldmatrix_x4(uint32_t *r, const void *p) {
     const uint32_t address = (uint32_t)__cvta_generic_to_shared(p);
@@ -418,7 +462,9 @@ HOISTED_COPIES = 8
 
 
 def _hoisted(kernel: MmaKernel, side: str) -> bool:
-    return kernel.load_coords(side)[2] <= HOISTED_COPIES
+    """Whether thread ``tid``'s copies of operand ``side`` read their row-table entries once, before
+    the main loop (a ``wgmma`` kernel's producers hold no accumulators: twice as many)."""
+    return kernel.load_coords(side)[2] <= HOISTED_COPIES * (2 if kernel.wgmma else 1)
 
 
 def _depth_lines(kernel: MmaKernel, side: str) -> int:
@@ -484,10 +530,8 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
     pointer = _pointer(view.op, gather.tensor)
     target = f"&nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, ROW, COL)}]"
     guard = "true" if gather.guard is None else printer(gather.guard, "bool")
-    copy = (
-        f"            nf_copy<{kernel.copy_bytes(side)}>({target}, {pointer} + (nf_copied ? v_{OFFSET} : 0), "
-        f"nf_copied);\n"
-    )
+    copy_function = "nf_copy_cg" if kernel.wgmma else f"nf_copy<{kernel.copy_bytes(side)}>"
+    copy = f"            {copy_function}({target}, {pointer} + (nf_copied ? v_{OFFSET} : 0), nf_copied);\n"
     if not _hoisted(kernel, side):
         origin = "nf_m0" if side == "a" else "nf_n0"
         limit = view.sizes[1] if side == "a" else view.sizes[2]
@@ -537,15 +581,17 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
 
 
 #: the C variables of the fragment and tile loops that shared-memory places are printed in
-FM, FP, FN, KK, ROW, COL, WARP_M, WARP_N = sympy.symbols(
-    "fm fp fn kk nf_row nf_col nf_warp_m nf_warp_n", integer=True, nonnegative=True
+FM, FP, FN, KK, ROW, COL, WARP_M, WARP_N, WARPGROUP, STEP = sympy.symbols(
+    "fm fp fn kk nf_row nf_col nf_warp_m nf_warp_n nf_warpgroup nf_step", integer=True, nonnegative=True
 )
 
 
 def _at(kernel: MmaKernel, side: str, row: sympy.Expr, col: sympy.Expr) -> str:
     """C for the place of tile element (``row``, ``col``) of operand ``side`` in a stage: the plan's
-    ``smem_index``, the formula the tensor-core model executes."""
-    return small(kernel.smem_index(side, row, col))
+    ``smem_index`` (swizzled, in a ``wgmma`` kernel: ``MmaKernel.place``), the formula the
+    tensor-core model executes."""
+    logical = small(kernel.smem_index(side, row, col))
+    return f"nf_swz128({logical})" if kernel.wgmma else logical
 
 
 #: per storage dtype: the type two 16-bit elements pack into, and the packing function
@@ -716,10 +762,17 @@ def mma_source(kernel: MmaKernel) -> str:
     batch = _decode("nf_bb", f"(int64_t)(blockIdx.z / {splits})", view.batch) if view.batch else ""
     first = f"(blockIdx.z % {splits}) * {kernel.split_tiles}"
     parameters = _parameters(op, table_names(kernel)) + (", float *__restrict__ nf_ws" if kernel.splits > 1 else "")
-    signature = f'extern "C" __global__ void __launch_bounds__({tiles.threads}) {kernel.name}({parameters}) {{\n'
+    bounds = f"{kernel.block_threads}, 1" if kernel.wgmma else f"{tiles.threads}"
+    signature = f'extern "C" __global__ void __launch_bounds__({bounds}) {kernel.name}({parameters}) {{\n'
+    if kernel.wgmma:
+        main = _wgmma_loop(kernel)
+    elif kernel.direct:
+        main = _direct_loop(kernel, a_warp, b_warp)
+    else:
+        main = _register_loop(kernel, a_warp, b_warp, printer)
     return signature + narrow_indices(
         op,
-        f"    extern __shared__ __align__(16) unsigned char nf_smem[];\n"
+        f"    extern __shared__ __align__({ATOM_BYTES}) unsigned char nf_smem[];\n"
         f"    {storage} *nf_sa = reinterpret_cast<{storage} *>(nf_smem);\n"
         f"    {storage} *nf_sb = nf_sa + {kernel.stages * kernel.tile_elements('a')};\n"
         f"    const int tid = threadIdx.x, lane = tid & 31, nf_warp = tid >> 5;\n"
@@ -733,7 +786,7 @@ def mma_source(kernel: MmaKernel) -> str:
         f"    #pragma unroll\n    for (int reg = 0; reg < 4; ++reg) nf_acc[fm][fn][reg] = 0.0f;\n"
         f"    const int nf_first = {first};\n"
         f"    const int nf_last = min(nf_first + {kernel.split_tiles}, {kernel.depth_tiles});\n"
-        + (_direct_loop(kernel, a_warp, b_warp) if kernel.direct else _register_loop(kernel, a_warp, b_warp, printer))
+        + main
         + f"{_epilogue(kernel)}"
         "}\n",
     )
@@ -806,6 +859,103 @@ def _direct_loop(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
         f"        const int stage = (kt - nf_first) % {stages};\n"
         f"{_compute(kernel, a_warp, b_warp)}"
         f"    }}\n"
+    )
+
+
+def _wgmma(kernel: MmaKernel) -> str:
+    """C of one warpgroup's ``wgmma`` on descriptors ``nf_da`` and ``nf_db``, into ``nf_acc``
+    (register ``4 fn + reg`` of the instruction is ``nf_acc[0][fn][reg]``: the layout of
+    ``block_n / 8`` m16n8 accumulator fragments, ``accumulator_coords``)."""
+    n = kernel.tiles.block_n
+    kind = {"float16": "f16", "bfloat16": "bf16"}[kernel.storage]
+    count = n // 2
+    trans = ", ".join(str(int(kernel.layout(side) == "depth")) for side in ("a", "b"))
+    registers = ", ".join(f"%{i}" for i in range(count))
+    outputs = ", ".join(f'"+f"(nf_acc[0][{i // 4}][{i % 4}])' for i in range(count))
+    return (
+        f'            asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n"\n'
+        f'                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "\n'
+        f'                "{{{registers}}}, %{count}, %{count + 1}, p, 1, 1, {trans};\\n}}"\n'
+        f"                : {outputs}\n"
+        f'                : "l"(nf_da), "l"(nf_db));\n'
+    )
+
+
+def _wgmma_loop(kernel: MmaKernel) -> str:
+    """The main loop of a ``wgmma`` kernel, warp-specialised: the producer warpgroup (the warps
+    after the tiles' own) copies operand tiles by ``cp.async`` into ``stages`` swizzled stages,
+    each stage's copies signalling its ``full`` mbarrier as they land, and refills a stage once
+    its ``empty`` mbarrier says the multiplies that read it are done; each multiplying
+    warpgroup waits for a stage, multiplies its 64 rows asynchronously, and releases the
+    stage of the group before once that group is done (one group left in flight)."""
+    stages, block_k = kernel.stages, kernel.tiles.block_k
+    steps = block_k // WGMMA_K
+    consumers = kernel.tiles.threads
+    tile_bytes = kernel.stages * (kernel.tile_elements("a") + kernel.tile_elements("b")) * kernel.element_bytes
+    descriptors, stage_bytes = {}, {}
+    for side in ("a", "b"):
+        start, leading, stride = kernel.descriptor(side, WARPGROUP, STEP)
+        descriptors[side] = f"nf_desc(nf_{side}_stage + {small(start)}, {leading}, {stride})"
+        stage_bytes[side] = kernel.tile_elements(side) * kernel.element_bytes
+    fence = "".join(
+        f'    asm volatile("" : "+f"(nf_acc[0][{fn}][{reg}]) :: "memory");\n'
+        for fn in range(kernel.tiles.frags_n)
+        for reg in range(4)
+    )
+    producer = (
+        f"    if (tid >= {consumers}) {{  /* the producer warpgroup */\n"
+        f"        const int tid = threadIdx.x - {consumers};\n"
+        + "".join(_hoisted_entries(kernel, side) for side in ("a", "b") if _hoisted(kernel, side))
+        + f"    auto nf_issue = [&](int kt, int stage) {{\n"
+        f"        const int64_t nf_k0 = (int64_t)kt * {block_k};\n"
+        f"{_operand_copy(kernel, 'a')}"
+        f"{_operand_copy(kernel, 'b')}"
+        f"    }};\n"
+        f"        for (int kt = nf_first; kt < nf_last; ++kt) {{\n"
+        f"            const int nf_n = kt - nf_first, stage = nf_n % {stages};\n"
+        f"            if (nf_n >= {stages}) nf_bar_wait(nf_bars + {stages} + stage, (nf_n / {stages} - 1) & 1);\n"
+        f"            nf_issue(kt, stage);\n"
+        f"            nf_bar_copies(nf_bars + stage);\n"
+        f"        }}\n"
+        f"        nf_copy_wait<0>();\n"
+        f"        return;\n"
+        f"    }}\n"
+    )
+    return (
+        f"    unsigned long long *nf_bars = reinterpret_cast<unsigned long long *>(nf_smem + {tile_bytes});\n"
+        f"    if (tid == 0) {{\n"
+        f"        for (int s = 0; s < {stages}; ++s) {{\n"
+        f"            nf_bar_init(nf_bars + s, {kernel.copy_threads});\n"
+        f"            nf_bar_init(nf_bars + {stages} + s, {consumers // 32});\n"
+        f"        }}\n"
+        f"    }}\n"
+        f"    __syncthreads();\n"
+        f"{producer}"
+        f"    const int nf_warpgroup = nf_warp >> 2;\n"
+        f"    const uint32_t nf_sa_address = (uint32_t)__cvta_generic_to_shared(nf_sa);\n"
+        f"    const uint32_t nf_sb_address = (uint32_t)__cvta_generic_to_shared(nf_sb);\n"
+        f"    for (int kt = nf_first; kt < nf_last; ++kt) {{\n"
+        f"        const int nf_n = kt - nf_first, stage = nf_n % {stages};\n"
+        f"        nf_bar_wait(nf_bars + stage, (nf_n / {stages}) & 1);\n"
+        f"        nf_proxy_fence();\n"
+        f"        const uint32_t nf_a_stage = nf_sa_address + stage * {stage_bytes['a']};\n"
+        f"        const uint32_t nf_b_stage = nf_sb_address + stage * {stage_bytes['b']};\n"
+        f"        nf_wgmma_fence();\n"
+        f"        #pragma unroll\n"
+        f"        for (int nf_step = 0; nf_step < {steps}; ++nf_step) {{\n"
+        f"            const unsigned long long nf_da = {descriptors['a']};\n"
+        f"            const unsigned long long nf_db = {descriptors['b']};\n"
+        f"{_wgmma(kernel)}"
+        f"        }}\n"
+        f"        nf_wgmma_commit();\n"
+        f"        nf_wgmma_wait<1>();\n"
+        f"        if (nf_n > 0) {{\n"
+        f"            __syncwarp();\n"
+        f"            if (lane == 0) nf_bar_arrive(nf_bars + {stages} + (nf_n - 1) % {stages});\n"
+        f"        }}\n"
+        f"    }}\n"
+        f"    nf_wgmma_wait<0>();\n"
+        f"{fence}"
     )
 
 

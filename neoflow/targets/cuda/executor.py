@@ -25,16 +25,20 @@ from neoflow.targets.cuda.plan import DEFAULT_PRECISION, MmaKernel, OpPlan, chec
 from neoflow.targets.cuda.timing import predict_kernel
 from neoflow.targets.memory import nbytes
 
+#: the architecture the tensor-core model plans for: the H100 its clock describes
+MODEL_ARCH = "sm_90"
 
-def graph_plans(graph: Graph, precision: str) -> list[OpPlan]:
-    """The kernel plan of every op of ``graph`` (kernels named ``nf_<position>``)."""
-    return [plan_op(op, f"nf_op{k}", precision) for k, op in enumerate(graph.ops)]
+
+def graph_plans(graph: Graph, precision: str, arch: str = MODEL_ARCH) -> list[OpPlan]:
+    """The kernel plan of every op of ``graph`` for a GPU of ``arch`` (kernels named ``nf_<position>``)."""
+    return [plan_op(op, f"nf_op{k}", precision, arch) for k, op in enumerate(graph.ops)]
 
 
 class PlannedExecutor(OpByOpExecutor):
     """What both executors hold besides the graph, the kept tensors and the memory plan: the
-    ``precision`` and every op's kernel plan (``plans``, by op name, in the graph's order).  A
-    fusion plan's kernel groups and sliced kernels change nothing: every op runs as its own kernels."""
+    ``precision`` and every op's kernel plan for a GPU of ``arch`` (``plans``, by op name, in the
+    graph's order).  A fusion plan's kernel groups and sliced kernels change nothing: every op
+    runs as its own kernels."""
 
     def __init__(
         self,
@@ -43,10 +47,16 @@ class PlannedExecutor(OpByOpExecutor):
         groups: Collection[Collection[str]] = (),
         sliced: Collection = (),
         precision: str = DEFAULT_PRECISION,
+        arch: str = MODEL_ARCH,
     ) -> None:
         super().__init__(graph, keep)
         self.precision = check_precision(precision)
-        self.plans = {plan.op.name: plan for plan in graph_plans(graph, self.precision)}
+        self.plan_for(arch)
+
+    def plan_for(self, arch: str) -> None:
+        """Plan every op for a GPU of ``arch`` (``plans``)."""
+        self.arch = arch
+        self.plans = {plan.op.name: plan for plan in graph_plans(self.graph, self.precision, arch)}
 
 
 class ModelExecutor(PlannedExecutor):
@@ -112,9 +122,9 @@ class CudaExecutor(PlannedExecutor):
         from neoflow.targets.cuda import driver
         from neoflow.targets.cuda.nvrtc import compile_cubin
 
-        super().__init__(graph, keep, groups, sliced, precision)
+        super().__init__(graph, keep, groups, sliced, precision, arch or driver.default_arch())
         self.source = module_source(list(self.plans.values()))
-        self.cubin = compile_cubin(self.source, arch or driver.default_arch())
+        self.cubin = compile_cubin(self.source, self.arch)
         self.device = None  # the GPU is found at the first run: compiling needs NVRTC only
         self.module = None
         self.tensors = graph.tensors
@@ -133,7 +143,9 @@ class CudaExecutor(PlannedExecutor):
 
         self.device = driver.device()
         driver.make_current(self.device)
-        if self.cubin.arch != self.device.arch:
+        if self.cubin.arch != self.device.arch:  # planned for another GPU: plan and build again
+            self.plan_for(self.device.arch)
+            self.source = module_source(list(self.plans.values()))
             self.cubin = compile_cubin(self.source, self.device.arch)
         self.module = driver.Module(self.cubin.path.read_bytes())
         # intermediates share one arena at the memory plan's offsets; inputs and kept tensors have their own
@@ -204,7 +216,7 @@ class CudaExecutor(PlannedExecutor):
         from neoflow.targets.cuda import driver
 
         if isinstance(kernel, MmaKernel):
-            threads, shared = kernel.tiles.threads, kernel.shared_bytes
+            threads, shared = kernel.block_threads, kernel.shared_bytes
         else:
             threads, shared = kernel.threads, 0
         function = self.module.function(kernel.name, shared)

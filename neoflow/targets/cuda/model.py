@@ -26,6 +26,9 @@ from neoflow.ir import dtypes as dt
 from neoflow.ir import index
 from neoflow.ir.interpreter import evaluate_at, evaluate_op
 from neoflow.targets.cuda.plan import (
+    MN_ATOM_ROWS,
+    SWIZZLE_BYTES,
+    WGMMA_K,
     MmaKernel,
     OpPlan,
     accumulator_coords,
@@ -107,10 +110,10 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
     row_f, col_f, count = kernel.load_coords(side)
     width = kernel.vector(side)
     tids, elements, lanes = np.meshgrid(
-        np.arange(kernel.tiles.threads), np.arange(count), np.arange(width), indexing="ij"
+        np.arange(kernel.copy_threads), np.arange(count), np.arange(width), indexing="ij"
     )
-    row = _evaluate(row_f, tid=tids, element=elements, vec=lanes).reshape(kernel.tiles.threads, -1)
-    col = _evaluate(col_f, tid=tids, element=elements, vec=lanes).reshape(kernel.tiles.threads, -1)
+    row = _evaluate(row_f, tid=tids, element=elements, vec=lanes).reshape(kernel.copy_threads, -1)
+    col = _evaluate(col_f, tid=tids, element=elements, vec=lanes).reshape(kernel.copy_threads, -1)
     flat_rows = origins[:, None, None] + row[None]
     depth = np.broadcast_to(k0 + col[None], flat_rows.shape)
     limit = view.sizes[1] if side == "a" else view.sizes[2]
@@ -122,7 +125,7 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
         rest = np.asarray(index.evaluate(gather.rest, batch_env), dtype=np.int64)
         env = {OFFSET: row_table[rows_at, 0].astype(np.int64) + depth_table[depth_at, 0] + rest}
         if width > 1:  # a vector load: aligned, its elements one after another in memory
-            runs = env[OFFSET].reshape(len(origins), kernel.tiles.threads, count, width)
+            runs = env[OFFSET].reshape(len(origins), kernel.copy_threads, count, width)
             live_runs = live.reshape(runs.shape)[..., 0]
             assert (runs[..., 0][live_runs] % width == 0).all(), "a vector load is not aligned"
             assert (np.diff(runs, axis=-1)[live_runs] == 1).all(), "a vector's elements are not adjacent"
@@ -138,8 +141,46 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
         values = evaluate_at(view.a if side == "a" else view.b, env, arrays, owner, live=live)
     values = round_to(np.where(live, values.astype(np.float32), np.float32(0)), kernel.storage)
     stage = np.full((len(origins), kernel.tile_elements(side)), np.nan, np.float32)  # shared memory
-    stage[:, kernel.smem_index(side, row, col)] = values
+    stage[:, kernel.place(side, row, col)] = values
     return stage
+
+
+def descriptor_elements(kernel: MmaKernel, side: str, warpgroup: int, step: int) -> np.ndarray:
+    """The stage element each ``[row, depth]`` of the operand a ``wgmma`` reads comes from (``a``:
+    the warpgroup's 64 rows; ``b``: the block's ``block_n``), as the hardware reads a 128-byte
+    swizzled 16-bit operand through the descriptor the plan gives (``MmaKernel.descriptor``):
+    PTX's canonical layouts (K-major: rows 128 bytes apart in atoms of eight, atoms ``stride``
+    apart; MN-major: 64 rows a 128-byte line, lines of consecutive depths 128 bytes apart in
+    atoms of eight, atoms ``stride`` apart, 64-row columns ``leading`` apart), then the swizzle
+    of the address's 16-byte chunk by its line within the atom."""
+    start, leading, stride = (int(v) for v in kernel.descriptor(side, warpgroup, step))
+    rows = MN_ATOM_ROWS if side == "a" else kernel.tiles.block_n
+    mn, k = np.meshgrid(np.arange(rows), np.arange(WGMMA_K), indexing="ij")
+    size = kernel.element_bytes
+    if kernel.layout(side) == "rows":
+        offset = (mn % 8) * SWIZZLE_BYTES + (mn // 8) * stride + k * size
+    else:
+        offset = (mn % MN_ATOM_ROWS) * size + (mn // MN_ATOM_ROWS) * leading + (k % 8) * SWIZZLE_BYTES
+        offset = offset + (k // 8) * stride
+    address = start + offset
+    elements = (address ^ (((address >> 7) & 7) << 4)) // size
+    if elements.max() >= kernel.tile_elements(side):
+        raise ValueError(f"{kernel.name}: a wgmma descriptor of operand {side} reads past its stage")
+    return elements
+
+
+def _wgmma_products(kernel: MmaKernel, a_tile: np.ndarray, b_tile: np.ndarray) -> np.ndarray:
+    """``[gy, gx, block_m, block_n]``: a depth tile's products as the block's warpgroups' ``wgmma``
+    instructions compute them from the stages through their descriptors, fp32."""
+    tiles = kernel.tiles
+    full = np.zeros((a_tile.shape[0], b_tile.shape[0], tiles.block_m, tiles.block_n), np.float32)
+    for step in range(tiles.block_k // WGMMA_K):
+        b = b_tile[:, descriptor_elements(kernel, "b", 0, step)]
+        for group in range(kernel.warpgroups):
+            a = a_tile[:, descriptor_elements(kernel, "a", group, step)]
+            rows = slice(group * MN_ATOM_ROWS, (group + 1) * MN_ATOM_ROWS)
+            full[:, :, rows] += np.einsum("ymk,xnk->yxmn", a, b, optimize=True, dtype=np.float32)
+    return full
 
 
 def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray, workspace=None) -> None:
@@ -167,6 +208,10 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
         for kt in range(first, min(first + kernel.split_tiles, kernel.depth_tiles)):
             a_tile = _gather(kernel, "a", m_origins, kt * tiles.block_k, batch_env, arrays, owner)
             b_tile = _gather(kernel, "b", n_origins, kt * tiles.block_k, batch_env, arrays, owner)
+            if kernel.wgmma:  # warp w holds rows 16w .. 16w + 15 as m16n8 fragments (PTX's wgmma D layout)
+                full = _wgmma_products(kernel, a_tile, b_tile)
+                acc += full.reshape(gy, gx, tiles.warps_m, 1, 1, 16, tiles.frags_n, 8).transpose(0, 1, 2, 3, 4, 6, 5, 7)
+                continue
             for kk in range(0, tiles.block_k, mk):
                 wm = np.arange(tiles.warps_m)[:, None, None, None]
                 fm = np.arange(tiles.frags_m)[None, :, None, None]

@@ -102,10 +102,13 @@ def _parse(log: str) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def compile_cubin(source: str, arch: str = "sm_90", name: str = "neoflow.cu") -> Cubin:
-    """``source`` compiled for ``arch`` (``sm_90``, ``sm_80``, ...); from the cache when it
-    is there.  A compile error is a ``CompileError`` with the first lines of NVRTC's log."""
+    """``source`` compiled for ``arch`` (``sm_90``, ``sm_80``, ...; a source holding Hopper's
+    ``wgmma`` is built for ``sm_90a``, the architecture-specific target it needs); from the
+    cache when it is there.  A compile error is a ``CompileError`` with the first lines of
+    NVRTC's log."""
     nvrtc = _nvrtc()
-    options = (f"--gpu-architecture={arch}", f"-I{include_dir()}", *OPTIONS)
+    build = f"{arch}a" if arch == "sm_90" and "wgmma.mma_async" in source else arch
+    options = (f"--gpu-architecture={build}", f"-I{include_dir()}", *OPTIONS)
     key = hashlib.sha256("\0".join([source, *options, version()]).encode()).hexdigest()[:32]
     directory = cache_dir() / "cubins"
     path, log_path = directory / f"{key}.cubin", directory / f"{key}.log"

@@ -113,6 +113,28 @@ TILE_CHOICES = (
 DIRECT_TILES = (Tiles(128, 128, 32, 2, 4), Tiles(128, 128, 64, 2, 4), Tiles(128, 64, 64, 4, 2))
 #: shared memory rows are padded by this many bytes (one 16-byte vector) against bank conflicts
 ROW_PAD_BYTES = 16
+#: the tiles of a Hopper ``wgmma`` kernel: two warpgroups (eight warps) one above the other, each a
+#: 64 x ``block_n`` tile of ``m64n<block_n>k16`` instructions; 64 16-bit elements deep (one 128-byte
+#: swizzle line)
+WGMMA_TILES = (Tiles(128, 256, 64, 8, 1), Tiles(128, 128, 64, 8, 1))
+#: the architectures whose plans may use ``wgmma`` (built as ``sm_90a``)
+WGMMA_ARCHS = ("sm_90",)
+#: a ``wgmma`` operand tile's lines are 128 bytes, swizzled in atoms of 8 lines (``SWIZZLE_BYTES``,
+#: ``ATOM_BYTES``); an MN-major tile is cut into columns of 64 rows (``MN_ATOM_ROWS``)
+SWIZZLE_BYTES, ATOM_BYTES, MN_ATOM_ROWS = 128, 1024, 64
+#: the depth of one ``wgmma`` instruction on 16-bit operands
+WGMMA_K = 16
+#: threads of a ``wgmma`` kernel's producer warpgroup, which copies the operand tiles while the
+#: other warpgroups multiply (warp specialisation; stages handed over through mbarriers)
+PRODUCER_THREADS = 128
+
+
+def swizzle128(element, element_bytes: int = 2):
+    """The shared-memory element where logical element ``element`` of a 1024-byte-aligned tile
+    lies under the 128-byte swizzle (``Swizzle<3,4,3>``: the 16-byte chunk of a 128-byte line
+    XOR the line's index within its atom of eight), on ints or numpy arrays."""
+    byte = element * element_bytes
+    return (byte ^ (((byte >> 7) & 7) << 4)) // element_bytes
 
 
 @dataclass(frozen=True)
@@ -135,6 +157,7 @@ class MmaKernel:
     b_vector: int = 1
     a_lanes_across: bool = False
     b_lanes_across: bool = False
+    wgmma: bool = False
 
     def gather(self, side: str) -> Gather | None:
         return self.a_gather if side == "a" else self.b_gather
@@ -196,20 +219,64 @@ class MmaKernel:
 
     def stride(self, side: str) -> int:
         """Elements between consecutive lines of operand ``side``'s tile (a line padded by
-        ``ROW_PAD_BYTES`` against bank conflicts)."""
+        ``ROW_PAD_BYTES`` against bank conflicts; a ``wgmma`` tile's lines are unpadded, 128 bytes)."""
+        if self.wgmma:
+            return SWIZZLE_BYTES // self.element_bytes
         pad = ROW_PAD_BYTES // self.element_bytes
         return (self.tiles.block_k if self.layout(side) == "rows" else self.tile_rows(side)) + pad
 
     def tile_elements(self, side: str) -> int:
         """Elements of one stage of operand ``side``'s tile, padding included."""
+        if self.wgmma:
+            return self.tile_rows(side) * self.tiles.block_k
         lines = self.tile_rows(side) if self.layout(side) == "rows" else self.tiles.block_k
         return lines * self.stride(side)
 
     def smem_index(self, side: str, row, col):
-        """Where tile element ``(row, col)`` (row, depth) of operand ``side`` lies in its stage."""
+        """Where tile element ``(row, col)`` (row, depth) of operand ``side`` lies in its stage,
+        before any swizzle (``place``).  A ``wgmma`` tile is K-major (``rows``: a 128-byte line a
+        row) or MN-major (``depth``: columns of ``MN_ATOM_ROWS`` rows, each a 128-byte line a depth)."""
+        if self.wgmma and self.layout(side) == "depth":
+            line = self.stride(side)
+            return (row // MN_ATOM_ROWS) * (MN_ATOM_ROWS * self.tiles.block_k) + col * line + row % MN_ATOM_ROWS
         if self.layout(side) == "rows":
             return row * self.stride(side) + col
         return col * self.stride(side) + row
+
+    def place(self, side: str, row, col):
+        """``smem_index`` swizzled as a ``wgmma`` tile is (numpy or ints): the element a copy writes."""
+        logical = self.smem_index(side, row, col)
+        return swizzle128(logical, self.element_bytes) if self.wgmma else logical
+
+    @property
+    def copy_threads(self) -> int:
+        """Threads that copy the operand tiles: the producer warpgroup of a ``wgmma`` kernel,
+        every thread of an ``mma.sync`` one."""
+        return PRODUCER_THREADS if self.wgmma else self.tiles.threads
+
+    @property
+    def block_threads(self) -> int:
+        """Threads of a block: the tiles' warps, and a ``wgmma`` kernel's producer warpgroup after them."""
+        return self.tiles.threads + (PRODUCER_THREADS if self.wgmma else 0)
+
+    @property
+    def warpgroups(self) -> int:
+        """Warpgroups (four warps) of a ``wgmma`` kernel, one above the other, 64 rows each."""
+        return self.tiles.warps_m // 4
+
+    def descriptor(self, side: str, warpgroup, step) -> tuple:
+        """``(start, leading, stride)`` of the shared-memory matrix descriptor with which a
+        ``wgmma`` kernel's warpgroup ``warpgroup`` reads operand ``side`` at depth step ``step``
+        (``WGMMA_K`` deep): the start's byte offset in the stage, and the leading and stride
+        byte offsets (PTX's canonical 128-byte-swizzled layouts: K-major, 8-row atoms
+        ``stride`` apart, ``leading`` unused; MN-major, 64-row columns ``leading`` apart and
+        8-deep atoms ``stride`` apart).  B is the block's whole ``block_n``."""
+        rows = MN_ATOM_ROWS * warpgroup if side == "a" else 0
+        if self.layout(side) == "rows":
+            start = rows * SWIZZLE_BYTES + step * WGMMA_K * self.element_bytes
+            return start, 16, ATOM_BYTES
+        start = rows * self.tiles.block_k * self.element_bytes + step * WGMMA_K * SWIZZLE_BYTES
+        return start, MN_ATOM_ROWS * self.tiles.block_k * self.element_bytes, ATOM_BYTES
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -234,8 +301,10 @@ class MmaKernel:
 
     @property
     def shared_bytes(self) -> int:
-        """``stages`` stages of both operand tiles."""
-        return self.stages * (self.tile_elements("a") + self.tile_elements("b")) * self.element_bytes
+        """``stages`` stages of both operand tiles (and a ``wgmma`` kernel's mbarriers after them:
+        per stage, one that its copies have landed and one that its multiplies are done)."""
+        tiles = self.stages * (self.tile_elements("a") + self.tile_elements("b")) * self.element_bytes
+        return tiles + (2 * 8 * self.stages if self.wgmma else 0)
 
     @property
     def direct(self) -> bool:
@@ -254,7 +323,7 @@ class MmaKernel:
         itemsize = dt.numpy_dtype(dtype).itemsize
         if self.vector(side) * itemsize < 4:
             return False  # cp.async copies 4, 8 or 16 bytes
-        if self.vector(side) * itemsize == 4 and self.tiles.threads < 128:
+        if self.vector(side) * itemsize == 4 and self.copy_threads < 128:
             return False  # scalar copies, many a thread: spilled under NVRTC 13.0 for sm_80 (32x64, 2 warps)
         return dtype == self.storage or (dtype == "float32" and self.storage == "tf32")
 
@@ -267,6 +336,18 @@ class MmaKernel:
         """Shared-memory stages of the operand tiles."""
         return DIRECT_STAGES if self.direct else 2
 
+    @property
+    def wgmma_ready(self) -> bool:
+        """Whether this kernel can run on ``wgmma``: 16-bit operands copied directly in 16-byte
+        vectors (a vector is one swizzle chunk), 64 deep, MN-major tiles whole 64-row columns."""
+        return (
+            self.storage in ("float16", "bfloat16")
+            and self.direct
+            and self.tiles.block_k * self.element_bytes == SWIZZLE_BYTES
+            and all(self.copy_bytes(side) == VECTOR_BYTES for side in ("a", "b"))
+            and all(self.tile_rows(side) % MN_ATOM_ROWS == 0 for side in ("a", "b"))
+        )
+
     def vector(self, side: str) -> int:
         """Elements of operand ``side`` one load moves (along the rows where the operand is loaded
         row-fastest, else along the depth)."""
@@ -277,7 +358,7 @@ class MmaKernel:
         element ``VEC`` of its ``ELEMENT``-th vector of operand ``side`` (``a``: ``block_m`` rows,
         ``b``: ``block_n`` rows), ``count`` vectors a thread (of ``vector(side)`` elements)."""
         rows, depth, width = self.tile_rows(side), self.tiles.block_k, self.vector(side)
-        slot = TID + ELEMENT * self.tiles.threads
+        slot = TID + ELEMENT * self.copy_threads
         along_rows = self.rows_fastest(side)
         if along_rows and not self.lanes_across(side):
             row, col = (slot % (rows // width)) * width + VEC, slot // (rows // width)
@@ -287,7 +368,7 @@ class MmaKernel:
             row, col = slot // (depth // width), (slot % (depth // width)) * width + VEC
         else:
             row, col = slot % rows, (slot // rows) * width + VEC
-        return row, col, rows * depth // width // self.tiles.threads
+        return row, col, rows * depth // width // self.copy_threads
 
 
 def ldmatrix_a_address(layout: str = "rows", unit: int = 8) -> tuple[sympy.Expr, sympy.Expr]:
@@ -508,7 +589,7 @@ def copy_footprint(kernel: MmaKernel, side: str) -> tuple[float, float]:
     rows_table, depth_table = kernel.side_tables[side]
     gather = kernel.gather(side)
     itemsize = dt.numpy_dtype(next(t.dtype for t in kernel.view.op.inputs if t.name == gather.tensor)).itemsize
-    threads = np.arange(kernel.tiles.threads)
+    threads = np.arange(kernel.copy_threads)
     rest = int(index.evaluate(gather.rest, dict.fromkeys((v for v, _ in kernel.view.batch), 0)))
     limit = kernel.view.sizes[1] if side == "a" else kernel.view.sizes[2]
     totals = [0, 0]
@@ -519,11 +600,11 @@ def copy_footprint(kernel: MmaKernel, side: str) -> tuple[float, float]:
         live = (rows < limit) & (cols < kernel.view.sizes[3])
         offsets = rows_table[np.where(live, rows, 0), 0].astype(np.int64) + depth_table[np.where(live, cols, 0), 0]
         addresses = (offsets + rest) * itemsize
-        for warp in range(kernel.tiles.threads // 32):
+        for warp in range(kernel.copy_threads // 32):
             part = slice(32 * warp, 32 * warp + 32)
             for k, unit in enumerate((SECTOR_BYTES, LINE_BYTES)):
                 totals[k] += len(np.unique(addresses[part][live[part]] // unit))
-    loads = count * kernel.tiles.threads // 32
+    loads = count * kernel.copy_threads // 32
     return totals[0] / loads, totals[1] / loads
 
 
@@ -532,15 +613,29 @@ def allowed_tiles(kernel: MmaKernel) -> tuple[Tiles, ...]:
     return TILE_CHOICES + DIRECT_TILES if kernel.direct else TILE_CHOICES
 
 
-def choose_kernel(name: str, view: GemmView, precision: str, predict) -> MmaKernel:
-    """The kernel of ``view`` with the tiles (``TILE_CHOICES``, ``DIRECT_TILES`` where its operands
-    are copied directly, within the shared memory a block may have) and depth splits (``SPLITS``)
-    the timing model ``predict(kernel) -> seconds`` likes best."""
-    candidates = []
+def _candidate_kernels(name: str, view: GemmView, precision: str, arch: str):
+    """Every kernel of ``view`` a plan may choose among: ``mma.sync`` with each allowed tile, and
+    on ``WGMMA_ARCHS`` ``wgmma`` with ``WGMMA_TILES`` where the operands allow it."""
     shared = operands(view)
     for tiles in TILE_CHOICES + DIRECT_TILES:
         kernel = make_kernel(name, view, tiles, precision, shared)
-        if tiles not in allowed_tiles(kernel) or kernel.shared_bytes > H100.shared_bytes_per_block:
+        if tiles in allowed_tiles(kernel):
+            yield kernel
+    if arch not in WGMMA_ARCHS:
+        return
+    for tiles in WGMMA_TILES:
+        kernel = dataclasses.replace(make_kernel(name, view, tiles, precision, shared), wgmma=True)
+        if kernel.wgmma_ready:
+            yield kernel
+
+
+def choose_kernel(name: str, view: GemmView, precision: str, predict, arch: str = "sm_90") -> MmaKernel:
+    """The kernel of ``view`` with the instruction and tiles (``_candidate_kernels``, within the
+    shared memory a block may have) and depth splits (``SPLITS``) the timing model
+    ``predict(kernel) -> seconds`` likes best."""
+    candidates = []
+    for kernel in _candidate_kernels(name, view, precision, arch):
+        if kernel.shared_bytes > H100.shared_bytes_per_block:
             continue
         for splits in SPLITS:
             if splits > 1 and kernel.depth_tiles < splits * MIN_SPLIT_TILES:
@@ -549,10 +644,11 @@ def choose_kernel(name: str, view: GemmView, precision: str, predict) -> MmaKern
     return min(candidates, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
 
 
-def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan | None:
-    """``op``'s contraction pieces on the tensor cores (kernels named ``name``, ``name_1``, ...),
-    each with the tiles and splits the timing model likes best; None where the precision has
-    no MMA, an operand is not floating or the op is no contraction the mapper places."""
+def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = "sm_90") -> OpPlan | None:
+    """``op``'s contraction pieces on the tensor cores of ``arch`` (kernels named ``name``,
+    ``name_1``, ...), each with the instruction, tiles and splits the timing model likes best;
+    None where the precision has no MMA, an operand is not floating or the op is no
+    contraction the mapper places."""
     check_precision(precision)
     if PRECISIONS[precision] is None or any(t.dtype not in ("float32", "float16", "bfloat16") for t in op.inputs):
         return None
@@ -560,20 +656,20 @@ def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> O
     if views is None:
         return None
     kernels = tuple(
-        choose_kernel(name if k == 0 else f"{name}_{k}", view, precision, predict_kernel)
+        choose_kernel(name if k == 0 else f"{name}_{k}", view, precision, predict_kernel, arch)
         for k, view in enumerate(views)
     )
     return OpPlan(op, kernels, not covers_output(op, views))
 
 
 @lru_cache(maxsize=512)
-def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION) -> OpPlan:
-    """The kernels of ``op`` (named ``name``, ``name_1``, ...): its ``tensor_core_plan`` where
+def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = "sm_90") -> OpPlan:
+    """The kernels of ``op`` (named ``name``, ``name_1``, ...) for a GPU of ``arch``: its ``tensor_core_plan`` where
     it has one, else one SIMT kernel; a long sum with few outputs runs a block per output
     point instead where the timing model expects that faster, and always where an operand
     would be decoded variable by variable at every element (no index tables: capsule28's k1
     update took 0.48 ms on the tensor cores, 0.17 ms a block per output, on an H100)."""
-    plan = tensor_core_plan(op, name, precision)
+    plan = tensor_core_plan(op, name, precision, arch)
     simt = simt_kernel(name, op)
     if plan is None:
         return OpPlan(op, (simt,), op.scatter is not None)

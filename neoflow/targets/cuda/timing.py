@@ -78,6 +78,9 @@ MMA_CYCLES = {"fp16": 1.5, "bf16": 1.5, "tf32": 4.0}
 COPY_CYCLES = 18.0
 #: ... and per warp-wide element of the register path (gathered, converted, stored to shared memory)
 GATHER_CYCLES = 30.0
+#: SM cycles per warp-wide operand copy of a ``wgmma`` kernel, whose copies are issued while the
+#: tensor cores work on their own (``wgmma`` is asynchronous): only the copies' issue counts
+WGMMA_COPY_CYCLES = 6.0
 #: cycles a block waits on each depth tile besides its instructions (barrier, copy latency), hidden by
 #: the other blocks resident on its SM
 TILE_CYCLES = 200
@@ -129,22 +132,30 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
     tiles = kernel.tiles
     gx, gy, gz = kernel.grid
     blocks = gx * gy * gz
-    resident = resident_blocks(tiles.threads, mma_registers(kernel), kernel.shared_bytes, gpu)
+    resident = resident_blocks(kernel.block_threads, mma_registers(kernel), kernel.shared_bytes, gpu)
     if resident == 0:
         return math.inf
     m, n, k = kernel.mma_shape
     mmas = tiles.block_m * tiles.block_n * tiles.block_k / (m * n * k)
     loads = tiles.block_k * (tiles.block_m / kernel.vector("a") + tiles.block_n / kernel.vector("b")) / 32
-    per_load = COPY_CYCLES if kernel.direct else GATHER_CYCLES
-    tile_cycles = mmas * MMA_CYCLES[kernel.precision] + loads * per_load
+    if kernel.wgmma:  # the tensor cores at their full rate, beside the copies' issue
+        peak = gpu.fp16_flops / (gpu.sms * gpu.clock_hz)
+        tile_cycles = max(2.0 * tiles.block_m * tiles.block_n * tiles.block_k / peak, loads * WGMMA_COPY_CYCLES)
+    else:
+        per_load = COPY_CYCLES if kernel.direct else GATHER_CYCLES
+        tile_cycles = mmas * MMA_CYCLES[kernel.precision] + loads * per_load
     # the blocks resident on an SM share its issue slots, and hide one another's latency: a wave lasts as
     # long as their instructions or one block's instructions and latency, whichever is longer
     sharing = min(resident, math.ceil(blocks / gpu.sms))
     per_wave = kernel.split_tiles * max(sharing * tile_cycles, tile_cycles + TILE_CYCLES) / gpu.clock_hz
+    if kernel.wgmma:  # the producer runs stages ahead: a tile's latency is paid once, filling the pipeline
+        per_wave = (kernel.split_tiles * tile_cycles + kernel.stages * TILE_CYCLES) / gpu.clock_hz
     compute = _waves(blocks, resident, gpu) * per_wave
     if kernel.splits > 1:  # each block adds its tile into the workspace, atomically
         compute += blocks * tiles.block_m * tiles.block_n / gpu.atomic_adds_per_s
-    # gathers: each block reads its operand tiles once per depth tile (4-byte elements), from L2
+    # gathers: each block reads its operand tiles once per depth tile (4-byte elements), from L2: fitted to
+    # the measured kernels, where 16-bit tiles count double, ``l2_bytes_per_s`` is ~5 TB/s of 16-bit traffic
+    # (the wgmma hgemm's 128 x 256 tiles moved 4.8-5.5 TB/s at 4096^3-8192^3, their bound)
     gathered = blocks * kernel.split_tiles * (tiles.block_m + tiles.block_n) * tiles.block_k * 4.0
     if kernel.splits > 1:  # each block adds its tile into the workspace: an atomic read-modify-write in L2
         gathered += blocks * tiles.block_m * tiles.block_n * 8.0

@@ -70,3 +70,33 @@ def masked_gradient() -> Op:
 def long_sums() -> Op:
     """A sum long enough for a block per output point, under an epilogue: ``1 / Σ_k exp(A[i, k] x[k])``."""
     return neoflow.op("Y[i] = 1 / ReduceAdd({k}, exp(A[i, k] * X[k]))", shapes={"A": (48, 1500), "X": (1500,)})
+
+
+#: matrix products in 16-bit whose every operand layout a ``wgmma`` kernel meets (K-major and
+#: MN-major A and B), ragged edges, depths of one, a few and many tiles, a batch
+WGMMA_PRODUCTS = {
+    "nn": ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (70, 128), "B": (128, 72)}),
+    "nt": ("C[i, j] = ReduceAdd({k}, A[i, k] * B[j, k])", {"A": (64, 64), "B": (136, 64)}),
+    "tn": ("C[i, j] = ReduceAdd({k}, A[k, i] * B[k, j])", {"A": (192, 72), "B": (192, 64)}),
+    "tt": ("C[i, j] = ReduceAdd({k}, A[k, i] * B[j, k])", {"A": (64, 136), "B": (40, 64)}),
+    "deep": ("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", {"A": (64, 576), "B": (576, 64)}),
+    "batch": ("C[b, i, j] = ReduceAdd({k}, A[b, i, k] * B[b, k, j])", {"A": (2, 64, 64), "B": (2, 64, 128)}),
+}
+
+
+def wgmma_plan(name: str, tiles, splits: int = 1):
+    """The plan of ``WGMMA_PRODUCTS[name]`` as one ``wgmma`` kernel with ``tiles`` and ``splits``
+    (forced: the planner would pick smaller tiles for such small products)."""
+    import dataclasses
+
+    from neoflow.codegen.hardware import TENSOR_CORE
+    from neoflow.codegen.implicit_gemm import covers_output, gemm_views
+    from neoflow.targets.cuda.plan import OpPlan, make_kernel
+
+    text, shapes = WGMMA_PRODUCTS[name]
+    op = neoflow.op(text, shapes=shapes, dtype="float16")
+    (view,) = gemm_views(op, TENSOR_CORE)
+    base = make_kernel(f"wg_{name}_{tiles.block_n}_{splits}", view, tiles, "fp16")
+    kernel = dataclasses.replace(base, wgmma=True, splits=splits)
+    assert kernel.wgmma_ready, f"{name} should be a wgmma kernel"
+    return OpPlan(op, (kernel,), splits > 1 or not covers_output(op, [view]))

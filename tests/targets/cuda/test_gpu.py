@@ -9,7 +9,17 @@ import pytest
 import neoflow
 from neoflow.ir.graph import Graph
 from neoflow.targets.cuda.executor import CudaExecutor, ModelExecutor
-from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, inputs_for, long_sums, masked_gradient
+from neoflow.targets.cuda.plan import WGMMA_TILES
+from tests.targets.cuda.gpu_cases import (
+    WGMMA_PRODUCTS,
+    all_ops,
+    capsule,
+    conv_relu,
+    inputs_for,
+    long_sums,
+    masked_gradient,
+    wgmma_plan,
+)
 
 
 def _gpu_reason() -> str | None:
@@ -54,6 +64,26 @@ def test_cuda_matches_interpreter_and_model(case: str, precision: str) -> None:
         model = ModelExecutor(graph, [op.name], precision=precision).run(inputs)[op.name].astype(np.float32)
         same = 1e-5 if op.dtype == "float32" else 1e-3  # float16 outputs: one rounding apart at most
         assert np.abs(gpu - model).max() <= same * scale, (op.name, precision, "model")
+
+
+@pytest.mark.parametrize("name", sorted(WGMMA_PRODUCTS))
+def test_wgmma_kernels_on_the_gpu_match_the_interpreter(name: str, monkeypatch) -> None:
+    from neoflow.targets.cuda import driver, executor
+
+    if driver.device().arch != "sm_90":
+        pytest.skip("wgmma needs a Hopper GPU (sm_90)")
+    for tiles in WGMMA_TILES:
+        for splits in (1, 3):
+            plan = wgmma_plan(name, tiles, splits)
+            monkeypatch.setattr(executor, "graph_plans", lambda *args, plan=plan: [plan])
+            op = plan.op
+            inputs = {n: v.astype(np.float16) for n, v in inputs_for(op, seed=2).items()}
+            reference = neoflow.evaluate(op, {n: v.astype(np.float32) for n, v in inputs.items()})
+            gpu = CudaExecutor(Graph.from_ops([op]), [op.name], precision="fp16")
+            assert "wgmma.mma_async" in gpu.source
+            for _ in range(3):  # a race between the copies and the multiplies shows up as a changing error
+                got = gpu.run(inputs)[op.name].astype(np.float32)
+                assert np.abs(got - reference).max() <= 2e-3 * np.abs(reference).max(), (name, tiles, splits)
 
 
 @pytest.mark.parametrize("model", ["mlp.onnx", "cnn.onnx", "capsule.onnx"])

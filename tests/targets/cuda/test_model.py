@@ -9,8 +9,16 @@ import pytest
 
 import neoflow
 from neoflow.targets.cuda.model import round_to, run_plan
-from neoflow.targets.cuda.plan import TILE_CHOICES, MmaKernel, OpPlan, plan_op, tensor_core_plan
-from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, inputs_for
+from neoflow.targets.cuda.plan import (
+    TILE_CHOICES,
+    WGMMA_TILES,
+    MmaKernel,
+    OpPlan,
+    plan_op,
+    swizzle128,
+    tensor_core_plan,
+)
+from tests.targets.cuda.gpu_cases import WGMMA_PRODUCTS, all_ops, capsule, conv_relu, inputs_for, wgmma_plan
 
 PRECISIONS = ("fp16", "tf32", "bf16")
 #: operands rounded to values every precision holds exactly (bf16's 8 bits of mantissa): then only
@@ -226,3 +234,61 @@ def test_a_sum_over_a_lattice_steps_through_it() -> None:
     assert isinstance(kernel, SimtKernel) and not kernel.block_reduce
     source = kernel_source(kernel)
     assert "v_e = nf_mod(" in source and "v_e += 48" in source  # from its residue, in steps of 48
+
+
+@pytest.mark.parametrize("name", sorted(WGMMA_PRODUCTS))
+@pytest.mark.parametrize("tiles", WGMMA_TILES, ids=lambda t: f"n{t.block_n}")
+def test_wgmma_kernels_read_through_their_descriptors_what_the_copies_stored(name: str, tiles) -> None:
+    # float16 outputs: the fp32 sums, in another order than the interpreter's, may round one unit apart
+    for splits in (1, 3):
+        plan = wgmma_plan(name, tiles, splits)
+        inputs = _exact_inputs(plan.op)
+        got, want = run_plan(plan, inputs).astype(np.float32), neoflow.evaluate(plan.op, inputs).astype(np.float32)
+        _close(got, want, tolerance=2.0**-10)
+
+
+def test_a_wrong_wgmma_descriptor_is_caught() -> None:
+    # MN-major tiles with the leading and stride byte offsets exchanged (the layout the GPU refuted):
+    # the operand the multiplies read is no longer the one the copies stored
+    (kernel,) = wgmma_plan("tn", WGMMA_TILES[1]).kernels
+    swapped = type(kernel).descriptor
+
+    def exchanged(self, side, warpgroup, step):
+        start, leading, stride = swapped(self, side, warpgroup, step)
+        return (start, stride, leading) if self.layout(side) == "depth" else (start, leading, stride)
+
+    for name in ("tn", "nn"):  # past the stage, or a wrong element of it
+        plan = wgmma_plan(name, WGMMA_TILES[0])
+        inputs = _exact_inputs(plan.op)
+        want = neoflow.evaluate(plan.op, inputs).astype(np.float32)
+        try:
+            type(kernel).descriptor = exchanged
+            got = run_plan(plan, inputs).astype(np.float32)
+        except ValueError as err:
+            assert "reads past its stage" in str(err)
+            continue
+        finally:
+            type(kernel).descriptor = swapped
+        assert np.isnan(got).any() or np.abs(got - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_the_swizzle_keeps_a_copy_vector_together_and_spreads_lines_over_the_banks() -> None:
+    elements = np.arange(8 * 64)  # eight 128-byte lines of 16-bit elements
+    placed = swizzle128(elements)
+    assert sorted(placed) == list(elements)  # a permutation of the atom
+    vectors = placed.reshape(8, 8, 8)  # [line][16-byte chunk][element]
+    assert (np.diff(vectors, axis=-1) == 1).all()  # a chunk's 8 elements stay together
+    first_chunks = vectors[:, 0, 0] * 2 // 16 % 8  # the bank group chunk 0 of each line lands in
+    assert sorted(first_chunks) == list(range(8))
+
+
+def test_hopper_plans_put_large_16_bit_products_on_wgmma() -> None:
+    def product(dtype: str):
+        shapes = {"A": (2048, 2048), "B": (2048, 2048)}
+        return neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes=shapes, dtype=dtype)
+
+    (hopper,) = plan_op(product("float16"), "k", "fp16", "sm_90").kernels
+    (ampere,) = plan_op(product("float16"), "k", "fp16", "sm_80").kernels
+    (tf32,) = plan_op(product("float32"), "k", "tf32", "sm_90").kernels
+    assert hopper.wgmma and hopper.block_threads == hopper.tiles.threads + 128
+    assert not ampere.wgmma and not tf32.wgmma  # Hopper only; here 16-bit operands only

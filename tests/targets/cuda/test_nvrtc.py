@@ -11,10 +11,19 @@ import neoflow
 from neoflow.errors import CompileError
 from neoflow.ir.graph import Graph
 from neoflow.targets.cuda import nvrtc
-from neoflow.targets.cuda.emit import module_source
+from neoflow.targets.cuda.emit import PRELUDE, module_source
 from neoflow.targets.cuda.executor import graph_plans
-from neoflow.targets.cuda.plan import MmaKernel, OpPlan, allowed_tiles, plan_op
-from tests.targets.cuda.gpu_cases import all_ops, capsule, conv_relu, long_sums, masked_gradient, needs_nvrtc
+from neoflow.targets.cuda.plan import WGMMA_TILES, MmaKernel, OpPlan, allowed_tiles, plan_op
+from tests.targets.cuda.gpu_cases import (
+    WGMMA_PRODUCTS,
+    all_ops,
+    capsule,
+    conv_relu,
+    long_sums,
+    masked_gradient,
+    needs_nvrtc,
+    wgmma_plan,
+)
 
 pytestmark = needs_nvrtc
 
@@ -69,7 +78,25 @@ def test_every_kernel_compiles_without_spills(source: str, arch: str) -> None:
 
 def test_operand_copies_are_cached_in_l1(source: str) -> None:
     # a gather re-reads an input element once per window tap: copies bypassing L1 (.cg) re-read L2
-    assert "cp.async.ca.shared.global" in source and "cp.async.cg" not in source
+    kernels = source.removeprefix(PRELUDE)
+    assert "nf_copy<" in kernels and "nf_copy_cg(" not in kernels
+
+
+def _wgmma_plans() -> list[OpPlan]:
+    return [wgmma_plan(name, tiles, splits) for name in WGMMA_PRODUCTS for tiles in WGMMA_TILES for splits in (1, 2)]
+
+
+def test_wgmma_kernels_build_for_hopper_alone_without_spills() -> None:
+    source = module_source(_wgmma_plans())
+    kernels = source.removeprefix(PRELUDE)
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in kernels
+    assert "nf_copy_cg(" in kernels and "nf_copy<" not in kernels  # tiles read once a block: past L1
+    cubin = nvrtc.compile_cubin(source, "sm_90")  # built as sm_90a: plain sm_90 has no wgmma
+    names = [k.name for plan in _wgmma_plans() for k in plan.kernels]
+    assert all(cubin.spills[name] == 0 for name in names), cubin.spills
+    assert all(cubin.registers[name] <= 65536 // 384 for name in names)  # one block of 384 threads an SM
+    with pytest.raises(CompileError):
+        nvrtc.compile_cubin(source, "sm_80")
 
 
 def test_the_compile_cache_answers_without_nvrtc(source: str, monkeypatch) -> None:
