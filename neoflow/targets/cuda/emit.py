@@ -371,11 +371,12 @@ def _pointer(op: Op, tensor: str) -> str:
 def _table_lookup(kernel: MmaKernel, side: str, gather: Gather, printer: ValuePrinter) -> str:
     """C declaring the gathered element's offset and guard variables from the index tables."""
     row_width, depth_width = 1 + len(gather.row_vars), 1 + len(gather.depth_vars)
-    lines = [
-        f"const int *nf_rt = nf_tab_{side}_rows + nf_r * {row_width};",
-        f"const int *nf_dt = nf_tab_{side}_depth + nf_k * {depth_width};",
-        f"const int64_t v_{OFFSET} = __ldg(nf_rt) + __ldg(nf_dt) + {printer.index(gather.rest)};",
-    ]
+    stride = kernel.depth_stride(side)
+    depth = f"nf_k * {stride}" if stride is not None else "__ldg(nf_dt)"
+    lines = [f"const int *nf_rt = nf_tab_{side}_rows + nf_r * {row_width};"]
+    if stride is None:
+        lines.append(f"const int *nf_dt = nf_tab_{side}_depth + nf_k * {depth_width};")
+    lines.append(f"const int64_t v_{OFFSET} = __ldg(nf_rt) + {depth} + {printer.index(gather.rest)};")
     lines += [f"const int64_t v_{v} = __ldg(nf_rt + {1 + i});" for i, v in enumerate(gather.row_vars)]
     lines += [f"const int64_t v_{v} = __ldg(nf_dt + {1 + i});" for i, v in enumerate(gather.depth_vars)]
     return "\n                ".join(lines)
@@ -491,16 +492,7 @@ def _hoisted_entries(kernel: MmaKernel, side: str) -> str:
     reads = "".join(f"        {name}[element] = __ldg(nf_rt + {i});\n" for i, name in enumerate(names))
     depth_width = 1 + len(gather.depth_vars)
     lines = _depth_lines(kernel, side)
-    return (
-        f"{declare}    bool nf_{side}_rok[{count}];\n"
-        f"    #pragma unroll\n"
-        f"    for (int element = 0; element < {count}; ++element) {{\n"
-        f"        const int vec = 0;\n"
-        f"        const int64_t nf_r = {origin} + {small(row.subs(VEC, 0))};\n"
-        f"        nf_{side}_rok[element] = nf_r < {limit};\n"
-        f"        const int *nf_rt = nf_tab_{side}_rows + (nf_{side}_rok[element] ? nf_r : 0) * {width};\n"
-        f"{reads}"
-        f"    }}\n"
+    depth_entries = (
         f"    int nf_{side}_dnext[{lines}][{depth_width}];\n"
         f"    auto nf_{side}_depth_entries = [&](int kt) {{\n"
         f"        #pragma unroll\n"
@@ -513,6 +505,20 @@ def _hoisted_entries(kernel: MmaKernel, side: str) -> str:
         f"        }}\n"
         f"    }};\n"
         f"    nf_{side}_depth_entries(nf_first);\n"
+    )
+    if kernel.depth_stride(side) is not None:
+        depth_entries = ""  # computed by each copy
+    return (
+        f"{declare}    bool nf_{side}_rok[{count}];\n"
+        f"    #pragma unroll\n"
+        f"    for (int element = 0; element < {count}; ++element) {{\n"
+        f"        const int vec = 0;\n"
+        f"        const int64_t nf_r = {origin} + {small(row.subs(VEC, 0))};\n"
+        f"        nf_{side}_rok[element] = nf_r < {limit};\n"
+        f"        const int *nf_rt = nf_tab_{side}_rows + (nf_{side}_rok[element] ? nf_r : 0) * {width};\n"
+        f"{reads}"
+        f"    }}\n"
+        f"{depth_entries}"
     )
 
 
@@ -557,21 +563,28 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
     depth_vars = "".join(
         f"                const int64_t v_{v} = nf_dcur[{line}][{1 + i}];\n" for i, v in enumerate(gather.depth_vars)
     )
-    return (
-        "        {\n"
+    stride = kernel.depth_stride(side)
+    current = (
         f"            int nf_dcur[{lines}][{depth_width}];\n"
         f"            #pragma unroll\n"
         f"            for (int e = 0; e < {lines}; ++e)\n"
         f"                #pragma unroll\n"
         f"                for (int i = 0; i < {depth_width}; ++i) nf_dcur[e][i] = nf_{side}_dnext[e][i];\n"
         f"            if (kt + 1 < nf_last) nf_{side}_depth_entries(kt + 1);\n"
+    )
+    depth = f"nf_dcur[{line}][0]"
+    if stride is not None:  # no table: the depth offset from the depth itself
+        current, depth = "", f"(int64_t)(nf_k0 + nf_col) * {stride}"
+    return (
+        "        {\n"
+        f"{current}"
         f"            #pragma unroll\n"
         f"            for (int element = 0; element < {count}; ++element) {{\n"
         f"                const int vec = 0;\n"
         f"                const int nf_row = {small(row)}, nf_col = {small(col)};\n"
         f"                const bool nf_k_ok = nf_k0 + nf_col < {view.sizes[3]};\n"
         f"{row_vars}{depth_vars}"
-        f"                const int64_t v_{OFFSET} = (int64_t)nf_{side}_roff[element] + nf_dcur[{line}][0] + "
+        f"                const int64_t v_{OFFSET} = (int64_t)nf_{side}_roff[element] + {depth} + "
         f"{printer.index(gather.rest)};\n"
         f"                const bool nf_copied = nf_{side}_rok[element] && nf_k_ok && {guard};\n"
         f"    {copy}"
@@ -728,7 +741,42 @@ def finish_source(kernel: MmaKernel) -> str:
     )
 
 
+def _paired_epilogue(kernel: MmaKernel) -> str:
+    """The epilogue of a kernel with ``paired_stores``: each pair of registers through the epilogue
+    (an even column, whose neighbour the even width keeps inside the output), stored as one
+    two-element vector."""
+    view, tiles = kernel.view, kernel.tiles
+    offset, value = _finished(kernel)
+    row, col = accumulator_coords()
+    _, m, n, _ = view.sizes
+    element = CUDA_TYPES[view.op.dtype]
+    pair, pack = _PAIRS[view.op.dtype]
+    return (
+        f"    #pragma unroll\n    for (int fm = 0; fm < {tiles.frags_m}; ++fm)\n"
+        f"    #pragma unroll\n    for (int fn = 0; fn < {tiles.frags_n}; ++fn)\n"
+        f"    #pragma unroll\n    for (int nf_pair = 0; nf_pair < 2; ++nf_pair) {{\n"
+        f"        const int reg = 2 * nf_pair;\n"
+        f"        const int64_t nf_r = nf_m0 + nf_warp_m * {tiles.warp_m} + fm * 16 + {small(row)};\n"
+        f"        const int64_t nf_c = nf_n0 + nf_warp_n * {tiles.warp_n} + fn * 8 + {small(col)};\n"
+        f"        if (nf_r < {m} && nf_c < {n}) {{\n"
+        f"            {_decode('nf_rr', 'nf_r', view.m)}\n"
+        f"            {element} nf_second;\n"
+        f"            {{\n"
+        f"                {_decode('nf_cc', 'nf_c + 1', view.n)}\n"
+        f"                const float nf_acc_value = nf_acc[fm][fn][reg + 1];\n"
+        f"                nf_second = {value};\n"
+        f"            }}\n"
+        f"            {_decode('nf_cc', 'nf_c', view.n)}\n"
+        f"            const float nf_acc_value = nf_acc[fm][fn][reg];\n"
+        f"            *reinterpret_cast<{pair} *>(&nf_out[{offset}]) = {pack}({value}, nf_second);\n"
+        f"        }}\n"
+        f"    }}\n"
+    )
+
+
 def _epilogue(kernel: MmaKernel) -> str:
+    if kernel.paired_stores:
+        return _paired_epilogue(kernel)
     view, tiles = kernel.view, kernel.tiles
     offset, value = _finished(kernel)
     store = f"atomicAdd(&nf_ws[{offset}], nf_acc_value);" if kernel.splits > 1 else f"nf_out[{offset}] = {value};"
@@ -881,6 +929,10 @@ def _wgmma(kernel: MmaKernel) -> str:
     )
 
 
+#: groups of multiplies a warpgroup leaves in flight when it waits (and releases the stage of the one before)
+WGMMA_GROUPS_IN_FLIGHT = 1
+
+
 def _wgmma_loop(kernel: MmaKernel) -> str:
     """The main loop of a ``wgmma`` kernel, warp-specialised: the producer warpgroup (the warps
     after the tiles' own) copies operand tiles by ``cp.async`` into ``stages`` swizzled stages,
@@ -891,6 +943,7 @@ def _wgmma_loop(kernel: MmaKernel) -> str:
     stages, block_k = kernel.stages, kernel.tiles.block_k
     steps = block_k // WGMMA_K
     consumers = kernel.tiles.threads
+    lag = WGMMA_GROUPS_IN_FLIGHT
     tile_bytes = kernel.stages * (kernel.tile_elements("a") + kernel.tile_elements("b")) * kernel.element_bytes
     descriptors, stage_bytes = {}, {}
     for side in ("a", "b"):
@@ -948,10 +1001,10 @@ def _wgmma_loop(kernel: MmaKernel) -> str:
         f"{_wgmma(kernel)}"
         f"        }}\n"
         f"        nf_wgmma_commit();\n"
-        f"        nf_wgmma_wait<1>();\n"
-        f"        if (nf_n > 0) {{\n"
+        f"        nf_wgmma_wait<{lag}>();\n"
+        f"        if (nf_n >= {lag}) {{\n"
         f"            __syncwarp();\n"
-        f"            if (lane == 0) nf_bar_arrive(nf_bars + {stages} + (nf_n - 1) % {stages});\n"
+        f"            if (lane == 0) nf_bar_arrive(nf_bars + {stages} + (nf_n - {lag}) % {stages});\n"
         f"        }}\n"
         f"    }}\n"
         f"    nf_wgmma_wait<0>();\n"

@@ -268,6 +268,13 @@ def _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, o
     rows, cols, values = rows[live], cols[live], np.broadcast_to(values, live.shape)[live]
     env = {**unravel(rows, view.m), **unravel(cols, view.n), **batch_env}
     offsets = np.broadcast_to(np.asarray(index.evaluate(view.out_offset, env), dtype=np.int64), rows.shape)
+    if kernel.paired_stores:  # an even column and the next one go out as one aligned two-element vector
+        evens = cols % 2 == 0
+        neighbours = {**unravel(cols[evens] + 1, view.n), **unravel(rows[evens], view.m), **batch_env}
+        second = np.asarray(index.evaluate(view.out_offset, neighbours), dtype=np.int64)
+        paired = cols[evens] + 1 < n_size
+        assert (offsets[evens] % 2 == 0).all(), f"{kernel.name}: a paired store is not aligned"
+        assert (second[paired] == offsets[evens][paired] + 1).all(), f"{kernel.name}: paired columns lie apart"
     if kernel.splits > 1:  # each split adds its partial sums (atomically, on the GPU)
         np.add.at(workspace, offsets, values.astype(np.float32))
         return

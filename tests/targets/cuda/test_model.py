@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 
 import neoflow
+from neoflow.codegen.hardware import TENSOR_CORE
+from neoflow.codegen.implicit_gemm import gemm_views
 from neoflow.targets.cuda.model import round_to, run_plan
 from neoflow.targets.cuda.plan import (
     TILE_CHOICES,
     WGMMA_TILES,
     MmaKernel,
     OpPlan,
+    make_kernel,
     plan_op,
     swizzle128,
     tensor_core_plan,
@@ -292,3 +295,19 @@ def test_hopper_plans_put_large_16_bit_products_on_wgmma() -> None:
     (tf32,) = plan_op(product("float32"), "k", "tf32", "sm_90").kernels
     assert hopper.wgmma and hopper.block_threads == hopper.tiles.threads + 128
     assert not ampere.wgmma and not tf32.wgmma  # Hopper only; here 16-bit operands only
+
+
+def test_wgmma_outputs_go_out_in_pairs_only_where_neighbouring_columns_lie_together() -> None:
+    tiles = WGMMA_TILES[0]
+    assert wgmma_plan("nn", tiles).kernels[0].paired_stores
+    assert not wgmma_plan("nn", tiles, splits=2).kernels[0].paired_stores  # sums added into a workspace
+
+    def kernel(out: str, columns: int) -> MmaKernel:
+        shapes = {"A": (64, 64), "B": (64, columns)}
+        op = neoflow.op(f"{out} = ReduceAdd({{k}}, A[i, k] * B[k, j])", shapes=shapes, dtype="float16")
+        (view,) = gemm_views(op, TENSOR_CORE)
+        return dataclasses.replace(make_kernel("k", view, tiles, "fp16"), wgmma=True)
+
+    assert kernel("C[i, j]", 72).paired_stores
+    assert not kernel("C[i, j]", 71).paired_stores  # an odd row: every other pair would straddle two rows
+    assert not kernel("C[j, i]", 72).paired_stores  # neighbouring columns a row apart
