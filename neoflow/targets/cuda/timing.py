@@ -40,11 +40,12 @@ class GpuFigures:
     """What the timing model needs of a GPU.  Defaults: NVIDIA H100 SXM5 (80 GB HBM3), from
     NVIDIA's H100 whitepaper (132 SMs, 1.83 GHz boost for dense tensor work; 989 TFLOP/s
     dense fp16/bf16 and 494 tf32 with ``wgmma``, of which ``mma.sync`` reaches about
-    ``mma_sync_share``; 67 TFLOP/s fp32 FMA; 3.35 TB/s HBM3; 50 MB L2; 228 KB shared memory
-    and 64 Ki registers per SM, at most 2048 threads and 32 blocks an SM), float32 atomic adds in L2 at
-    the rate the split-depth kernels of ``benchmarks/gpu_results.md`` imply, and a launch latency
-    of a few microseconds (``cuLaunchKernel`` on an idle stream; a CUDA graph's kernels
-    follow one another in about 1 µs)."""
+    ``mma_sync_share`` and neoflow's warp-specialised ``wgmma`` kernels ``wgmma_share`` (fitted:
+    hgemm 4096^3 and 8192^3 ran at 544-554 TFLOP/s in ``benchmarks/gpu_results.md``); 67 TFLOP/s
+    fp32 FMA; 3.35 TB/s HBM3; 50 MB L2; 228 KB shared memory and 64 Ki registers per SM, at most
+    2048 threads and 32 blocks an SM), float32 atomic adds in L2 at the rate the split-depth
+    kernels of ``benchmarks/gpu_results.md`` imply, and a launch latency of a few microseconds
+    (``cuLaunchKernel`` on an idle stream; a CUDA graph's kernels follow one another in about 1 µs)."""
 
     name: str = "H100 SXM5"
     sms: int = 132
@@ -52,6 +53,7 @@ class GpuFigures:
     fp16_flops: float = 989e12
     tf32_flops: float = 494e12
     mma_sync_share: float = 0.62
+    wgmma_share: float = 0.56
     fp32_flops: float = 67e12
     hbm_bytes_per_s: float = 3.35e12
     l2_bytes_per_s: float = 10e12
@@ -138,9 +140,9 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
     m, n, k = kernel.mma_shape
     mmas = tiles.block_m * tiles.block_n * tiles.block_k / (m * n * k)
     loads = tiles.block_k * (tiles.block_m / kernel.vector("a") + tiles.block_n / kernel.vector("b")) / 32
-    if kernel.wgmma:  # the tensor cores at their full rate, beside the copies' issue
-        peak = gpu.fp16_flops / (gpu.sms * gpu.clock_hz)
-        tile_cycles = max(2.0 * tiles.block_m * tiles.block_n * tiles.block_k / peak, loads * WGMMA_COPY_CYCLES)
+    if kernel.wgmma:  # the tensor cores at the rate these kernels reach, beside the copies' issue
+        rate = gpu.fp16_flops * gpu.wgmma_share / (gpu.sms * gpu.clock_hz)
+        tile_cycles = max(2.0 * tiles.block_m * tiles.block_n * tiles.block_k / rate, loads * WGMMA_COPY_CYCLES)
     else:
         per_load = COPY_CYCLES if kernel.direct else GATHER_CYCLES
         tile_cycles = mmas * MMA_CYCLES[kernel.precision] + loads * per_load
@@ -153,10 +155,10 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
     compute = _waves(blocks, resident, gpu) * per_wave
     if kernel.splits > 1:  # each block adds its tile into the workspace, atomically
         compute += blocks * tiles.block_m * tiles.block_n / gpu.atomic_adds_per_s
-    # gathers: each block reads its operand tiles once per depth tile (4-byte elements), from L2: fitted to
-    # the measured kernels, where 16-bit tiles count double, ``l2_bytes_per_s`` is ~5 TB/s of 16-bit traffic
-    # (the wgmma hgemm's 128 x 256 tiles moved 4.8-5.5 TB/s at 4096^3-8192^3, their bound)
-    gathered = blocks * kernel.split_tiles * (tiles.block_m + tiles.block_n) * tiles.block_k * 4.0
+    # gathers: each block reads its operand tiles once per depth tile, from L2 (4-byte elements as fitted to
+    # the mma.sync kernels; a wgmma kernel's 16-bit copies move 2: its hgemm moved 6.4 TB/s unhindered)
+    element = float(kernel.element_bytes) if kernel.wgmma else 4.0
+    gathered = blocks * kernel.split_tiles * (tiles.block_m + tiles.block_n) * tiles.block_k * element
     if kernel.splits > 1:  # each block adds its tile into the workspace: an atomic read-modify-write in L2
         gathered += blocks * tiles.block_m * tiles.block_n * 8.0
     l2 = gathered / gpu.l2_bytes_per_s
