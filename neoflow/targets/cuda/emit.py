@@ -24,6 +24,7 @@ from neoflow.targets.cuda.plan import (
     ATOM_BYTES,
     ELEMENT,
     VEC,
+    WGMMA_K,
     MmaKernel,
     OpPlan,
     SimtKernel,
@@ -109,9 +110,7 @@ static __device__ __forceinline__ void nf_ldmatrix_x4_trans(uint32_t *r, const v
 /* Hopper wgmma (sm_90a): the 128-byte swizzle of a 16-bit element's place in a 1024-byte-aligned tile,
    a shared-memory matrix descriptor of such a tile (start, leading and stride byte offsets), and the
    fences and groups that order the asynchronous multiplies */
-template <int BYTES> static __device__ __forceinline__ int nf_swz128(int e) {
-    return e ^ ((((e * BYTES) >> 7) & 7) * (16 / BYTES));
-}
+static __device__ __forceinline__ int nf_swz128(int e) { return e ^ (((e >> 6) & 7) << 3); }
 static __device__ __forceinline__ uint64_t nf_desc(uint32_t address, uint32_t leading, uint32_t stride) {
     return (uint64_t)((address & 0x3FFFF) >> 4) | ((uint64_t)(leading >> 4) << 16)
         | ((uint64_t)(stride >> 4) << 32) | (1ull << 62);
@@ -605,7 +604,7 @@ def _at(kernel: MmaKernel, side: str, row: sympy.Expr, col: sympy.Expr) -> str:
     ``smem_index`` (swizzled, in a ``wgmma`` kernel: ``MmaKernel.place``), the formula the
     tensor-core model executes."""
     logical = small(kernel.smem_index(side, row, col))
-    return f"nf_swz128<{kernel.element_bytes}>({logical})" if kernel.wgmma else logical
+    return f"nf_swz128({logical})" if kernel.wgmma else logical
 
 
 #: per storage dtype: the type two 16-bit elements pack into, and the packing function
@@ -916,17 +915,15 @@ def _wgmma(kernel: MmaKernel) -> str:
     (register ``4 fn + reg`` of the instruction is ``nf_acc[0][fn][reg]``: the layout of
     ``block_n / 8`` m16n8 accumulator fragments, ``accumulator_coords``)."""
     n = kernel.tiles.block_n
-    kind = {"float16": "f16", "bfloat16": "bf16", "tf32": "tf32"}[kernel.storage]
+    kind = {"float16": "f16", "bfloat16": "bf16"}[kernel.storage]
     count = n // 2
-    # 16-bit operands may be MN-major (the transposition flags); tf32 ones are K-major, with no flags
-    flags = [str(int(kernel.layout(side) == "depth")) for side in ("a", "b")] if kind != "tf32" else []
-    trans = "".join(f", {flag}" for flag in flags)
+    trans = ", ".join(str(int(kernel.layout(side) == "depth")) for side in ("a", "b"))
     registers = ", ".join(f"%{i}" for i in range(count))
     outputs = ", ".join(f'"+f"(nf_acc[0][{i // 4}][{i % 4}])' for i in range(count))
     return (
         f'            asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n"\n'
-        f'                "wgmma.mma_async.sync.aligned.m64n{n}k{kernel.wgmma_k}.f32.{kind}.{kind} "\n'
-        f'                "{{{registers}}}, %{count}, %{count + 1}, p, 1, 1{trans};\\n}}"\n'
+        f'                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "\n'
+        f'                "{{{registers}}}, %{count}, %{count + 1}, p, 1, 1, {trans};\\n}}"\n'
         f"                : {outputs}\n"
         f'                : "l"(nf_da), "l"(nf_db));\n'
     )
@@ -944,7 +941,7 @@ def _wgmma_loop(kernel: MmaKernel) -> str:
     warpgroup waits for a stage, multiplies its 64 rows asynchronously, and releases the
     stage of the group before once that group is done (one group left in flight)."""
     stages, block_k = kernel.stages, kernel.tiles.block_k
-    steps = block_k // kernel.wgmma_k
+    steps = block_k // WGMMA_K
     consumers = kernel.tiles.threads
     lag = WGMMA_GROUPS_IN_FLIGHT
     tile_bytes = kernel.stages * (kernel.tile_elements("a") + kernel.tile_elements("b")) * kernel.element_bytes

@@ -28,6 +28,7 @@ from neoflow.ir.interpreter import evaluate_at, evaluate_op
 from neoflow.targets.cuda.plan import (
     MN_ATOM_ROWS,
     SWIZZLE_BYTES,
+    WGMMA_K,
     MmaKernel,
     OpPlan,
     accumulator_coords,
@@ -40,8 +41,7 @@ from neoflow.targets.cuda.plan import (
 
 def round_to(values: np.ndarray, storage: str) -> np.ndarray:
     """float32 ``values`` rounded as the kernel stores them: ``float16`` and ``bfloat16``
-    to nearest even, ``tf32`` (``cvt.rna``) to nearest with ties away from zero,
-    ``tf32_truncate`` (float32 read as tf32 by ``wgmma``) toward zero."""
+    to nearest even, ``tf32`` (``cvt.rna``) to nearest with ties away from zero."""
     values = np.asarray(values, dtype=np.float32)
     if storage == "float16":
         return values.astype(np.float16).astype(np.float32)
@@ -50,8 +50,6 @@ def round_to(values: np.ndarray, storage: str) -> np.ndarray:
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     elif storage == "tf32":
         bits = (bits + 0x1000) & 0xFFFFE000
-    elif storage == "tf32_truncate":
-        bits = bits & 0xFFFFE000
     else:
         raise ValueError(f"unknown storage {storage}")
     rounded = bits.astype(np.uint32).view(np.float32)
@@ -141,7 +139,7 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
         env.update(unravel(np.where(live, depth, 0), view.k))
         env.update(batch_env)
         values = evaluate_at(view.a if side == "a" else view.b, env, arrays, owner, live=live)
-    values = round_to(np.where(live, values.astype(np.float32), np.float32(0)), kernel.operand_rounding)
+    values = round_to(np.where(live, values.astype(np.float32), np.float32(0)), kernel.storage)
     stage = np.full((len(origins), kernel.tile_elements(side)), np.nan, np.float32)  # shared memory
     stage[:, kernel.place(side, row, col)] = values
     return stage
@@ -157,7 +155,7 @@ def descriptor_elements(kernel: MmaKernel, side: str, warpgroup: int, step: int)
     of the address's 16-byte chunk by its line within the atom."""
     start, leading, stride = (int(v) for v in kernel.descriptor(side, warpgroup, step))
     rows = MN_ATOM_ROWS if side == "a" else kernel.tiles.block_n
-    mn, k = np.meshgrid(np.arange(rows), np.arange(kernel.wgmma_k), indexing="ij")
+    mn, k = np.meshgrid(np.arange(rows), np.arange(WGMMA_K), indexing="ij")
     size = kernel.element_bytes
     if kernel.layout(side) == "rows":
         offset = (mn % 8) * SWIZZLE_BYTES + (mn // 8) * stride + k * size
@@ -176,7 +174,7 @@ def _wgmma_products(kernel: MmaKernel, a_tile: np.ndarray, b_tile: np.ndarray) -
     instructions compute them from the stages through their descriptors, fp32."""
     tiles = kernel.tiles
     full = np.zeros((a_tile.shape[0], b_tile.shape[0], tiles.block_m, tiles.block_n), np.float32)
-    for step in range(tiles.block_k // kernel.wgmma_k):
+    for step in range(tiles.block_k // WGMMA_K):
         b = b_tile[:, descriptor_elements(kernel, "b", 0, step)]
         for group in range(kernel.warpgroups):
             a = a_tile[:, descriptor_elements(kernel, "a", group, step)]

@@ -115,14 +115,8 @@ DIRECT_TILES = (Tiles(128, 128, 32, 2, 4), Tiles(128, 128, 64, 2, 4), Tiles(128,
 ROW_PAD_BYTES = 16
 #: the tiles of a Hopper ``wgmma`` kernel: two warpgroups (eight warps) one above the other, each a
 #: 64 x ``block_n`` tile of ``m64n<block_n>k16`` instructions; 64 16-bit elements deep (one 128-byte
-#: swizzle line: 64 16-bit elements, 32 tf32 ones); measured on an H100 at 4096^3 and 8192^3, 128 x 192
-#: tiles ran 20-25 % slower than 128 x 256
-WGMMA_TILES = (
-    Tiles(128, 256, 64, 8, 1),
-    Tiles(128, 128, 64, 8, 1),
-    Tiles(128, 256, 32, 8, 1),
-    Tiles(128, 128, 32, 8, 1),
-)
+#: swizzle line); measured on an H100 at 4096^3 and 8192^3, 128 x 192 tiles ran 20-25 % slower than 128 x 256
+WGMMA_TILES = (Tiles(128, 256, 64, 8, 1), Tiles(128, 128, 64, 8, 1))
 #: the most shared-memory stages a ``wgmma`` kernel keeps
 WGMMA_MAX_STAGES = 8
 #: the architectures whose plans may use ``wgmma`` (built as ``sm_90a``)
@@ -130,8 +124,8 @@ WGMMA_ARCHS = ("sm_90",)
 #: a ``wgmma`` operand tile's lines are 128 bytes, swizzled in atoms of 8 lines (``SWIZZLE_BYTES``,
 #: ``ATOM_BYTES``); an MN-major tile is cut into columns of 64 rows (``MN_ATOM_ROWS``)
 SWIZZLE_BYTES, ATOM_BYTES, MN_ATOM_ROWS = 128, 1024, 64
-#: bytes of depth one ``wgmma`` instruction reads of a row (16 16-bit elements, 8 tf32 ones)
-WGMMA_K_BYTES = 32
+#: the depth of one ``wgmma`` instruction on 16-bit operands
+WGMMA_K = 16
 #: threads of a ``wgmma`` kernel's producer warpgroup, which copies the operand tiles while the
 #: other warpgroups multiply (warp specialisation; stages handed over through mbarriers)
 PRODUCER_THREADS = 128
@@ -300,18 +294,6 @@ class MmaKernel:
         return all(c.is_Integer and int(c) % 2 == 0 for c in coefficients)
 
     @property
-    def operand_rounding(self) -> str:
-        """How operands reach the multiplies (``model.round_to``): as stored, except that a ``wgmma``
-        kernel's tf32 operands are float32 in shared memory, truncated to tf32 by the tensor cores
-        (``tf32_truncate``; ``mma.sync`` kernels round each fragment with ``cvt.rna``)."""
-        return "tf32_truncate" if self.wgmma and self.storage == "tf32" else self.storage
-
-    @property
-    def wgmma_k(self) -> int:
-        """The depth of one ``wgmma`` instruction: 16 for 16-bit operands, 8 for tf32."""
-        return WGMMA_K_BYTES // self.element_bytes
-
-    @property
     def warpgroups(self) -> int:
         """Warpgroups (four warps) of a ``wgmma`` kernel, one above the other, 64 rows each."""
         return self.tiles.warps_m // 4
@@ -319,15 +301,15 @@ class MmaKernel:
     def descriptor(self, side: str, warpgroup, step) -> tuple:
         """``(start, leading, stride)`` of the shared-memory matrix descriptor with which a
         ``wgmma`` kernel's warpgroup ``warpgroup`` reads operand ``side`` at depth step ``step``
-        (``wgmma_k`` deep): the start's byte offset in the stage, and the leading and stride
+        (``WGMMA_K`` deep): the start's byte offset in the stage, and the leading and stride
         byte offsets (PTX's canonical 128-byte-swizzled layouts: K-major, 8-row atoms
         ``stride`` apart, ``leading`` unused; MN-major, 64-row columns ``leading`` apart and
         8-deep atoms ``stride`` apart).  B is the block's whole ``block_n``."""
         rows = MN_ATOM_ROWS * warpgroup if side == "a" else 0
         if self.layout(side) == "rows":
-            start = rows * SWIZZLE_BYTES + step * WGMMA_K_BYTES
+            start = rows * SWIZZLE_BYTES + step * WGMMA_K * self.element_bytes
             return start, 16, ATOM_BYTES
-        start = rows * self.tiles.block_k * self.element_bytes + step * self.wgmma_k * SWIZZLE_BYTES
+        start = rows * self.tiles.block_k * self.element_bytes + step * WGMMA_K * SWIZZLE_BYTES
         return start, MN_ATOM_ROWS * self.tiles.block_k * self.element_bytes, ATOM_BYTES
 
     @property
@@ -394,13 +376,10 @@ class MmaKernel:
 
     @property
     def wgmma_ready(self) -> bool:
-        """Whether this kernel can run on ``wgmma``: operands copied directly in 16-byte vectors (a
-        vector is one swizzle chunk), one 128-byte line deep, MN-major tiles whole 64-row columns;
-        16-bit operands either way round, tf32 ones K-major alone (``wgmma`` transposes no tf32
-        operand)."""
-        tf32_k_major = self.storage == "tf32" and all(self.layout(side) == "rows" for side in ("a", "b"))
+        """Whether this kernel can run on ``wgmma``: 16-bit operands copied directly in 16-byte
+        vectors (a vector is one swizzle chunk), 64 deep, MN-major tiles whole 64-row columns."""
         return (
-            (self.storage in ("float16", "bfloat16") or tf32_k_major)
+            self.storage in ("float16", "bfloat16")
             and self.direct
             and self.tiles.block_k * self.element_bytes == SWIZZLE_BYTES
             and all(self.copy_bytes(side) == VECTOR_BYTES for side in ("a", "b"))

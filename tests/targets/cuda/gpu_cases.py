@@ -84,10 +84,9 @@ WGMMA_PRODUCTS = {
 }
 
 
-def wgmma_plan(name: str, tiles, splits: int = 1, precision: str = "fp16"):
+def wgmma_plan(name: str, tiles, splits: int = 1):
     """The plan of ``WGMMA_PRODUCTS[name]`` as one ``wgmma`` kernel with ``tiles`` and ``splits``
-    (forced: the planner would pick smaller tiles for such small products), in float16 tensors, or
-    in float32 ones for ``precision="tf32"`` (K-major operands only: ``nt``; tiles 32 deep)."""
+    (forced: the planner would pick smaller tiles for such small products)."""
     import dataclasses
 
     from neoflow.codegen.hardware import TENSOR_CORE
@@ -95,9 +94,9 @@ def wgmma_plan(name: str, tiles, splits: int = 1, precision: str = "fp16"):
     from neoflow.targets.cuda.plan import OpPlan, make_kernel
 
     text, shapes = WGMMA_PRODUCTS[name]
-    op = neoflow.op(text, shapes=shapes, dtype="float32" if precision == "tf32" else "float16")
+    op = neoflow.op(text, shapes=shapes, dtype="float16")
     (view,) = gemm_views(op, TENSOR_CORE)
-    base = make_kernel(f"wg_{name}_{precision}_{tiles.block_n}_{splits}", view, tiles, precision)
+    base = make_kernel(f"wg_{name}_{tiles.block_n}_{splits}", view, tiles, "fp16")
     kernel = dataclasses.replace(base, wgmma=True, splits=splits)
     assert kernel.wgmma_ready, f"{name} should be a wgmma kernel"
     return OpPlan(op, (kernel,), splits > 1 or not covers_output(op, [view]))

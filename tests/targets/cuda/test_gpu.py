@@ -72,7 +72,7 @@ def test_wgmma_kernels_on_the_gpu_match_the_interpreter(name: str, monkeypatch) 
 
     if driver.device().arch != "sm_90":
         pytest.skip("wgmma needs a Hopper GPU (sm_90)")
-    for tiles in (t for t in WGMMA_TILES if t.block_k == 64):
+    for tiles in WGMMA_TILES:
         for splits in (1, 3):
             plan = wgmma_plan(name, tiles, splits)
             monkeypatch.setattr(executor, "graph_plans", lambda *args, plan=plan: [plan])
@@ -84,24 +84,6 @@ def test_wgmma_kernels_on_the_gpu_match_the_interpreter(name: str, monkeypatch) 
             for _ in range(3):  # a race between the copies and the multiplies shows up as a changing error
                 got = gpu.run(inputs)[op.name].astype(np.float32)
                 assert np.abs(got - reference).max() <= 2e-3 * np.abs(reference).max(), (name, tiles, splits)
-
-
-def test_tf32_wgmma_kernels_on_the_gpu_match_the_model(monkeypatch) -> None:
-    from neoflow.targets.cuda import driver, executor
-
-    if driver.device().arch != "sm_90":
-        pytest.skip("wgmma needs a Hopper GPU (sm_90)")
-    for tiles in (t for t in WGMMA_TILES if t.block_k == 32):
-        for splits in (1, 3):
-            plan = wgmma_plan("nt", tiles, splits, "tf32")
-            monkeypatch.setattr(executor, "graph_plans", lambda *args, plan=plan: [plan])
-            graph, op = Graph.from_ops([plan.op]), plan.op
-            inputs = inputs_for(op, seed=2)
-            gpu = CudaExecutor(graph, [op.name], precision="tf32").run(inputs)[op.name]
-            model = ModelExecutor(graph, [op.name], precision="tf32").run(inputs)[op.name]
-            # the model truncates the operands to tf32 as it says the tensor cores do: then only the order
-            # of the fp32 sums differs
-            assert np.abs(gpu - model).max() <= 1e-5 * np.abs(model).max(), (tiles, splits)
 
 
 @pytest.mark.parametrize("model", ["mlp.onnx", "cnn.onnx", "capsule.onnx"])

@@ -239,27 +239,8 @@ def test_a_sum_over_a_lattice_steps_through_it() -> None:
     assert "v_e = nf_mod(" in source and "v_e += 48" in source  # from its residue, in steps of 48
 
 
-#: the 16-bit tiles (64 deep) and the tf32 ones (32 deep)
-HALF_TILES = [t for t in WGMMA_TILES if t.block_k == 64]
-TF32_TILES = [t for t in WGMMA_TILES if t.block_k == 32]
-
-
-@pytest.mark.parametrize("tiles", TF32_TILES, ids=lambda t: f"n{t.block_n}")
-def test_tf32_wgmma_kernels_multiply_operands_truncated_to_tf32(tiles) -> None:
-    from tests.targets.cuda.gpu_cases import inputs_for
-
-    for splits in (1, 3):
-        plan = wgmma_plan("nt", tiles, splits, "tf32")
-        inputs = inputs_for(plan.op, seed=4)  # float32 values, low mantissa bits set
-        truncated = {name: round_to(value, "tf32_truncate") for name, value in inputs.items()}
-        rounded = {name: round_to(value, "tf32") for name, value in inputs.items()}
-        got = run_plan(plan, inputs)
-        _close(got, neoflow.evaluate(plan.op, truncated), tolerance=1e-6)
-        assert np.abs(got - neoflow.evaluate(plan.op, rounded)).max() > 1e-5  # truncated, not rounded
-
-
 @pytest.mark.parametrize("name", sorted(WGMMA_PRODUCTS))
-@pytest.mark.parametrize("tiles", HALF_TILES, ids=lambda t: f"n{t.block_n}")
+@pytest.mark.parametrize("tiles", WGMMA_TILES, ids=lambda t: f"n{t.block_n}")
 def test_wgmma_kernels_read_through_their_descriptors_what_the_copies_stored(name: str, tiles) -> None:
     # float16 outputs: the fp32 sums, in another order than the interpreter's, may round one unit apart
     for splits in (1, 3):

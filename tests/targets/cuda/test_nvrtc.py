@@ -83,16 +83,13 @@ def test_operand_copies_are_cached_in_l1(source: str) -> None:
 
 
 def _wgmma_plans() -> list[OpPlan]:
-    half = [t for t in WGMMA_TILES if t.block_k == 64]
-    tf32 = [wgmma_plan("nt", t, splits, "tf32") for t in WGMMA_TILES if t.block_k == 32 for splits in (1, 2)]
-    return [wgmma_plan(name, tiles, splits) for name in WGMMA_PRODUCTS for tiles in half for splits in (1, 2)] + tf32
+    return [wgmma_plan(name, tiles, splits) for name in WGMMA_PRODUCTS for tiles in WGMMA_TILES for splits in (1, 2)]
 
 
 def test_wgmma_kernels_build_for_hopper_alone_without_spills() -> None:
     source = module_source(_wgmma_plans())
     kernels = source.removeprefix(PRELUDE)
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in kernels
-    assert "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" in kernels
     assert "nf_copy_cg(" in kernels and "nf_copy<" not in kernels  # tiles read once a block: past L1
     cubin = nvrtc.compile_cubin(source, "sm_90")  # built as sm_90a: plain sm_90 has no wgmma
     names = [k.name for plan in _wgmma_plans() for k in plan.kernels]
