@@ -23,6 +23,7 @@ from neoflow.fusion.plan import (
     Grouping,
     Kernel,
     PlanError,
+    ShiftedHolders,
     holders,
     must_store,
     plan_from_groups,
@@ -136,7 +137,8 @@ class NeoFlow(FusionPolicy):
         groups: list[frozenset[str]] = [frozenset([op.name]) for op in graph.ops]
         while True:
             moves = list(_moves(graph, groups, search.ops))
-            scored = sorted((search.delta(groups, _apply(groups, [m])), k) for k, m in enumerate(moves))
+            where = holders(groups)
+            scored = sorted((search.delta(groups, m, where), k) for k, m in enumerate(moves))
             # take the best move, then every other saving move on groups no taken move touched
             taken: list[_Move] = []
             used: set[int] = set()
@@ -209,25 +211,34 @@ class _Search:
         self.ops = self.grouping.ops
         self.readers = self.grouping.readers
 
-    def delta(self, old: list[frozenset[str]], new: list[frozenset[str]]) -> float:
-        """Predicted seconds of plan ``new`` minus plan ``old``.  Only kernels
-        that differ are costed: the kernels of ``old`` and ``new`` that hold
-        exactly the same ops and materialise the same tensors cancel."""
+    def delta(self, old: list[frozenset[str]], move: _Move, where: dict[str, list[int]]) -> float:
+        """Predicted seconds of the plan ``move`` makes of ``old`` (whose ``holders`` are ``where``)
+        minus those of ``old``.  Only kernels that differ are costed: the kernels of the two that
+        hold exactly the same ops and materialise the same tensors cancel."""
+        new = _apply(old, [move])
+        new_where = ShiftedHolders(where, move[0], len(old), [g for g in move[1] if g])
         # groups whose ops, or whose ops' readers, moved: their kernels may differ
         moved = set().union(*(g for g in set(old) ^ set(new)))
         touched = moved | {t for name in moved for t in self.ops[name].input_names}
-        before = set(self.grouping.kernels(old, _holding(old, touched)))
-        after = set(self.grouping.kernels(new, _holding(new, touched)))
+        before = set(self.grouping.kernels(old, _holding(where, touched), where))
+        after = set(self.grouping.kernels(new, _holding(new_where, touched), new_where))
+        # summed in a fixed order: in a set's (hash-seeded) order, the float sums of equal moves came out
+        # a rounding apart from run to run, and which one the search took with them
         seconds = 0.0
-        for kernel in after - before:
+        for kernel in sorted(after - before, key=_kernel_key):
             seconds += self.cost_model.kernel_cost(self.graph, kernel).seconds
-        for kernel in before - after:
+        for kernel in sorted(before - after, key=_kernel_key):
             seconds -= self.cost_model.kernel_cost(self.graph, kernel).seconds
         return seconds
 
 
-def _holding(groups: list[frozenset[str]], names: set[str]) -> list[int]:
-    return [k for k, g in enumerate(groups) if not g.isdisjoint(names)]
+def _kernel_key(kernel: Kernel) -> tuple:
+    return kernel.ops, kernel.materialized, kernel.buffered, kernel.sliced
+
+
+def _holding(where, names: set[str]) -> list[int]:
+    """The positions of the groups holding any of ``names``, in order (``where``: their ``holders``)."""
+    return sorted({k for name in names for k in where.get(name, ())})
 
 
 def _cyclic(groups: list[frozenset[str]], readers: dict[str, list[str]]) -> bool:

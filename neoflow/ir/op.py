@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import sympy
 from sympy.core.function import AppliedUndef
@@ -83,9 +84,9 @@ class Op:
         """All reduction axes, in order (sibling reductions may share a name)."""
         return tuple(dict.fromkeys(axis for r in self.reductions for axis in r.axes))
 
-    @property
+    @cached_property
     def input_names(self) -> tuple[str, ...]:
-        """Names of the tensors the op reads."""
+        """Names of the tensors the op reads (kept: fusion planning asks millions of times)."""
         return tuple(t.name for t in self.inputs)
 
     def input(self, name: str) -> Tensor:

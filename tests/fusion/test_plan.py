@@ -207,3 +207,17 @@ def test_a_chain_whose_inlining_would_grow_exponentially_stores_its_big_ops(monk
         want = want * want - want * np.float32(0.5)
     got = neoflow.compile(fused, target="interp", fusion="none").run({"A0": x})
     np.testing.assert_allclose(got[f"A{levels}"], want, rtol=1e-5, atol=1e-7)
+
+
+def test_shifted_holders_answer_as_holders_of_the_groups_a_move_leaves() -> None:
+    from neoflow.fusion.plan import ShiftedHolders, holders
+
+    groups = [frozenset("ab"), frozenset("c"), frozenset("bd"), frozenset("e"), frozenset("af")]
+    for removed, added in [({1, 3}, [frozenset("ce")]), ({0}, [frozenset("abx"), frozenset("a")]), (set(), [])]:
+        after = [g for k, g in enumerate(groups) if k not in removed] + added
+        shifted = ShiftedHolders(holders(groups), removed, len(groups), added)
+        expected = holders(after)
+        for name in "abcdefx":
+            assert shifted.get(name, ()) == expected.get(name, []) or (name not in expected and not shifted.get(name))
+            if name in expected:
+                assert shifted[name] == expected[name]
