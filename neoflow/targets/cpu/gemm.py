@@ -43,7 +43,7 @@ from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.ir.bounds import reduction_points
 from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
 from neoflow.ir.index import var
-from neoflow.ir.op import Op
+from neoflow.ir.op import Op, Tensor
 from neoflow.ir.simplify import read_offset
 from neoflow.targets.cpu.depth_vector import DepthVectorPlan, depth_vector_code, depth_vector_cycles, depth_vector_plan
 from neoflow.targets.cpu.packing import (
@@ -412,22 +412,40 @@ def _operand_factors(op: Op, mapping: Mapping) -> tuple[Expr, Expr]:
     return product.a, product.b
 
 
-@lru_cache(maxsize=8192)
 def _pack_cycles(op: Op, factor: Expr, side: tuple[str, ...], depth: tuple[str, ...], width: int) -> float:
     """Estimated cycles per element packed of one operand: ``VECTOR_PACK_CYCLES`` for the
     share the packer copies with vector loads (``packing.vector_fraction``),
     ``GATHER_PACK_CYCLES`` for the share it gathers (``packing.gather_fraction``; with
     AVX-512 a step of two, compacted by permutes, costs a vector copy), otherwise
     a couple of cycles plus one per index variable read from the tables, one per guard
-    checked and two per clamp applied.  Cached, as the
-    mapper prices every candidate mapping with it."""
-    shapes = {t.name: t.shape for t in op.inputs}
-    sides = [(v, op.extent[v]) for v in side]
-    depths = [(v, op.extent[v]) for v in depth]
-    side_inner = _inner_is_first(factor, {t.name: t for t in op.inputs}, sides, depths, op.ranges)
-    operand = _affine(factor, tuple(sorted(shapes.items())), op.ranges)
+    checked and two per clamp applied.  Cached by what it depends on — the operand, the
+    tensors it reads and its variables' extents — not by the op: the fusion search prices
+    the same operand in many candidate kernels that differ in their epilogue alone."""
+    names = {n.tensor for n in factor.walk() if isinstance(n, Read)}
+    tensors = tuple(t for t in op.inputs if t.name in names)
+    used = set(side) | set(depth) | index_variables(factor)
+    ranges = tuple((v, e) for v, e in op.ranges if v in used)
+    return _operand_pack_cycles(factor, tensors, ranges, side, depth, width)
+
+
+@lru_cache(maxsize=8192)
+def _operand_pack_cycles(
+    factor: Expr,
+    tensors: tuple[Tensor, ...],
+    ranges: tuple[tuple[str, int], ...],
+    side: tuple[str, ...],
+    depth: tuple[str, ...],
+    width: int,
+) -> float:
+    """``_pack_cycles`` of ``factor`` reading ``tensors``, its variables running over ``ranges``."""
+    shapes = {t.name: t.shape for t in tensors}
+    extent = dict(ranges)
+    sides = [(v, extent[v]) for v in side]
+    depths = [(v, extent[v]) for v in depth]
+    side_inner = _inner_is_first(factor, {t.name: t for t in tensors}, sides, depths, ranges)
+    operand = _affine(factor, tuple(sorted(shapes.items())), ranges)
     size = math.prod(shapes[operand.tensor]) if operand is not None else 0
-    strips = Strips(side, depth, op.extent, size)
+    strips = Strips(side, depth, extent, size)
     vector = vector_fraction(operand, width, side_inner, strips)
     gathered = gather_fraction(operand, width, side_inner, strips)
     # element by element: a couple of cycles, one per table read, one per guard checked, and

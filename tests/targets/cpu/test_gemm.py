@@ -340,11 +340,11 @@ def test_a_strip_read_every_other_element_is_priced_as_the_packer_copies_it(
         shapes={"X": (1, 4, 16 * stride + 2, 16 * stride + 2), "W": (8, 4, 3, 3)},
     )
     monkeypatch.setattr(gemm, "AVX512", avx512)
-    gemm._pack_cycles.cache_clear()
+    gemm._operand_pack_cycles.cache_clear()
     try:
         price = gemm._pack_cycles(op, op.body.body.a, ("p", "q"), ("r", "s", "c"), 16)
     finally:
-        gemm._pack_cycles.cache_clear()
+        gemm._operand_pack_cycles.cache_clear()
     assert price == cycles
 
 
