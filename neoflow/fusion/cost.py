@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from neoflow.fusion.inline import InlineMemo
 from neoflow.fusion.plan import FusionPlan, Kernel, Nests, kernel_ops
 from neoflow.fusion.slicing import slice_role
 from neoflow.fusion.work import op_work
@@ -100,10 +101,13 @@ class CostModel:
         self.nests = nests
         self._ops: dict[Op, Cost] = {}
         self._kernels: dict[Kernel, Cost] = {}
+        # the substituted forms of the last graph's ops, by the inlined ops each reaches (``inline_all``'s
+        # memo): the kernels a search prices share most of them
+        self._inlined: tuple[Graph | None, InlineMemo] = (None, {})
 
     def __getstate__(self) -> dict:
         """Pickled (a compile cache keeps an executor's cost model) without its memoised costs."""
-        return {**self.__dict__, "_ops": {}, "_kernels": {}}
+        return {**self.__dict__, "_ops": {}, "_kernels": {}, "_inlined": (None, {})}
 
     @property
     def machine(self) -> Machine:
@@ -194,7 +198,9 @@ class CostModel:
         """Arithmetic, bytes and predicted seconds of ``kernel`` of ``graph``."""
         cached = self._kernels.get(kernel)
         if cached is None:
-            ops = kernel_ops(graph, kernel)
+            if self._inlined[0] is not graph:
+                self._inlined = (graph, {})
+            ops = kernel_ops(graph, kernel, self._inlined[1])
             if kernel.sliced:
                 cached = self.sliced_cost(ops, kernel)
             elif len(ops) > 1 and self.nests is not None and self.nests(ops, kernel.buffered) is not None:
