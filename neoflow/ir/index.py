@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 import sympy
@@ -61,6 +61,30 @@ def tensor_read(name: str, args: tuple[IndexExpr, ...]) -> IndexExpr:
 def variables(expr: IndexExpr) -> set[str]:
     """Names of the index variables in ``expr`` (including inside tensor reads)."""
     return {s.name for s in expr.free_symbols}
+
+
+@lru_cache(maxsize=65536)
+def _linear_terms(expr: IndexExpr) -> dict[str, sympy.Expr] | None:
+    """Each variable's coefficient in ``expr`` where every term is a number or a number times
+    one variable; None otherwise."""
+    terms: dict[str, sympy.Expr] = {}
+    for term in sympy.Add.make_args(expr):
+        c, rest = term.as_coeff_Mul()
+        if rest.is_Symbol:
+            terms[rest.name] = terms.get(rest.name, sympy.Integer(0)) + c
+        elif rest.free_symbols:
+            return None
+    return terms
+
+
+def coefficient(expr: IndexExpr, name: str) -> sympy.Expr:
+    """``expr.coeff(var(name))``, answered from a table of ``expr``'s terms where it is linear
+    (the cost models ask for the coefficients of one offset many times; sympy's ``coeff``
+    walks the expression each time)."""
+    terms = _linear_terms(expr)
+    if terms is None:
+        return expr.coeff(var(name))
+    return terms.get(name, sympy.Integer(0))
 
 
 def data_reads(expr: IndexExpr) -> list[AppliedUndef]:

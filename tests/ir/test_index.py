@@ -75,3 +75,15 @@ def test_a_product_sympy_writes_as_a_power_is_evaluated_printed_and_compiled(tar
     # its text reads back as the same op
     again = neoflow.op(str(op), shapes={"X": (4,)}, out_shape=(9,))
     np.testing.assert_array_equal(evaluate_on(target, again, {"X": x}), evaluate_on(target, op, {"X": x}))
+
+
+def test_coefficient_answers_as_sympy_coeff() -> None:
+    import sympy
+
+    from neoflow.ir.index import coefficient, var
+
+    i, j = var("i"), var("j")
+    exprs = (3 * i + 4 * j - 7, i + 2 * i + j, 5 * i * j + i, sympy.floor(i / 2) + 3 * j, 2 * (i + j), sympy.Integer(4))
+    for expr in exprs:
+        for name in "ijk":
+            assert coefficient(expr, name) == expr.coeff(var(name)), (expr, name)

@@ -24,7 +24,7 @@ import sympy
 
 from neoflow.codegen.c_expr import IndexPrinter, unflatten_index
 from neoflow.ir.expr import Binary, Const, Expr, Index, Read, Select, conjuncts
-from neoflow.ir.index import var
+from neoflow.ir.index import coefficient
 from neoflow.ir.simplify import read_offset
 from neoflow.targets.cpu.tables import Table
 
@@ -380,12 +380,12 @@ def _stride_span(operand: AffineOperand, variables: tuple[str, ...], extents: di
     (the last variable's coefficient; 0 where it is not a constant)."""
     if not variables:
         return 1, 0
-    last = operand.offset.coeff(var(variables[-1]))
+    last = coefficient(operand.offset, variables[-1])
     if not last.is_Integer or last == 0:
         return 1, 0
     step, span = int(last), 1
     for name in reversed(variables):
-        if operand.offset.coeff(var(name)) != step:
+        if coefficient(operand.offset, name) != step:
             break
         span *= extents[name]
         step *= extents[name]
