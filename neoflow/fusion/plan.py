@@ -102,13 +102,13 @@ class ShiftedHolders:
         self.added = list(added)
         self._found: dict[str, list[int]] = {}
 
-    def get(self, name: str, default=None):
+    def get(self, name: str, default: list[int] | tuple = ()) -> list[int] | tuple:
+        """The positions of the groups holding ``name``, in order (``default`` where none does)."""
         found = self._found.get(name)
         if found is None:
             kept = [k - sum(r < k for r in self.removed) for k in self.before.get(name, ()) if k not in self.removed]
-            found = kept + [self.base + i for i, group in enumerate(self.added) if name in group]
-            self._found[name] = found
-        return found if found or default is None else default
+            found = self._found[name] = kept + [self.base + i for i, group in enumerate(self.added) if name in group]
+        return found or default
 
     def __getitem__(self, name: str) -> list[int]:
         found = self.get(name)

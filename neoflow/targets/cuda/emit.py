@@ -741,58 +741,47 @@ def finish_source(kernel: MmaKernel) -> str:
     )
 
 
-def _paired_epilogue(kernel: MmaKernel) -> str:
-    """The epilogue of a kernel with ``paired_stores``: each pair of registers through the epilogue
-    (an even column, whose neighbour the even width keeps inside the output), stored as one
-    two-element vector."""
-    view, tiles = kernel.view, kernel.tiles
-    offset, value = _finished(kernel)
-    row, col = accumulator_coords()
-    _, m, n, _ = view.sizes
-    element = CUDA_TYPES[view.op.dtype]
-    pair, pack = _PAIRS[view.op.dtype]
-    return (
-        f"    #pragma unroll\n    for (int fm = 0; fm < {tiles.frags_m}; ++fm)\n"
-        f"    #pragma unroll\n    for (int fn = 0; fn < {tiles.frags_n}; ++fn)\n"
-        f"    #pragma unroll\n    for (int nf_pair = 0; nf_pair < 2; ++nf_pair) {{\n"
-        f"        const int reg = 2 * nf_pair;\n"
-        f"        const int64_t nf_r = nf_m0 + nf_warp_m * {tiles.warp_m} + fm * 16 + {small(row)};\n"
-        f"        const int64_t nf_c = nf_n0 + nf_warp_n * {tiles.warp_n} + fn * 8 + {small(col)};\n"
-        f"        if (nf_r < {m} && nf_c < {n}) {{\n"
-        f"            {_decode('nf_rr', 'nf_r', view.m)}\n"
-        f"            {element} nf_second;\n"
-        f"            {{\n"
-        f"                {_decode('nf_cc', 'nf_c + 1', view.n)}\n"
-        f"                const float nf_acc_value = nf_acc[fm][fn][reg + 1];\n"
-        f"                nf_second = {value};\n"
-        f"            }}\n"
-        f"            {_decode('nf_cc', 'nf_c', view.n)}\n"
-        f"            const float nf_acc_value = nf_acc[fm][fn][reg];\n"
-        f"            *reinterpret_cast<{pair} *>(&nf_out[{offset}]) = {pack}({value}, nf_second);\n"
-        f"        }}\n"
-        f"    }}\n"
-    )
-
-
 def _epilogue(kernel: MmaKernel) -> str:
-    if kernel.paired_stores:
-        return _paired_epilogue(kernel)
+    """C taking each lane's accumulators through the epilogue to the output (or, for a split depth,
+    adding the sums into the workspace), under the row and column guards; with ``paired_stores``
+    registers ``2p`` and ``2p + 1`` (an even column and its neighbour, which the even width keeps
+    inside the output) leave as one two-element vector."""
     view, tiles = kernel.view, kernel.tiles
     offset, value = _finished(kernel)
-    store = f"atomicAdd(&nf_ws[{offset}], nf_acc_value);" if kernel.splits > 1 else f"nf_out[{offset}] = {value};"
     row, col = accumulator_coords()
     _, m, n, _ = view.sizes
+    if kernel.paired_stores:
+        element = CUDA_TYPES[view.op.dtype]
+        pair, pack = _PAIRS[view.op.dtype]
+        registers = "for (int nf_pair = 0; nf_pair < 2; ++nf_pair) {\n        const int reg = 2 * nf_pair;"
+        store = (
+            f"            {element} nf_second;\n"
+            f"            {{\n"
+            f"                {_decode('nf_cc', 'nf_c + 1', view.n)}\n"
+            f"                const float nf_acc_value = nf_acc[fm][fn][reg + 1];\n"
+            f"                nf_second = {value};\n"
+            f"            }}\n"
+            f"            {_decode('nf_cc', 'nf_c', view.n)}\n"
+            f"            const float nf_acc_value = nf_acc[fm][fn][reg];\n"
+            f"            *reinterpret_cast<{pair} *>(&nf_out[{offset}]) = {pack}({value}, nf_second);\n"
+        )
+    else:
+        registers = "for (int reg = 0; reg < 4; ++reg) {"
+        written = f"atomicAdd(&nf_ws[{offset}], nf_acc_value);" if kernel.splits > 1 else f"nf_out[{offset}] = {value};"
+        store = (
+            f"            {_decode('nf_cc', 'nf_c', view.n)}\n"
+            f"            const float nf_acc_value = nf_acc[fm][fn][reg];\n"
+            f"            {written}\n"
+        )
     return (
         f"    #pragma unroll\n    for (int fm = 0; fm < {tiles.frags_m}; ++fm)\n"
         f"    #pragma unroll\n    for (int fn = 0; fn < {tiles.frags_n}; ++fn)\n"
-        f"    #pragma unroll\n    for (int reg = 0; reg < 4; ++reg) {{\n"
+        f"    #pragma unroll\n    {registers}\n"
         f"        const int64_t nf_r = nf_m0 + nf_warp_m * {tiles.warp_m} + fm * 16 + {small(row)};\n"
         f"        const int64_t nf_c = nf_n0 + nf_warp_n * {tiles.warp_n} + fn * 8 + {small(col)};\n"
         f"        if (nf_r < {m} && nf_c < {n}) {{\n"
         f"            {_decode('nf_rr', 'nf_r', view.m)}\n"
-        f"            {_decode('nf_cc', 'nf_c', view.n)}\n"
-        f"            const float nf_acc_value = nf_acc[fm][fn][reg];\n"
-        f"            {store}\n"
+        f"{store}"
         f"        }}\n"
         f"    }}\n"
     )

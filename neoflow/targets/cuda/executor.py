@@ -21,15 +21,12 @@ from neoflow.targets.base import OpByOpExecutor, run_graph, sequential_call
 from neoflow.targets.cuda.concurrency import MAX_LANES, plan_schedule
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.model import run_plan
-from neoflow.targets.cuda.plan import DEFAULT_PRECISION, MmaKernel, OpPlan, check_precision, plan_op
+from neoflow.targets.cuda.plan import DEFAULT_ARCH, DEFAULT_PRECISION, MmaKernel, OpPlan, check_precision, plan_op
 from neoflow.targets.cuda.timing import predict_kernel
 from neoflow.targets.memory import nbytes
 
-#: the architecture the tensor-core model plans for: the H100 its clock describes
-MODEL_ARCH = "sm_90"
 
-
-def graph_plans(graph: Graph, precision: str, arch: str = MODEL_ARCH) -> list[OpPlan]:
+def graph_plans(graph: Graph, precision: str, arch: str = DEFAULT_ARCH) -> list[OpPlan]:
     """The kernel plan of every op of ``graph`` for a GPU of ``arch`` (kernels named ``nf_<position>``)."""
     return [plan_op(op, f"nf_op{k}", precision, arch) for k, op in enumerate(graph.ops)]
 
@@ -47,7 +44,7 @@ class PlannedExecutor(OpByOpExecutor):
         groups: Collection[Collection[str]] = (),
         sliced: Collection = (),
         precision: str = DEFAULT_PRECISION,
-        arch: str = MODEL_ARCH,
+        arch: str = DEFAULT_ARCH,
     ) -> None:
         super().__init__(graph, keep)
         self.precision = check_precision(precision)

@@ -34,6 +34,7 @@ from neoflow.targets.cuda.plan import (
     accumulator_coords,
     ldmatrix_a_address,
     ldmatrix_b_address,
+    swizzle128,
     tf32_a_coords,
     tf32_b_coords,
 )
@@ -162,8 +163,7 @@ def descriptor_elements(kernel: MmaKernel, side: str, warpgroup: int, step: int)
     else:
         offset = (mn % MN_ATOM_ROWS) * size + (mn // MN_ATOM_ROWS) * leading + (k % 8) * SWIZZLE_BYTES
         offset = offset + (k // 8) * stride
-    address = start + offset
-    elements = (address ^ (((address >> 7) & 7) << 4)) // size
+    elements = swizzle128(start + offset, 1) // size  # the swizzle acts on byte addresses
     if elements.max() >= kernel.tile_elements(side):
         raise ValueError(f"{kernel.name}: a wgmma descriptor of operand {side} reads past its stage")
     return elements

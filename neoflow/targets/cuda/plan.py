@@ -50,6 +50,8 @@ PRECISIONS: dict[str, tuple[str, tuple[int, int, int]] | None] = {
     "fp32": None,
 }
 DEFAULT_PRECISION = "tf32"
+#: the architecture plans are made for where none is named: the H100 the timing model describes
+DEFAULT_ARCH = "sm_90"
 
 LANE, TID, REG, ELEMENT, VEC = sympy.symbols("lane tid reg element vec", integer=True, nonnegative=True)
 #: bytes one vector load of a gathered operand moves
@@ -120,7 +122,7 @@ WGMMA_TILES = (Tiles(128, 256, 64, 8, 1), Tiles(128, 128, 64, 8, 1))
 #: the most shared-memory stages a ``wgmma`` kernel keeps
 WGMMA_MAX_STAGES = 8
 #: the architectures whose plans may use ``wgmma`` (built as ``sm_90a``)
-WGMMA_ARCHS = ("sm_90",)
+WGMMA_ARCHS = (DEFAULT_ARCH,)
 #: a ``wgmma`` operand tile's lines are 128 bytes, swizzled in atoms of 8 lines (``SWIZZLE_BYTES``,
 #: ``ATOM_BYTES``); an MN-major tile is cut into columns of 64 rows (``MN_ATOM_ROWS``)
 SWIZZLE_BYTES, ATOM_BYTES, MN_ATOM_ROWS = 128, 1024, 64
@@ -284,14 +286,8 @@ class MmaKernel:
         if not self.wgmma or self.splits > 1 or view.op.dtype not in ("float16", "bfloat16") or not view.n:
             return False
         name, extent = view.n[-1]
-        inner = index.var(name)
-        offset = sympy.expand(view.out_offset)
-        if extent % 2 or offset.coeff(inner) != 1:
-            return False
-        variables = [index.var(v) for v, _ in (*view.m, *view.n, *view.batch)]
-        others = sympy.expand(offset - inner)
-        coefficients = [others.coeff(v) for v in variables] + [others.subs(dict.fromkeys(variables, 0))]
-        return all(c.is_Integer and int(c) % 2 == 0 for c in coefficients)
+        steps = unit_run_steps(view.out_offset, name, [v for v, _ in (*view.m, *view.n, *view.batch)])
+        return extent % 2 == 0 and steps is not None and all(step % 2 == 0 for step in steps)
 
     @property
     def warpgroups(self) -> int:
@@ -541,6 +537,20 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_SPLIT_TILES = 4
 
 
+def unit_run_steps(offset: sympy.Expr, inner: str, variables: list[str]) -> list[int] | None:
+    """Where ``offset`` moves by one element along variable ``inner``: how far it moves along each of
+    ``variables`` (``inner`` itself left out), then its constant part — runs of consecutive elements
+    along ``inner`` start where these allow (vector loads, paired stores); None where ``inner``
+    does not step by one or another part is not an integer multiple of a variable."""
+    offset = sympy.expand(offset)
+    if offset.coeff(index.var(inner)) != 1:
+        return None
+    others = sympy.expand(offset - index.var(inner))
+    symbols = [index.var(v) for v in variables if v != inner]
+    parts = [others.coeff(v) for v in symbols] + [others.subs(dict.fromkeys(symbols, 0))]
+    return [int(part) for part in parts] if all(part.is_Integer for part in parts) else None
+
+
 def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest: bool, tiles: Tiles) -> int:
     """Elements of operand ``side`` a thread loads at once: the most of ``VECTOR_BYTES``, 8 or 4
     bytes' worth (at least two elements; else 1) such that the operand is a table gather whose
@@ -563,14 +573,10 @@ def vector_width(view: GemmView, side: str, gather: Gather | None, rows_fastest:
     if tensor.dtype not in ("float32", "float16", "bfloat16"):
         return 1
     itemsize = dt.numpy_dtype(tensor.dtype).itemsize
-    inner = index.var(name)
-    offset = sympy.expand(gather.row_part + gather.depth_part + gather.rest)
-    if offset.coeff(inner) != 1:
+    offset = gather.row_part + gather.depth_part + gather.rest
+    coefficients = unit_run_steps(offset, name, [v for v, _ in (*view.m, *view.n, *view.k, *view.batch)])
+    if coefficients is None:
         return 1
-    variables = [index.var(v) for v, _ in (*view.m, *view.n, *view.k, *view.batch)]
-    others = offset - inner
-    coefficients = [int(others.coeff(v)) for v in variables]
-    coefficients.append(int(others.subs(dict.fromkeys(variables, 0))))
     rows = tiles.block_m if side == "a" else tiles.block_n
     for width in (VECTOR_BYTES // itemsize, 8 // itemsize, 4 // itemsize):
         if width < 2 or extent % width or any(c % width for c in coefficients):
@@ -669,7 +675,7 @@ def _candidate_kernels(name: str, view: GemmView, precision: str, arch: str):
             yield kernel
 
 
-def choose_kernel(name: str, view: GemmView, precision: str, predict, arch: str = "sm_90") -> MmaKernel:
+def choose_kernel(name: str, view: GemmView, precision: str, predict, arch: str = DEFAULT_ARCH) -> MmaKernel:
     """The kernel of ``view`` with the instruction and tiles (``_candidate_kernels``, within the
     shared memory a block may have) and depth splits (``SPLITS``) the timing model
     ``predict(kernel) -> seconds`` likes best."""
@@ -684,7 +690,7 @@ def choose_kernel(name: str, view: GemmView, precision: str, predict, arch: str 
     return min(candidates, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
 
 
-def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = "sm_90") -> OpPlan | None:
+def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH) -> OpPlan | None:
     """``op``'s contraction pieces on the tensor cores of ``arch`` (kernels named ``name``,
     ``name_1``, ...), each with the instruction, tiles and splits the timing model likes best;
     None where the precision has no MMA, an operand is not floating or the op is no
@@ -703,7 +709,7 @@ def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch
 
 
 @lru_cache(maxsize=512)
-def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = "sm_90") -> OpPlan:
+def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH) -> OpPlan:
     """The kernels of ``op`` (named ``name``, ``name_1``, ...) for a GPU of ``arch``: its ``tensor_core_plan`` where
     it has one, else one SIMT kernel; a long sum with few outputs runs a block per output
     point instead where the timing model expects that faster, and always where an operand

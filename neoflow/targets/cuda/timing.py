@@ -84,7 +84,7 @@ GATHER_CYCLES = 30.0
 #: the tensor cores multiply (``wgmma`` is asynchronous): measured on an H100 at hgemm 4096^3, its copies
 #: alone took 0.333 ms reading a depth-table entry each (25 cycles a copy), and computing the depth
 #: offsets instead the whole kernel took 0.253 ms, its multiplies alone 0.219 (19 cycles a copy at most)
-WGMMA_COPY_CYCLES = {True: 19.0, False: 25.0}
+WGMMA_COPY_CYCLES, WGMMA_TABLE_COPY_CYCLES = 19.0, 25.0
 #: cycles a block waits on each depth tile besides its instructions (barrier, copy latency), hidden by
 #: the other blocks resident on its SM
 TILE_CYCLES = 200
@@ -142,20 +142,21 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
     m, n, k = kernel.mma_shape
     mmas = tiles.block_m * tiles.block_n * tiles.block_k / (m * n * k)
     loads = tiles.block_k * (tiles.block_m / kernel.vector("a") + tiles.block_n / kernel.vector("b")) / 32
-    if kernel.wgmma:  # the tensor cores at the rate these kernels reach, beside the copies' issue
+    if kernel.wgmma:
+        # the tensor cores at the rate these kernels reach, beside the producer's copies; it runs stages
+        # ahead, so a tile's latency is paid once, filling the pipeline
         rate = gpu.fp16_flops * gpu.wgmma_share / (gpu.sms * gpu.clock_hz)
         computed = all(kernel.depth_stride(side) is not None for side in ("a", "b"))
-        multiplies = 2.0 * tiles.block_m * tiles.block_n * tiles.block_k / rate
-        tile_cycles = max(multiplies, loads * WGMMA_COPY_CYCLES[computed])
+        copy = WGMMA_COPY_CYCLES if computed else WGMMA_TABLE_COPY_CYCLES
+        tile_cycles = max(2.0 * tiles.block_m * tiles.block_n * tiles.block_k / rate, loads * copy)
+        per_wave = (kernel.split_tiles * tile_cycles + kernel.stages * TILE_CYCLES) / gpu.clock_hz
     else:
         per_load = COPY_CYCLES if kernel.direct else GATHER_CYCLES
         tile_cycles = mmas * MMA_CYCLES[kernel.precision] + loads * per_load
-    # the blocks resident on an SM share its issue slots, and hide one another's latency: a wave lasts as
-    # long as their instructions or one block's instructions and latency, whichever is longer
-    sharing = min(resident, math.ceil(blocks / gpu.sms))
-    per_wave = kernel.split_tiles * max(sharing * tile_cycles, tile_cycles + TILE_CYCLES) / gpu.clock_hz
-    if kernel.wgmma:  # the producer runs stages ahead: a tile's latency is paid once, filling the pipeline
-        per_wave = (kernel.split_tiles * tile_cycles + kernel.stages * TILE_CYCLES) / gpu.clock_hz
+        # the blocks resident on an SM share its issue slots, and hide one another's latency: a wave lasts
+        # as long as their instructions or one block's instructions and latency, whichever is longer
+        sharing = min(resident, math.ceil(blocks / gpu.sms))
+        per_wave = kernel.split_tiles * max(sharing * tile_cycles, tile_cycles + TILE_CYCLES) / gpu.clock_hz
     compute = _waves(blocks, resident, gpu) * per_wave
     if kernel.splits > 1:  # each block adds its tile into the workspace, atomically
         compute += blocks * tiles.block_m * tiles.block_n / gpu.atomic_adds_per_s
