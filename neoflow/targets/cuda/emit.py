@@ -14,15 +14,17 @@ import sympy
 
 from neoflow.codegen.c_expr import C_TYPES, IndexPrinter, ValuePrinter, c_type, unflatten_index
 from neoflow.codegen.gather import OFFSET, Gather, map_reads
+from neoflow.codegen.lattice import with_reduce
 from neoflow.codegen.strided import loop_order
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
-from neoflow.ir.expr import Const, Expr, Index, Read, Reduce
+from neoflow.ir.expr import Const, Expr, Index, Read, Reduce, index_variables
 from neoflow.ir.op import Op, Tensor
 from neoflow.targets.cuda.plan import (
     ATOM_BYTES,
     ELEMENT,
+    REG,
     VEC,
     WGMMA_K,
     MmaKernel,
@@ -198,19 +200,23 @@ small = IndexPrinter(lambda name: name, _no_reads, plain_division=True)
 INT32_LIMIT = 1 << 31
 
 
-def narrow_indices(op: Op, body: str) -> str:
-    """``body`` (a kernel's statements) with its 64-bit index arithmetic made 32-bit where every
-    tensor ``op`` touches and every loop of it stays below 2^31 elements (half the registers,
-    and integer division by a constant in a few instructions instead of a call)."""
+def narrow(op: Op) -> bool:
+    """Whether ``op``'s index arithmetic fits 32-bit integers: every tensor it touches and every
+    loop of it below 2^31 elements, no 64-bit integer in its formula or output."""
     sizes = [op.output.size, *(t.size for t in op.inputs), *op.extent.values()]
     wide = any(
         not isinstance(node, Index) and dt.concrete(node.dtype) in ("int64", "uint64", "weak_int")
         for node in op.body.walk()
         if not isinstance(node, Const)
     )
-    if max(sizes, default=0) >= INT32_LIMIT or wide or dt.concrete(op.dtype) in ("int64", "uint64"):
-        return body
-    return body.replace("int64_t", "int")
+    return max(sizes, default=0) < INT32_LIMIT and not wide and dt.concrete(op.dtype) not in ("int64", "uint64")
+
+
+def narrow_indices(op: Op, body: str) -> str:
+    """``body`` (a kernel's statements) with its 64-bit index arithmetic made 32-bit where ``op``
+    allows (``narrow``: half the registers, and integer division by a constant in a few
+    instructions instead of a call)."""
+    return body.replace("int64_t", "int") if narrow(op) else body
 
 
 def _parameters(op: Op, tables: tuple[str, ...] = ()) -> str:
@@ -462,6 +468,18 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
 HOISTED_COPIES = 8
 
 
+def _depth_ok(kernel: MmaKernel, depth: str) -> str:
+    """C testing that ``depth`` lies inside the view's depth: ``true`` where the depth is whole tiles."""
+    size = kernel.view.sizes[3]
+    return "true" if size % kernel.tiles.block_k == 0 else f"{depth} < {size}"
+
+
+def _within_depth(kernel: MmaKernel, depth: str) -> str:
+    """C for ``depth``, or 0 past the view's depth (a table row that exists)."""
+    size = kernel.view.sizes[3]
+    return depth if size % kernel.tiles.block_k == 0 else f"({depth} < {size} ? {depth} : 0)"
+
+
 def _hoisted(kernel: MmaKernel, side: str) -> bool:
     """Whether thread ``tid``'s copies of operand ``side`` read their row-table entries once, before
     the main loop (a ``wgmma`` kernel's producers hold no accumulators: twice as many)."""
@@ -499,7 +517,7 @@ def _hoisted_entries(kernel: MmaKernel, side: str) -> str:
         f"        for (int element = 0; element < {lines}; ++element) {{\n"
         f"            const int vec = 0;\n"
         f"            const int64_t nf_k = (int64_t)kt * {kernel.tiles.block_k} + {small(col.subs(VEC, 0))};\n"
-        f"            const int *nf_dt = nf_tab_{side}_depth + (nf_k < {view.sizes[3]} ? nf_k : 0) * {depth_width};\n"
+        f"            const int *nf_dt = nf_tab_{side}_depth + {_within_depth(kernel, 'nf_k')} * {depth_width};\n"
         f"            #pragma unroll\n"
         f"            for (int i = 0; i < {depth_width}; ++i) nf_{side}_dnext[element][i] = __ldg(nf_dt + i);\n"
         f"        }}\n"
@@ -537,7 +555,9 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
     target = f"&nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, ROW, COL)}]"
     guard = "true" if gather.guard is None else printer(gather.guard, "bool")
     copy_function = "nf_copy_cg" if kernel.wgmma else f"nf_copy<{kernel.copy_bytes(side)}>"
-    copy = f"            {copy_function}({target}, {pointer} + (nf_copied ? v_{OFFSET} : 0), nf_copied);\n"
+    # an offset read only where copied, so not negative: unsigned, it joins the pointer without a sign extension
+    unsigned = "(uint32_t)" if narrow(view.op) else "(uint64_t)"
+    copy = f"            {copy_function}({target}, {pointer} + (nf_copied ? {unsigned}v_{OFFSET} : 0u), nf_copied);\n"
     if not _hoisted(kernel, side):
         origin = "nf_m0" if side == "a" else "nf_n0"
         limit = view.sizes[1] if side == "a" else view.sizes[2]
@@ -548,7 +568,7 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
             f"            const int vec = 0;\n"
             f"            const int nf_row = {small(row)}, nf_col = {small(col)};\n"
             f"            int64_t nf_r = {origin} + nf_row, nf_k = nf_k0 + nf_col;\n"
-            f"            const bool nf_valid = nf_r < {limit} && nf_k < {view.sizes[3]};\n"
+            f"            const bool nf_valid = nf_r < {limit} && {_depth_ok(kernel, 'nf_k')};\n"
             f"            if (!nf_valid) nf_r = nf_k = 0;\n"
             f"            {_table_lookup(kernel, side, gather, printer)}\n"
             f"            const bool nf_copied = nf_valid && {guard};\n"
@@ -582,7 +602,7 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
         f"            for (int element = 0; element < {count}; ++element) {{\n"
         f"                const int vec = 0;\n"
         f"                const int nf_row = {small(row)}, nf_col = {small(col)};\n"
-        f"                const bool nf_k_ok = nf_k0 + nf_col < {view.sizes[3]};\n"
+        f"                const bool nf_k_ok = {_depth_ok(kernel, 'nf_k0 + nf_col')};\n"
         f"{row_vars}{depth_vars}"
         f"                const int64_t v_{OFFSET} = (int64_t)nf_{side}_roff[element] + {depth} + "
         f"{printer.index(gather.rest)};\n"
@@ -608,7 +628,11 @@ def _at(kernel: MmaKernel, side: str, row: sympy.Expr, col: sympy.Expr) -> str:
 
 
 #: per storage dtype: the type two 16-bit elements pack into, and the packing function
-_PAIRS = {"float16": ("__half2", "__halves2half2"), "bfloat16": ("__nv_bfloat162", "__halves2bfloat162")}
+_PAIRS = {
+    "float16": ("__half2", "__halves2half2"),
+    "bfloat16": ("__nv_bfloat162", "__halves2bfloat162"),
+    "float32": ("float2", "make_float2"),
+}
 
 
 def _operand_store(kernel: MmaKernel, side: str) -> str:
@@ -637,10 +661,13 @@ def _operand_store(kernel: MmaKernel, side: str) -> str:
 
 def _fragments(kernel: MmaKernel) -> str:
     """C loading a warp's A and B fragments for depth step ``kk`` of the current stage: by
-    ``ldmatrix`` where the plan says so (tf32 registers then rounded by ``cvt.rna``), else
-    element by element."""
+    ``ldmatrix`` where the plan says so, else element by element; tf32 registers of a direct
+    kernel (whose copies land unrounded) then rounded by ``cvt.rna`` (on the register path the
+    operands were rounded on their way into shared memory).  Rounding once in shared memory, each
+    thread its own copies once they landed, ran slower on an H100 (capsule stride 1 tf32 forward
+    and backward 0.163 -> 0.181 ms): the reads back sit between the copies' wait and the barrier."""
     tiles = kernel.tiles
-    tf32 = kernel.storage == "tf32"
+    tf32 = kernel.storage == "tf32" and kernel.direct
     unit = kernel.ldmatrix_unit
     lines = [f"            uint32_t nf_af[{tiles.frags_m}][4], nf_bf[{tiles.frags_n}][2];"]
 
@@ -652,12 +679,14 @@ def _fragments(kernel: MmaKernel) -> str:
             f"{register} = __float_as_uint(nf_tf32(__uint_as_float({register})));"
         )
 
+    load = "__float_as_uint(nf_tf32({}))" if tf32 else "__float_as_uint({})"
+
     def by_element(array: str, fragment: str, fragments: int, registers: int, tile: str, at: str) -> list[str]:
         """Lines loading the tf32 fragments ``array[fragment][reg]`` from ``tile`` one element a register."""
         return [
             f"            #pragma unroll\n            for (int {fragment} = 0; {fragment} < {fragments}; ++{fragment})",
             f"                #pragma unroll\n                for (int reg = 0; reg < {registers}; ++reg)",
-            f"                    {array}[{fragment}][reg] = __float_as_uint(nf_tf32({tile}[{at}]));",
+            f"                    {array}[{fragment}][reg] = {load.format(f'{tile}[{at}]')};",
         ]
 
     if kernel.by_ldmatrix("a"):
@@ -741,47 +770,88 @@ def finish_source(kernel: MmaKernel) -> str:
     )
 
 
+#: the C variables of the epilogue's loops: which half of a fragment's rows (``REG // 2``) and which
+#: of a lane's two neighbouring columns (``REG % 2``)
+HALF, ODD = sympy.symbols("nf_h nf_o", integer=True, nonnegative=True)
+
+
 def _epilogue(kernel: MmaKernel) -> str:
     """C taking each lane's accumulators through the epilogue to the output (or, for a split depth,
-    adding the sums into the workspace), under the row and column guards; with ``paired_stores``
-    registers ``2p`` and ``2p + 1`` (an even column and its neighbour, which the even width keeps
-    inside the output) leave as one two-element vector."""
+    adding the sums into the workspace), under the row and column guards.  A lane's columns are
+    decoded once (their guard, the column part of the offset, ``MmaKernel.output_parts``, and the
+    column variables the epilogue reads), then row by row its row variables and the row part,
+    each element's offset the sum of the two (the whole offset where no such split exists).  With
+    ``paired_stores`` registers ``2p`` and ``2p + 1`` (an even column and its neighbour, which the
+    even width keeps inside the output) leave as one two-element vector."""
     view, tiles = kernel.view, kernel.tiles
-    offset, value = _finished(kernel)
-    row, col = accumulator_coords()
     _, m, n, _ = view.sizes
+    parts = kernel.output_parts
+    offset, value = _finished(kernel)
+    printer = _printer(view.op, lambda node: "nf_acc_value")
+    wanted = index_variables(with_reduce(view.epilogue, Const(0))) if view.epilogue is not None else set()
+    wanted |= set() if parts else index.variables(view.out_offset)
+    kept = [v for v, _ in view.n if v in wanted]
+    row, col = accumulator_coords()
+    row, col = small(row.subs(REG, 2 * HALF)), small(col.subs(REG, ODD))
+    frags = tiles.frags_n
+    columns = (
+        f"    int64_t nf_coff[{frags}][2];\n    bool nf_cok[{frags}][2];\n"
+        + "".join(f"    int64_t nf_cv_{v}[{frags}][2];\n" for v in kept)
+        + f"    #pragma unroll\n    for (int fn = 0; fn < {frags}; ++fn)\n"
+        f"    #pragma unroll\n    for (int nf_o = 0; nf_o < 2; ++nf_o) {{\n"
+        f"        const int64_t nf_c = nf_n0 + nf_warp_n * {tiles.warp_n} + fn * 8 + {col};\n"
+        f"        nf_cok[fn][nf_o] = nf_c < {n};\n"
+        f"        {_decode('nf_cc', 'nf_c', view.n)}\n"
+        f"        nf_coff[fn][nf_o] = {printer.index(parts.col) if parts else '0'};\n"
+        + "".join(f"        nf_cv_{v}[fn][nf_o] = v_{v};\n" for v in kept)
+        + "    }\n"
+    )
+
+    def column(odd: str) -> str:
+        return "".join(f"const int64_t v_{v} = nf_cv_{v}[fn][{odd}]; " for v in kept)
+
+    place = "nf_roff + nf_coff[fn][nf_o]" if parts else offset
     if kernel.paired_stores:
         element = CUDA_TYPES[view.op.dtype]
         pair, pack = _PAIRS[view.op.dtype]
-        registers = "for (int nf_pair = 0; nf_pair < 2; ++nf_pair) {\n        const int reg = 2 * nf_pair;"
         store = (
-            f"            {element} nf_second;\n"
-            f"            {{\n"
-            f"                {_decode('nf_cc', 'nf_c + 1', view.n)}\n"
-            f"                const float nf_acc_value = nf_acc[fm][fn][reg + 1];\n"
-            f"                nf_second = {value};\n"
+            f"            if (nf_cok[fn][0]) {{\n"
+            f"                const int reg = 2 * nf_h, nf_o = 0;\n"
+            f"                {element} nf_second;\n"
+            f"                {{\n"
+            f"                    {column('1')}\n"
+            f"                    const float nf_acc_value = nf_acc[fm][fn][reg + 1];\n"
+            f"                    nf_second = {value};\n"
+            f"                }}\n"
+            f"                {column('0')}\n"
+            f"                const float nf_acc_value = nf_acc[fm][fn][reg];\n"
+            f"                *reinterpret_cast<{pair} *>(&nf_out[{place}]) = {pack}({value}, nf_second);\n"
             f"            }}\n"
-            f"            {_decode('nf_cc', 'nf_c', view.n)}\n"
-            f"            const float nf_acc_value = nf_acc[fm][fn][reg];\n"
-            f"            *reinterpret_cast<{pair} *>(&nf_out[{offset}]) = {pack}({value}, nf_second);\n"
         )
     else:
-        registers = "for (int reg = 0; reg < 4; ++reg) {"
-        written = f"atomicAdd(&nf_ws[{offset}], nf_acc_value);" if kernel.splits > 1 else f"nf_out[{offset}] = {value};"
+        written = f"atomicAdd(&nf_ws[{place}], nf_acc_value);" if kernel.splits > 1 else f"nf_out[{place}] = {value};"
         store = (
-            f"            {_decode('nf_cc', 'nf_c', view.n)}\n"
-            f"            const float nf_acc_value = nf_acc[fm][fn][reg];\n"
-            f"            {written}\n"
+            f"            #pragma unroll\n"
+            f"            for (int nf_o = 0; nf_o < 2; ++nf_o)\n"
+            f"            if (nf_cok[fn][nf_o]) {{\n"
+            f"                const int reg = 2 * nf_h + nf_o;\n"
+            f"                {column('nf_o')}\n"
+            f"                const float nf_acc_value = nf_acc[fm][fn][reg];\n"
+            f"                {written}\n"
+            f"            }}\n"
         )
-    return (
+    row_offset = f"{printer.index(parts.row)} + {printer.index(parts.rest)}" if parts else "0"
+    return columns + (
         f"    #pragma unroll\n    for (int fm = 0; fm < {tiles.frags_m}; ++fm)\n"
-        f"    #pragma unroll\n    for (int fn = 0; fn < {tiles.frags_n}; ++fn)\n"
-        f"    #pragma unroll\n    {registers}\n"
-        f"        const int64_t nf_r = nf_m0 + nf_warp_m * {tiles.warp_m} + fm * 16 + {small(row)};\n"
-        f"        const int64_t nf_c = nf_n0 + nf_warp_n * {tiles.warp_n} + fn * 8 + {small(col)};\n"
-        f"        if (nf_r < {m} && nf_c < {n}) {{\n"
+        f"    #pragma unroll\n    for (int nf_h = 0; nf_h < 2; ++nf_h) {{\n"
+        f"        const int64_t nf_r = nf_m0 + nf_warp_m * {tiles.warp_m} + fm * 16 + {row};\n"
+        f"        if (nf_r < {m}) {{\n"
         f"            {_decode('nf_rr', 'nf_r', view.m)}\n"
+        f"            const int64_t nf_roff = {row_offset};\n"
+        f"            #pragma unroll\n"
+        f"            for (int fn = 0; fn < {frags}; ++fn) {{\n"
         f"{store}"
+        f"            }}\n"
         f"        }}\n"
         f"    }}\n"
     )

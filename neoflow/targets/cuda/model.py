@@ -248,6 +248,14 @@ def _finish(kernel: MmaKernel, arrays, out: np.ndarray, workspace: np.ndarray) -
     out[offsets] = result.astype(out.dtype, copy=False)
 
 
+def _output_offsets(kernel, env: dict, shape: tuple[int, ...]) -> np.ndarray:
+    """Each point's output offset as the epilogue computes it: the row part plus the column part
+    plus the rest (``MmaKernel.output_parts``), or the whole offset where it does not split."""
+    parts = kernel.output_parts
+    terms = (parts.row, parts.col, parts.rest) if parts else (kernel.view.out_offset,)
+    return sum(np.broadcast_to(np.asarray(index.evaluate(t, env), dtype=np.int64), shape) for t in terms)
+
+
 def _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, out, workspace) -> None:
     """The epilogue: each lane's accumulator registers to the output, where the plan's
     accumulator formula and the piece's offset say, under the row and column guards."""
@@ -267,7 +275,7 @@ def _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, o
     live = (rows < m_size) & (cols < n_size)
     rows, cols, values = rows[live], cols[live], np.broadcast_to(values, live.shape)[live]
     env = {**unravel(rows, view.m), **unravel(cols, view.n), **batch_env}
-    offsets = np.broadcast_to(np.asarray(index.evaluate(view.out_offset, env), dtype=np.int64), rows.shape)
+    offsets = _output_offsets(kernel, env, rows.shape)
     if kernel.paired_stores:  # an even column and the next one go out as one aligned two-element vector
         evens = cols % 2 == 0
         neighbours = {**unravel(cols[evens] + 1, view.n), **unravel(rows[evens], view.m), **batch_env}

@@ -142,6 +142,30 @@ def swizzle128(element, element_bytes: int = 2):
 
 
 @dataclass(frozen=True)
+class OutputParts:
+    """A piece's output offset as the sum of its terms in the row variables (``row``), those in the
+    column variables (``col``) and the rest (``rest``: the batch variables and the constant)."""
+
+    row: sympy.Expr
+    col: sympy.Expr
+    rest: sympy.Expr
+
+
+def output_parts(view: GemmView) -> OutputParts | None:
+    """``view.out_offset`` as ``OutputParts``; None where a term mixes row and column variables."""
+    rows = {index.var(v) for v, _ in view.m}
+    cols = {index.var(v) for v, _ in view.n}
+    parts = [sympy.Integer(0)] * 3
+    for term in sympy.Add.make_args(sympy.expand(view.out_offset)):
+        free = term.free_symbols
+        side = 0 if free and free <= rows else 1 if free and free <= cols else 2
+        if side == 2 and free & (rows | cols):
+            return None
+        parts[side] += term
+    return OutputParts(*parts)
+
+
+@dataclass(frozen=True)
 class MmaKernel:
     """One dense piece of a contraction on ``mma.sync``: the ``view``, the ``tiles``, the
     ``precision``, and for each operand whether its tile is loaded row-fastest (``True``:
@@ -277,17 +301,23 @@ class MmaKernel:
 
     @cached_property
     def paired_stores(self) -> bool:
-        """Whether a ``wgmma`` kernel stores its 16-bit outputs two columns at a time: a lane's
-        registers ``2p`` and ``2p + 1`` are neighbouring columns (an even one first,
-        ``accumulator_coords``), side by side in memory and 4-byte aligned where the output
+        """Whether the epilogue stores the outputs (16-bit or float32) two columns at a time: a
+        lane's registers ``2p`` and ``2p + 1`` are neighbouring columns (an even one first,
+        ``accumulator_coords``), side by side in memory and aligned to the pair where the output
         offset moves by one along the innermost column variable (of even extent) and by an even
-        number along every other."""
+        number along every other (a split kernel adds into its workspace one element at a time)."""
         view = self.view
-        if not self.wgmma or self.splits > 1 or view.op.dtype not in ("float16", "bfloat16") or not view.n:
+        if self.splits > 1 or view.op.dtype not in ("float16", "bfloat16", "float32") or not view.n:
             return False
         name, extent = view.n[-1]
         steps = unit_run_steps(view.out_offset, name, [v for v, _ in (*view.m, *view.n, *view.batch)])
         return extent % 2 == 0 and steps is not None and all(step % 2 == 0 for step in steps)
+
+    @cached_property
+    def output_parts(self) -> OutputParts | None:
+        """``output_parts`` of the view: the epilogue computes the row part once a row, the
+        column part once a column, and adds them for each element."""
+        return output_parts(self.view)
 
     @property
     def warpgroups(self) -> int:

@@ -6,10 +6,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+import sympy
 
 import neoflow
 from neoflow.codegen.hardware import TENSOR_CORE
 from neoflow.codegen.implicit_gemm import gemm_views
+from neoflow.ir import index
+from neoflow.targets.cuda.emit import mma_source
 from neoflow.targets.cuda.model import round_to, run_plan
 from neoflow.targets.cuda.plan import (
     TILE_CHOICES,
@@ -17,6 +20,7 @@ from neoflow.targets.cuda.plan import (
     MmaKernel,
     OpPlan,
     make_kernel,
+    output_parts,
     plan_op,
     swizzle128,
     tensor_core_plan,
@@ -297,17 +301,49 @@ def test_hopper_plans_put_large_16_bit_products_on_wgmma() -> None:
     assert not ampere.wgmma and not tf32.wgmma  # Hopper only; here 16-bit operands only
 
 
-def test_wgmma_outputs_go_out_in_pairs_only_where_neighbouring_columns_lie_together() -> None:
-    tiles = WGMMA_TILES[0]
-    assert wgmma_plan("nn", tiles).kernels[0].paired_stores
-    assert not wgmma_plan("nn", tiles, splits=2).kernels[0].paired_stores  # sums added into a workspace
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma.sync"])
+def test_outputs_go_out_in_pairs_only_where_neighbouring_columns_lie_together(wgmma: bool) -> None:
+    tiles = WGMMA_TILES[0] if wgmma else TILE_CHOICES[0]
+    assert wgmma_plan("nn", WGMMA_TILES[0]).kernels[0].paired_stores
+    assert not wgmma_plan("nn", WGMMA_TILES[0], splits=2).kernels[0].paired_stores  # sums added into a workspace
 
-    def kernel(out: str, columns: int) -> MmaKernel:
+    def kernel(out: str, columns: int, dtype: str = "float16") -> MmaKernel:
         shapes = {"A": (64, 64), "B": (64, columns)}
-        op = neoflow.op(f"{out} = ReduceAdd({{k}}, A[i, k] * B[k, j])", shapes=shapes, dtype="float16")
+        op = neoflow.op(f"{out} = ReduceAdd({{k}}, A[i, k] * B[k, j])", shapes=shapes, dtype=dtype)
         (view,) = gemm_views(op, TENSOR_CORE)
-        return dataclasses.replace(make_kernel("k", view, tiles, "fp16"), wgmma=True)
+        precision = "fp16" if dtype == "float16" else "tf32"  # tf32: mma.sync only
+        return dataclasses.replace(make_kernel("k", view, tiles, precision), wgmma=wgmma and precision == "fp16")
 
     assert kernel("C[i, j]", 72).paired_stores
+    assert kernel("C[i, j]", 72, "float32").paired_stores  # a float2
     assert not kernel("C[i, j]", 71).paired_stores  # an odd row: every other pair would straddle two rows
     assert not kernel("C[j, i]", 72).paired_stores  # neighbouring columns a row apart
+    source = mma_source(kernel("C[i, j]", 72, "float32"))
+    assert "*reinterpret_cast<float2 *>(&nf_out[nf_roff + nf_coff[fn][nf_o]])" in source
+
+
+def test_the_epilogue_adds_a_row_part_and_a_column_part_of_the_output_offset() -> None:
+    for op in all_ops(capsule(2)):
+        for kernel in plan_op(op, "k", "fp16").kernels:
+            view, parts = kernel.view, kernel.output_parts
+            assert parts is not None, f"{kernel.name}: a capsule piece's offset splits into rows and columns"
+            rows = {index.var(v) for v, _ in view.m}
+            assert parts.row.free_symbols <= rows and not parts.col.free_symbols & rows
+            assert sympy.expand(parts.row + parts.col + parts.rest - view.out_offset) == 0
+            assert "nf_roff + nf_coff[fn][nf_o]" in mma_source(kernel)
+    (view,) = gemm_views(
+        neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (8, 8), "B": (8, 8)}), TENSOR_CORE
+    )
+    mixed = dataclasses.replace(view, out_offset=index.var("i") * index.var("j"))
+    assert output_parts(mixed) is None  # a term of both: the epilogue computes each element's whole offset
+
+
+def test_a_depth_of_whole_tiles_is_not_tested_against_its_end() -> None:
+    def source(depth: int) -> str:
+        shapes = {"A": (64, depth), "B": (depth, 64)}
+        op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes=shapes, dtype="float16")
+        (view,) = gemm_views(op, TENSOR_CORE)
+        return mma_source(make_kernel("k", view, TILE_CHOICES[2], "fp16"))
+
+    assert "nf_k_ok = true" in source(64) and "nf_k0 + nf_col <" not in source(64)
+    assert "nf_k0 + nf_col < 72" in source(72)
