@@ -88,10 +88,18 @@ static __device__ __forceinline__ double nf_pick(int c, double a, double b) { re
 #define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
 #define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))
 #define NF_IMIN(a, b) ((a) < (b) ? (a) : (b))
+/* a float rounded to tf32, to nearest even: one instruction on Hopper (cvt.rn; cvt.rna, ties away,
+   is three there), the same rounding in integer arithmetic before it */
 static __device__ __forceinline__ float nf_tf32(float x) {
+#if __CUDA_ARCH__ >= 900
     uint32_t bits;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+    asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
     return __uint_as_float(bits);
+#else
+    const uint32_t bits = __float_as_uint(x);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return x; /* inf, nan */
+    return __uint_as_float((bits + 0xfffu + ((bits >> 13) & 1u)) & 0xffffe000u);
+#endif
 }
 /* cp.async of BYTES (4, 8 or 16) bytes, zero-filled where the source is not valid; cached in L1
    (.ca): an implicit GEMM's gathers read an input element once per window tap, mostly within a block */
@@ -662,7 +670,7 @@ def _operand_store(kernel: MmaKernel, side: str) -> str:
 def _fragments(kernel: MmaKernel) -> str:
     """C loading a warp's A and B fragments for depth step ``kk`` of the current stage: by
     ``ldmatrix`` where the plan says so, else element by element; tf32 registers of a direct
-    kernel (whose copies land unrounded) then rounded by ``cvt.rna`` (on the register path the
+    kernel (whose copies land unrounded) then rounded by ``nf_tf32`` (on the register path the
     operands were rounded on their way into shared memory).  Rounding once in shared memory, each
     thread its own copies once they landed, ran slower on an H100 (capsule stride 1 tf32 forward
     and backward 0.163 -> 0.181 ms): the reads back sit between the copies' wait and the barrier."""
@@ -672,7 +680,7 @@ def _fragments(kernel: MmaKernel) -> str:
     lines = [f"            uint32_t nf_af[{tiles.frags_m}][4], nf_bf[{tiles.frags_n}][2];"]
 
     def rounded(registers: str) -> str:
-        """A loop rounding the four tf32 registers ``registers[reg]`` (``cvt.rna``)."""
+        """A loop rounding the four tf32 registers ``registers[reg]`` (``nf_tf32``: to nearest even)."""
         register = f"{registers}[reg]"
         return (
             "                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg) "

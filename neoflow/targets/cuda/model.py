@@ -41,8 +41,8 @@ from neoflow.targets.cuda.plan import (
 
 
 def round_to(values: np.ndarray, storage: str) -> np.ndarray:
-    """float32 ``values`` rounded as the kernel stores them: ``float16`` and ``bfloat16``
-    to nearest even, ``tf32`` (``cvt.rna``) to nearest with ties away from zero."""
+    """float32 ``values`` rounded as the kernel stores them: ``float16``, ``bfloat16`` and
+    ``tf32`` (``cvt.rn``) to nearest even."""
     values = np.asarray(values, dtype=np.float32)
     if storage == "float16":
         return values.astype(np.float16).astype(np.float32)
@@ -50,7 +50,7 @@ def round_to(values: np.ndarray, storage: str) -> np.ndarray:
     if storage == "bfloat16":
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     elif storage == "tf32":
-        bits = (bits + 0x1000) & 0xFFFFE000
+        bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
     else:
         raise ValueError(f"unknown storage {storage}")
     rounded = bits.astype(np.uint32).view(np.float32)

@@ -134,8 +134,8 @@ def test_operands_are_rounded_to_the_precision() -> None:
 def test_round_to_matches_the_hardware_conversions() -> None:
     x = np.array([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 1 + 2**-8, 1 + 2**-8 + 2**-12], np.float32)
     assert list(round_to(x, "float16")) == list(x.astype(np.float16).astype(np.float32))
-    # tf32 (cvt.rna): 10 bits of mantissa, ties away from zero
-    assert list(round_to(x[:3], "tf32")) == [1 + 2**-10, 1 + 2**-9, -(1 + 2**-10)]
+    # tf32 (cvt.rn): 10 bits of mantissa, ties to even (1 + 2^-11 is a tie between 1 and 1 + 2^-10)
+    assert list(round_to(x[:3], "tf32")) == [1.0, 1 + 2**-9, -1.0]
     # bf16: 7 bits, ties to even (1 + 2^-8 is a tie between 1 and 1 + 2^-7)
     assert round_to(x[3:4], "bfloat16")[0] == 1.0 and round_to(x[4:5], "bfloat16")[0] == 1 + 2**-7
 
