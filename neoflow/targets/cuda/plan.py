@@ -259,10 +259,15 @@ class MmaKernel:
 
     def stride(self, side: str) -> int:
         """Elements between consecutive lines of operand ``side``'s tile (a line padded by
-        ``ROW_PAD_BYTES`` against bank conflicts; a ``wgmma`` tile's lines are unpadded, 128 bytes)."""
+        ``ROW_PAD_BYTES`` against bank conflicts, twice that for fragments loaded element by element;
+        a ``wgmma`` tile's lines are unpadded, 128 bytes)."""
         if self.wgmma:
             return SWIZZLE_BYTES // self.element_bytes
         pad = ROW_PAD_BYTES // self.element_bytes
+        if not self.by_ldmatrix(side):
+            # tf32 fragments loaded element by element: lane (row g, depth t) reads line t at g, so lines
+            # 8 banks apart keep a warp's 32 reads on 32 banks (4 apart, a 16-byte pad, conflicted 2.4-way)
+            pad = 2 * pad
         return (self.tiles.block_k if self.layout(side) == "rows" else self.tile_rows(side)) + pad
 
     def tile_elements(self, side: str) -> int:
