@@ -266,6 +266,7 @@ class _AdjointBuilder:
         self.info.forward_terms.append(
             (list(occ.variables), _and_text(bounds.box_constraint(scope_extents), _condition_text(occ.guards)))
         )
+        free, body, conditions = _pinned(list(free), {**box, **free_extents}, body, conditions)
         where = _conjunction(conditions)
         if not free:
             return (body if where is None else Select(where, body, Const(0))), {}
@@ -278,6 +279,65 @@ class _AdjointBuilder:
             where,
         )
         return reduce, {t: free_extents[t] for t in free}
+
+
+def _value_range(expr: sympy.Expr, extents: dict[str, int]) -> tuple[int, int] | None:
+    """The least and greatest values of the affine ``expr`` over its variables' boxes ``[0, extent)``;
+    None where it is not affine with integer coefficients or a variable's extent is unknown."""
+    expr = sympy.expand(expr)
+    low = high = expr.subs(dict.fromkeys(expr.free_symbols, 0))
+    if not low.is_Integer:
+        return None
+    for symbol in expr.free_symbols:
+        coefficient = expr.coeff(symbol)
+        extent = extents.get(symbol.name)
+        if not coefficient.is_Integer or extent is None or coefficient.free_symbols:
+            return None
+        span = int(coefficient) * (extent - 1)
+        low, high = low + min(0, span), high + max(0, span)
+    return int(low), int(high)
+
+
+def _pinned(
+    free: list[str], extents: dict[str, int], body: Expr, conditions: list[Expr]
+) -> tuple[list[str], Expr, list[Expr]]:
+    """``free`` without the reduction variables a lattice condition pins to one value, substituted in
+    ``body`` and ``conditions``: ``(t + e) % m == 0`` with ``t`` ranging over at most ``m`` values
+    allows only ``t = -e mod m`` (kept where below ``t``'s extent).  A reshape's adjoint
+    read back through a flattening is such a sum: 576 x 48 masked terms a point, one of them alive
+    (capsule28's ``grad_c2``), where no change of variables splits it into pieces."""
+    conditions = list(conditions)
+    pinned = True
+    while pinned:
+        pinned = False
+        for t in free:
+            symbol = index.var(t)
+            for position, condition in enumerate(conditions):
+                found = bounds.lattice_condition(condition)
+                if found is None or extents.get(t) is None or extents[t] > found[1]:
+                    continue
+                expr, modulus = sympy.expand(found[0]), found[1]
+                coefficient = expr.coeff(symbol)
+                rest = sympy.expand(expr - coefficient * symbol)
+                if coefficient not in (1, -1) or symbol in rest.free_symbols:
+                    continue
+                value = sympy.expand(-coefficient * rest)  # t = value (mod m)
+                span = _value_range(value, extents)
+                exact = span is not None and span[0] >= 0 and span[1] < modulus
+                if not exact:
+                    value = sympy.Mod(value, modulus)
+                mapping = {symbol: value}
+                body = map_indices(body, lambda e, mapping=mapping: sympy.expand(e.xreplace(mapping)))
+                kept = [c for k, c in enumerate(conditions) if k != position]
+                conditions = [map_indices(c, lambda e, mapping=mapping: e.xreplace(mapping)) for c in kept]
+                if not exact or span[1] >= extents[t]:
+                    conditions.append(Binary("<", _index(value), Const(extents[t])))
+                free = [f for f in free if f != t]
+                pinned = True
+                break
+            if pinned:
+                break
+    return free, body, conditions
 
 
 def _tidy(cond: Expr) -> Expr:
