@@ -43,6 +43,7 @@ from neoflow.ir.expr import (
 from neoflow.ir.factor import hoist_invariant_factors
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import to_text
+from neoflow.ir.simplify import interval
 
 
 @dataclass
@@ -281,63 +282,53 @@ class _AdjointBuilder:
         return reduce, {t: free_extents[t] for t in free}
 
 
-def _value_range(expr: sympy.Expr, extents: dict[str, int]) -> tuple[int, int] | None:
-    """The least and greatest values of the affine ``expr`` over its variables' boxes ``[0, extent)``;
-    None where it is not affine with integer coefficients or a variable's extent is unknown."""
-    expr = sympy.expand(expr)
-    low = high = expr.subs(dict.fromkeys(expr.free_symbols, 0))
-    if not low.is_Integer:
-        return None
-    for symbol in expr.free_symbols:
-        coefficient = expr.coeff(symbol)
-        extent = extents.get(symbol.name)
-        if not coefficient.is_Integer or extent is None or coefficient.free_symbols:
-            return None
-        span = int(coefficient) * (extent - 1)
-        low, high = low + min(0, span), high + max(0, span)
-    return int(low), int(high)
+def _affine(expr: sympy.Expr) -> bool:
+    """Whether ``expr`` is affine in its variables (no floor, remainder or product of two)."""
+    if not expr.free_symbols:
+        return True
+    return expr.is_polynomial() and sympy.Poly(expr, *expr.free_symbols).total_degree() <= 1
+
+
+def _pin(free: list[str], extents: dict[str, int], conditions: list[Expr]) -> tuple[str, int, sympy.Expr, int] | None:
+    """The first reduction variable of ``free`` a lattice condition pins to one value: ``(variable,
+    the condition's position, its value, the value's greatest)`` for ``(t + e) % m == 0`` where ``t``
+    ranges over at most ``m`` values and ``-e`` is affine and stays in ``[0, m)``; None where there is
+    none."""
+    for t in free:
+        symbol = index.var(t)
+        for position, condition in enumerate(conditions):
+            found = bounds.lattice_condition(condition)
+            if found is None or extents.get(t) is None or extents[t] > found[1]:
+                continue
+            expr, modulus = sympy.expand(found[0]), found[1]
+            coefficient = index.coefficient(expr, t)
+            value = sympy.expand(coefficient * symbol - expr) * coefficient  # t = value (mod m)
+            if coefficient not in (1, -1) or symbol in value.free_symbols or not _affine(value):
+                continue
+            span = interval(value, extents)
+            # where -e leaves [0, m), t = -e % m: a pooling's window offset, a Mod in every index (it cost
+            # the NPU's vector unit its runs, cnn.onnx's pooling adjoint 2755 -> 8771 cycles): t stays
+            if span is not None and span[0] >= 0 and span[1] < modulus:
+                return t, position, value, int(span[1])
+    return None
 
 
 def _pinned(
     free: list[str], extents: dict[str, int], body: Expr, conditions: list[Expr]
 ) -> tuple[list[str], Expr, list[Expr]]:
-    """``free`` without the reduction variables a lattice condition pins to one value, substituted in
-    ``body`` and ``conditions``: ``(t + e) % m == 0`` with ``t`` ranging over at most ``m`` values
-    allows only ``t = -e mod m``, which is ``-e`` itself where ``-e`` (affine) stays in ``[0, m)``
-    (kept where below ``t``'s extent; where it does not, ``t`` stays a variable: a ``Mod`` in every
-    index cost the NPU's vector unit its runs, cnn.onnx's pooling adjoint 2755 -> 8771 cycles).  A reshape's adjoint
-    read back through a flattening is such a sum: 576 x 48 masked terms a point, one of them alive
-    (capsule28's ``grad_c2``), where no change of variables splits it into pieces."""
-    conditions = list(conditions)
-    pinned = True
-    while pinned:
-        pinned = False
-        for t in free:
-            symbol = index.var(t)
-            for position, condition in enumerate(conditions):
-                found = bounds.lattice_condition(condition)
-                if found is None or extents.get(t) is None or extents[t] > found[1]:
-                    continue
-                expr, modulus = sympy.expand(found[0]), found[1]
-                coefficient = expr.coeff(symbol)
-                rest = sympy.expand(expr - coefficient * symbol)
-                if coefficient not in (1, -1) or symbol in rest.free_symbols:
-                    continue
-                value = sympy.expand(-coefficient * rest)  # t = value (mod m)
-                span = _value_range(value, extents)
-                if span is None or span[0] < 0 or span[1] >= modulus:
-                    continue  # t = value % m: a pooling's window offset, split better into lattice pieces
-                mapping = {symbol: value}
-                body = map_indices(body, lambda e, mapping=mapping: sympy.expand(e.xreplace(mapping)))
-                kept = [c for k, c in enumerate(conditions) if k != position]
-                conditions = [map_indices(c, lambda e, mapping=mapping: e.xreplace(mapping)) for c in kept]
-                if span[1] >= extents[t]:
-                    conditions.append(Binary("<", _index(value), Const(extents[t])))
-                free = [f for f in free if f != t]
-                pinned = True
-                break
-            if pinned:
-                break
+    """``free`` without the reduction variables a lattice condition pins to one value (``_pin``),
+    substituted in ``body`` and ``conditions`` (with the value kept below ``t``'s extent).  A reshape's
+    adjoint read back through a flattening is such a sum: 576 x 48 masked terms a point, one of them
+    alive (capsule28's ``grad_c2``), where no change of variables splits it into pieces."""
+    while (found := _pin(free, extents, conditions)) is not None:
+        t, position, value, greatest = found
+        mapping = {index.var(t): value}
+        body = map_indices(body, lambda e, mapping=mapping: sympy.expand(e.xreplace(mapping)))
+        kept = [c for k, c in enumerate(conditions) if k != position]
+        conditions = [map_indices(c, lambda e, mapping=mapping: e.xreplace(mapping)) for c in kept]
+        if greatest >= extents[t]:
+            conditions.append(Binary("<", _index(value), Const(extents[t])))
+        free = [f for f in free if f != t]
     return free, body, conditions
 
 

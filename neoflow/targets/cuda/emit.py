@@ -484,8 +484,8 @@ def _depth_ok(kernel: MmaKernel, depth: str) -> str:
 
 def _within_depth(kernel: MmaKernel, depth: str) -> str:
     """C for ``depth``, or 0 past the view's depth (a table row that exists)."""
-    size = kernel.view.sizes[3]
-    return depth if size % kernel.tiles.block_k == 0 else f"({depth} < {size} ? {depth} : 0)"
+    inside = _depth_ok(kernel, depth)
+    return depth if inside == "true" else f"({inside} ? {depth} : 0)"
 
 
 def _hoisted(kernel: MmaKernel, side: str) -> bool:

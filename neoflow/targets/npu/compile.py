@@ -11,7 +11,7 @@ the fp32 workspace.  Any op that is no such contraction is one vector phase.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from neoflow.codegen.hardware import NPU_CUBE
@@ -40,10 +40,12 @@ class OpProgram:
 
     op: Op
     phases: list[tuple[str, Program]]
+    #: schedules already made while compiling, by phase position (not made again)
+    known: dict[int, Schedule] = field(default_factory=dict)
 
     @cached_property
     def schedules(self) -> list[Schedule]:
-        return [static_schedule(program) for _, program in self.phases]
+        return [self.known.get(k) or static_schedule(program) for k, (_, program) in enumerate(self.phases)]
 
     @property
     def cycles(self) -> int:
@@ -195,29 +197,36 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
                 on_chip=on_chip,
             )
 
+    tensors = _tensors(op, extra)
+
     def build(zeros: bool) -> Program:
-        program = Program(machine, _tensors(op, extra))
+        program = Program(machine, dict(tensors))
         if zeros:  # on the vector units while the cubes start, done long before the first sum lands
-            _emit_zeros(program, zeroed, _tensors(op, extra)[zeroed])
+            _emit_zeros(program, zeroed, tensors[zeroed])
         fetched(program, _inputs(op), emit, len(cores))
         return program
 
     # the zeros go in the cube phase where the vector units have nothing else to do there (an
     # on-chip epilogue uses them) and the static schedule lands them before any sum; else a phase first
-    merged = zeroed is not None and not on_chip
-    program = build(merged)
-    if merged and not zeros_land_first(program, static_schedule(program), zeroed):
-        program, merged = build(False), False
-    if zeroed is not None and not merged:
-        zeros = Program(machine, _tensors(op, extra))
-        _emit_zeros(zeros, zeroed, _tensors(op, extra)[zeroed])
+    known: dict[int, Schedule] = {}
+    program = build(zeroed is not None and not on_chip)
+    if zeroed is not None and not on_chip:
+        schedule = static_schedule(program)
+        if zeros_land_first(program, schedule, zeroed):
+            known[len(phases)] = schedule
+            zeroed = None  # the zeros are in the cube phase
+        else:
+            program = build(False)
+    if zeroed is not None:
+        zeros = Program(machine, dict(tensors))
+        _emit_zeros(zeros, zeroed, tensors[zeroed])
         phases.append(("zero", zeros))
     phases.append(("cube", program))
     if workspace is not None:
-        tail = Program(machine, _tensors(op, extra))
+        tail = Program(machine, dict(tensors))
         vector.emit_op(tail, op, machine.cores("vector"), accumulator=workspace)
         phases.append(("vector", tail))
-    return _checked(OpProgram(op, phases))
+    return _checked(OpProgram(op, phases, known))
 
 
 def _checked(compiled: OpProgram) -> OpProgram:
