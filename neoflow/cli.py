@@ -266,6 +266,63 @@ def cmd_fuse(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from neoflow.runtime import tuning
+    from neoflow.targets.cpu.tuning import describe
+
+    if args.budget <= 0:
+        raise InputError(f"--budget must be positive, got {args.budget}")
+    spec = _train_spec(args)
+    step = "training step" if args.train else "inference"
+    options = {"target": "cpu", "train": spec, "shapes": dict(args.shape), "fusion": args.fusion}
+    print(f"compiling the {step} untuned ...", file=sys.stderr, flush=True)
+    with tuning.untuned():
+        before = neoflow.compile(args.model, **options)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    show_bar = not args.no_progress and sys.stderr.isatty()
+    with Progress(*columns, console=Console(stderr=True), disable=not show_bar, transient=True) as bar:
+        task = bar.add_task("tuning", total=None)
+
+        def progress(done: int, total: int, op: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"tuning {op}" if op else "tuned")
+            if not show_bar and op:
+                print(f"tuning kernel {done + 1}/{total}: {op}", file=sys.stderr, flush=True)
+
+        report = tuning.tune_model(before, args.train, args.budget, args.retune, progress, args.seed)
+    if not report.results and not report.known and not report.left:
+        print(
+            "no kernel of this model runs alone with more than one way to lower it (ops inside loop nests and "
+            "sliced kernels of the fusion plan are not tuned; --fusion none runs every op alone)"
+        )
+        return 0
+    rows = [
+        f"| {r.op} | {describe(r.choice)} | {r.default_seconds * 1e3:.3f} | {r.seconds * 1e3:.3f} | "
+        f"{r.speedup:.2f}x | {r.tried} |"
+        for r in report.results
+    ]
+    print("| kernel (op) | choice | default ms | tuned ms | speedup | candidates |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+    rejected = [f"{r.op}: {', '.join(r.rejected)}" for r in report.results if r.rejected]
+    if rejected:
+        print("candidates whose output differed from the default's (not used): " + "; ".join(rejected))
+    print(
+        f"{len(report.results)} kernel(s) tuned, {report.known} tuned before (--retune measures them again), "
+        f"{report.left} left when the budget ran out; results in {report.table}"
+    )
+    print(f"compiling the {step} tuned ...", file=sys.stderr, flush=True)
+    after = neoflow.compile(args.model, **options)
+    untuned_s, tuned_s = tuning.compare_steps(before, after, args.train, args.seed)
+    print(
+        f"{step}: {untuned_s * 1e3:.3f} ms untuned, {tuned_s * 1e3:.3f} ms tuned "
+        f"({untuned_s / tuned_s:.2f}x; medians of blocks of steps taking turns)"
+    )
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from neoflow.runtime.datasets import load_dataset
     from neoflow.runtime.trainer import Trainer
@@ -459,6 +516,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _training_options(fuse)
     fuse.set_defaults(func=cmd_fuse)
+
+    tune_help = (
+        "Measure the cpu target's kernels of a model on this machine (lowering path, block sizes, structure) "
+        "and keep the fastest for every later compile; prints each kernel's gain and the step before and after."
+    )
+    tune = commands.add_parser("tune", help=tune_help, description=tune_help)
+    tune.add_argument("model", help="an .onnx model or an .nf program")
+    tune.add_argument("--budget", type=float, default=600.0, metavar="SECONDS", help="time for the search (600)")
+    tune.add_argument("--retune", action="store_true", help="measure kernels tuned before again")
+    tune.add_argument("--fusion", default="neoflow", metavar="POLICY", help="the fusion policy compiles use (neoflow)")
+    tune.add_argument(
+        "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"
+    )
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _training_options(tune)
+    tune.set_defaults(func=cmd_tune)
 
     train_help = (
         "Train a build directory made by 'neoflow compile --train' on a data set; write the trained ONNX model."

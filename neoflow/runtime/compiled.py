@@ -92,7 +92,16 @@ def _cache_key(model, target, train, shapes, parameters, fusion, precision) -> s
     else:
         data = model.SerializeToString(deterministic=True)
     options = repr((target, train, sorted((k, tuple(v)) for k, v in (shapes or {}).items()), fusion, precision))
+    if target == "cpu":  # its kernels as ``neoflow tune`` left them
+        options += _cpu_tuning()
     return compile_cache.key(data, options)
+
+
+def _cpu_tuning() -> str:
+    from neoflow.targets.cpu.executor import threads
+    from neoflow.targets.cpu.tuning import table_digest
+
+    return table_digest(threads())
 
 
 def _is_program(model: object) -> bool:

@@ -79,7 +79,8 @@ def compiler() -> str:
 
 
 @cache
-def _version(command: str) -> str:
+def version(command: str) -> str:
+    """The first line of ``command --version`` (part of every cache key: another compiler, other code)."""
     result = subprocess.run([*shlex.split(command), "--version"], capture_output=True, text=True, check=False)
     return (result.stdout or result.stderr).splitlines()[0] if (result.stdout or result.stderr) else "unknown"
 
@@ -95,7 +96,7 @@ def build_library(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = (*FLAGS, *math_flags, *extra_flags)
     libraries = (*LIBRARIES, *math_libraries)
     # the command itself too: a wrapper or a CC with its own flags builds different code from the same compiler
-    key = _key(source, command, *flags, _version(command))
+    key = _key(source, command, *flags, version(command))
     directory = cache_dir() / "kernels"
     library = directory / f"{key}.so"
     if library.is_file():
@@ -140,7 +141,7 @@ def _objects(units: list[str], command: str, flags: tuple[str, ...], directory: 
     """The object files of ``units``, compiled at once (one process each) where not cached."""
     objects = directory / "objects"
     objects.mkdir(exist_ok=True)
-    paths = [objects / f"{_key(unit, command, *flags, _version(command))}.o" for unit in units]
+    paths = [objects / f"{_key(unit, command, *flags, version(command))}.o" for unit in units]
     running = []
     with contextlib.ExitStack() as stack:
         for unit, path in zip(units, paths, strict=True):

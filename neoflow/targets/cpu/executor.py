@@ -24,6 +24,7 @@ from neoflow.targets.cpu.lower import lower_op
 from neoflow.targets.cpu.nest import Nest, nest_function, shared_nest
 from neoflow.targets.cpu.prelude import PRELUDE
 from neoflow.targets.cpu.slices import sliced_function
+from neoflow.targets.cpu.tuning import tuned_choice
 from neoflow.targets.memory import MemoryPlan, aligned_buffer, aligned_size, plan_memory
 
 T = TypeVar("T")
@@ -39,7 +40,8 @@ def module_source(graph: Graph, skip: Collection[str] = ()) -> tuple[str, dict[s
     """The C source of every op of ``graph`` that has a C lowering (but those in
     ``skip``, which run otherwise): returns the source, the function name of each
     lowered op, and the ops left to the interpreter with the reason.  Ops that
-    lower to the same code share one function (buffers are passed by position)."""
+    lower to the same code share one function (buffers are passed by position).
+    An op ``neoflow tune`` measured takes the choice it found (``tuning``)."""
     parts = [PRELUDE, MICROKERNEL]
     functions: dict[str, str] = {}
     interpreted: dict[str, str] = {}
@@ -49,6 +51,9 @@ def module_source(graph: Graph, skip: Collection[str] = ()) -> tuple[str, dict[s
             continue
         try:
             code = lower_op(op, "KERNEL")
+            choice = tuned_choice(code, threads())
+            if choice is not None:
+                code = lower_op(op, "KERNEL", choice)
         except CompileError as err:
             interpreted[op.name] = err.message
             continue
@@ -239,6 +244,13 @@ class CpuExecutor:
             self._kept_bytes += aligned_size(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
         self._recycled: list[_RecycledBlock] = []  # the two blocks recycled runs write in turn
         self._recycle_turn = 0
+
+    def own_kernels(self) -> list[Op]:
+        """The ops that run as a kernel of their own (not inside a loop nest or a sliced kernel), in
+        graph order: what ``neoflow tune`` measures."""
+        together = {member.name for nest in self.nests.values() for member in nest.members}
+        together |= slice_members(self._sliced_functions)
+        return [op for op in self.graph.ops if op.name in self._function_names and op.name not in together]
 
     def _load_library(self) -> None:
         """Load the compiled library (rebuilt from the source where the kernel cache lost it) and bind

@@ -78,6 +78,10 @@ _THREADS = """#ifdef _OPENMP
         const int64_t threads_ = 1;
 #endif"""
 GENERIC_CYCLES_PER_POINT = 2.0
+#: the blocked kernel's structures: ``panel`` (blocks of ``b`` packed ahead into a shared buffer, each thread
+#: packing its own blocks of ``a``), ``narrow`` (all of ``a`` packed once, each task packing one strip of
+#: ``b``: ``_narrow``), ``split`` (the depth shared out among the threads: ``_split_depth``)
+STRUCTURES = ("panel", "narrow", "split")
 #: cycles per output element written back after a depth block, and extra ones for storing it alone
 WRITE_CYCLES, SCATTER_CYCLES = 1.5, 2.5
 VECTOR_PACK_CYCLES = 1.0  # per element of a strip copied with vector loads
@@ -261,6 +265,29 @@ def fold_domain(op: Op) -> Op:
     reduce = Reduce(body.kind, body.axes, body.extents, Binary("*", factors[0], factors[1]), None)
     new_body = with_reduce(epilogue, reduce)
     return Op(op.output, op.indices, new_body, op.inputs, op.ranges, op.range_sources, op.info, op.scatter)
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """The blocked kernel's block sizes (``kc`` depth, ``mc`` rows of ``a``, ``nc`` columns of ``b``)
+    and its structure (one of ``STRUCTURES``, or ``auto``: the one the estimate picks for each
+    piece).  The defaults are what runs without tuning (``targets.cpu.tuning`` measures others); a
+    structure a piece cannot take (``narrow`` where ``a`` changes with the batch) leaves it ``auto``."""
+
+    kc: int = KC
+    mc: int = MC
+    nc: int = NC
+    structure: str = "auto"
+
+    def __post_init__(self) -> None:
+        if min(self.kc, self.mc, self.nc) < 1 or self.mc % MR or self.nc % NR:
+            raise ValueError(f"block sizes kc {self.kc}, mc {self.mc} (of {MR}), nc {self.nc} (of {NR})")
+        if self.structure not in ("auto", *STRUCTURES):
+            raise ValueError(f"no blocked-kernel structure '{self.structure}' (one of auto, {', '.join(STRUCTURES)})")
+
+
+#: the blocking that runs without tuning
+DEFAULT_BLOCKING = Blocking()
 
 
 @dataclass(frozen=True)
@@ -519,15 +546,16 @@ def _epilogue_loop(
                                     }}"""
 
 
-def gemm_function(op: Op, plan: GemmPlan, name: str) -> str:
-    """The C function ``name`` computing ``op`` with the blocked outer-product kernel, piece by piece."""
+def gemm_function(op: Op, plan: GemmPlan, name: str, blocking: Blocking = DEFAULT_BLOCKING) -> str:
+    """The C function ``name`` computing ``op`` with the blocked outer-product kernel, piece by piece,
+    blocked by ``blocking``."""
     params = "".join(f", const float *restrict in{i}" for i in range(len(op.inputs)))
     helpers, blocks = [], []
     for number, (piece, mapping) in enumerate(plan.pieces):
         if mapping is None:
             code = store_slice(piece, "0.0f", op.output.size)
         else:
-            packers, code = _piece_code(piece, mapping, f"{name}_p{number}", params)
+            packers, code = _piece_code(piece, mapping, f"{name}_p{number}", params, blocking)
             helpers.append(packers)
         blocks.append(f"    {{ /* piece at offset {piece.base} */\n{code}\n    }}")
     body = "\n".join(blocks)
@@ -561,9 +589,9 @@ def store_slice(piece: Piece, value: str, whole: int) -> str:
 {inner[4:]}}}"""
 
 
-def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tuple[str, str]:
-    """C computing one dense piece with the blocked kernel: the packing functions
-    (named ``<prefix>_pack_a``/``_b``) and the block of code calling them."""
+def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str, blocking: Blocking) -> tuple[str, str]:
+    """C computing one dense piece with the blocked kernel blocked by ``blocking``: the packing
+    functions (named ``<prefix>_pack_a``/``_b``) and the block of code calling them."""
     op = fold_domain(piece.op)
     epilogue = split_epilogue(op.body, op)[1]
     factor_a, factor_b = _operand_factors(op, mapping)
@@ -625,7 +653,8 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
     split_tables = f"""{output}
         {built_once(all_tables)}
 {_THREADS}"""
-    if _split_depth(m, n, k):
+    structure = _structure(blocking.structure, (m, n, k), batch, factor_a)
+    if structure == "split":
         epilogue_term = ""
         if epilogue is not None:
             epilogue_term = f""" {_lookup("row", "i", rows)} {_lookup("col", "jc + j", cols)}
@@ -635,8 +664,9 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str) -> tup
             float *restrict to_batch = outp + {offset(batch)};"""
         sums = _partial_sums(m, epilogue_term)
         split = f"""
-        {split_tables}{_depth_split_code((m, n, k), open_batch, pack_a, pack_b("0", b_outer), sums)}"""
-        vector = _depth_vector(factor_a, factor_b, shapes, extent, (m, n, k), depth)
+        {split_tables}{_depth_split_code((m, n, k), blocking, open_batch, pack_a, pack_b("0", b_outer), sums)}"""
+        auto = blocking.structure == "auto"
+        vector = _depth_vector(factor_a, factor_b, shapes, extent, (m, n, k), depth) if auto else None
         if vector is None:
             return packers, split
         # the depth-vectorised kernel reads the depth tables only where each run starts
@@ -702,7 +732,7 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
     tables = f"""{output}
         {built_once([*all_tables, row_steps])}
 {_THREADS}"""
-    if _narrow(m, k, batch, factor_a):
+    if structure == "narrow":
         a_whole = f"{prefix}_pack_a(apack, 0, {m}, 0, {k}, 0, {k if a_inner else m}, {pack_a_code.arguments}"
         a_whole += "".join(f", in{i}" for i in range(len(op.inputs))) + ", 0" * len(batch) + ");"
         strips = -(-n // NR)
@@ -754,19 +784,19 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
         packers,
         f"""
         {tables}
-        NF_SCRATCH(float, bpack, {KC} * {min(NC, round_up(n, NR))});
-        NF_SCRATCH(char, contiguous, {-(-min(NC, n) // NR)});
+        NF_SCRATCH(float, bpack, {blocking.kc} * {min(blocking.nc, round_up(n, NR))});
+        NF_SCRATCH(char, contiguous, {-(-min(blocking.nc, n) // NR)});
         /* row blocks: a multiple of the thread count when there are enough rows, otherwise
            the column strips are shared out too */
-        int64_t mblocks = ({m} + {MC - 1}) / {MC};
+        int64_t mblocks = ({m} + {blocking.mc - 1}) / {blocking.mc};
         if (mblocks >= threads_) mblocks = (mblocks + threads_ - 1) / threads_ * threads_;
         const int64_t mcb = (({m} + mblocks - 1) / mblocks + {MR - 1}) / {MR} * {MR};
         mblocks = ({m} + mcb - 1) / mcb;
         for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
             {unflatten_index("batch_", batch)}
             float *restrict to_batch = outp + {offset(batch)};
-            for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
-                const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;
+            for (int64_t jc = 0; jc < {n}; jc += {blocking.nc}) {{
+                const int64_t nc = jc + {blocking.nc} < {n} ? {blocking.nc} : {n} - jc;
                 const int64_t strips = (nc + {NR - 1}) / {NR};
                 int64_t jparts = mblocks >= threads_ ? 1 : (threads_ + mblocks - 1) / mblocks;
                 if (jparts > strips) jparts = strips;
@@ -777,14 +807,14 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
                     for (int64_t jj = 1; ok && jj < {NR}; ++jj) ok = col_off[j0 + jj] == col_off[j0] + jj;
                     contiguous[s] = (char)ok;
                 }}
-                for (int64_t pc = 0; pc < {k}; pc += {KC}) {{
-                    const int64_t kc = pc + {KC} < {k} ? {KC} : {k} - pc;
+                for (int64_t pc = 0; pc < {k}; pc += {blocking.kc}) {{
+                    const int64_t kc = pc + {blocking.kc} < {k} ? {blocking.kc} : {k} - pc;
                     const int last_ = pc + kc >= {k};
                     #pragma omp parallel for
                     {pack_b_shared}
                     #pragma omp parallel
                     {{
-                        NF_SCRATCH(float, apack, {KC} * {round_up(MC, MR)});
+                        NF_SCRATCH(float, apack, {blocking.kc} * {round_up(blocking.mc, MR)});
                         float tile[{MR * NR}] __attribute__((aligned(64)));
                         #pragma omp for schedule(static)
                         for (int64_t task = 0; task < mblocks * jparts; ++task) {{
@@ -943,6 +973,24 @@ def _narrow(m: int, k: int, batch: list[tuple[str, int]], factor_a: Expr) -> boo
     return m <= MC and fits and not (index_variables(factor_a) & {v for v, _ in batch})
 
 
+def _structure(wanted: str, sizes: tuple[int, int, int], batch: list[tuple[str, int]], factor_a: Expr) -> str:
+    """The structure (``STRUCTURES``) of a piece of ``sizes`` (m, n, k) whose ``a`` factor is
+    ``factor_a``: ``wanted`` where the piece can take it, else the estimate's (``auto``).  A
+    ``narrow`` ``a`` must not change with the batch and fit four times ``NARROW_A_BYTES``; a
+    ``split`` output (a copy a thread) must be at most 2^20 elements."""
+    m, n, k = sizes
+    if wanted == "panel":
+        return wanted
+    fits = round_up(m, MR) * k * 4 <= 4 * NARROW_A_BYTES
+    if wanted == "narrow" and fits and not index_variables(factor_a) & {v for v, _ in batch}:
+        return wanted
+    if wanted == "split" and m * n <= 1 << 20:
+        return wanted
+    if _split_depth(m, n, k):
+        return "split"
+    return "narrow" if _narrow(m, k, batch, factor_a) else "panel"
+
+
 def _split_depth(m: int, n: int, k: int) -> bool:
     """Whether to share out the reduction rather than the rows: a small output (a weight
     gradient) with a long reduction has few row blocks and column strips to keep every core
@@ -983,17 +1031,19 @@ def _partial_sums(m: int, epilogue: str) -> str:
                     }}"""
 
 
-def _depth_split_code(sizes: tuple[int, int, int], open_batch: str, pack_a: str, pack_b: str, sums: str) -> str:
-    """C for the blocked kernel with the ``KC`` blocks shared out among the threads: each
+def _depth_split_code(
+    sizes: tuple[int, int, int], blocking: Blocking, open_batch: str, pack_a: str, pack_b: str, sums: str
+) -> str:
+    """C for the blocked kernel with its depth blocks shared out among the threads: each
     accumulates its part of the sum in its own ``m x nc`` buffer, and the buffers are then
     added up into the output by ``sums``; ``open_batch`` opens the loop over the batch points."""
     m, n, k = sizes
     return f"""
-        const int64_t width_ = {min(NC, n)};
+        const int64_t width_ = {min(blocking.nc, n)};
         NF_SCRATCH(float, partial, threads_ * {m} * width_);
         {open_batch}
-            for (int64_t jc = 0; jc < {n}; jc += {NC}) {{
-                const int64_t nc = jc + {NC} < {n} ? {NC} : {n} - jc;
+            for (int64_t jc = 0; jc < {n}; jc += {blocking.nc}) {{
+                const int64_t nc = jc + {blocking.nc} < {n} ? {blocking.nc} : {n} - jc;
                 const int64_t strips = (nc + {NR - 1}) / {NR};
                 memset(partial, 0, sizeof(float) * threads_ * {m} * width_);
                 #pragma omp parallel
@@ -1003,17 +1053,17 @@ def _depth_split_code(sizes: tuple[int, int, int], open_batch: str, pack_a: str,
 #else
                     const int64_t me = 0, team = 1;
 #endif
-                    NF_SCRATCH(float, apack, {KC} * {round_up(MC, MR)});
-                    NF_SCRATCH(float, bpack, {KC} * {round_up(min(NC, n), NR)});
+                    NF_SCRATCH(float, apack, {blocking.kc} * {round_up(blocking.mc, MR)});
+                    NF_SCRATCH(float, bpack, {blocking.kc} * {round_up(min(blocking.nc, n), NR)});
                     float tile[{MR * NR}] __attribute__((aligned(64)));
                     float *mine = partial + me * {m} * width_;
-                    const int64_t blocks = {-(-k // KC)};
+                    const int64_t blocks = {-(-k // blocking.kc)};
                     for (int64_t block = blocks * me / team; block < blocks * (me + 1) / team; ++block) {{
-                        const int64_t pc = block * {KC};
-                        const int64_t kc = pc + {KC} < {k} ? {KC} : {k} - pc;
+                        const int64_t pc = block * {blocking.kc};
+                        const int64_t kc = pc + {blocking.kc} < {k} ? {blocking.kc} : {k} - pc;
                         {pack_b}
-                        for (int64_t ic = 0; ic < {m}; ic += {MC}) {{
-                            const int64_t mc = ic + {MC} < {m} ? {MC} : {m} - ic;
+                        for (int64_t ic = 0; ic < {m}; ic += {blocking.mc}) {{
+                            const int64_t mc = ic + {blocking.mc} < {m} ? {blocking.mc} : {m} - ic;
                             {pack_a}
                             for (int64_t jr = 0; jr < nc; jr += {NR}) {{
                                 const int64_t width = nc - jr < {NR} ? nc - jr : {NR};

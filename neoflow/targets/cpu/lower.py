@@ -39,7 +39,7 @@ from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select, index_variables
 from neoflow.ir.op import Op
 from neoflow.targets.cpu.chain import chain_function, chain_plan
 from neoflow.targets.cpu.flat_depth import FlatDepthPlan, flat_depth_plan
-from neoflow.targets.cpu.gemm import blocked_form, gemm_function, store_slice
+from neoflow.targets.cpu.gemm import DEFAULT_BLOCKING, Blocking, blocked_form, gemm_function, store_slice
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from neoflow.targets.cpu.staging import StagedPlan, staged_plan
 
@@ -606,29 +606,70 @@ def flat_function(op: Op, plan: FlatDepthPlan, name: str) -> str:
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
 
 
-def lower_op(op: Op, name: str) -> str:
+#: the ways ``lower_op`` can compute an op, in the order it tries them
+PATHS = ("chain", "flat", "staged", "blocked", "pieces", "nest")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """How to lower one op: ``path`` (one of ``PATHS``, or ``auto``: the first that applies) and, on
+    the blocked path, its ``blocking``.  The tuner (``targets.cpu.tuning``) measures the choices."""
+
+    path: str = "auto"
+    blocking: Blocking = DEFAULT_BLOCKING
+
+
+def lowering_paths(op: Op) -> list[str]:
+    """The paths of ``PATHS`` that can compute ``op`` (the plain loop nest always can)."""
+    found = []
+    if op.scatter is None:
+        plans = (
+            ("chain", chain_plan),
+            ("flat", flat_depth_plan),
+            ("staged", staged_plan),
+            ("blocked", blocked_form),
+            ("pieces", _lattice_pieces),
+        )
+        found = [path for path, plan in plans if plan(op) is not None]
+    return [*found, "nest"]
+
+
+def _lattice_pieces(op: Op) -> list[Piece] | None:
+    """The dense pieces of a lattice domain of more than one piece (or an empty one), else None."""
+    pieces = split_lattice(op) if op.scatter is None else None
+    return pieces if pieces is not None and (len(pieces) > 1 or pieces[0].empty) else None
+
+
+def lower_op(op: Op, name: str, choice: KernelChoice | None = None) -> str:
     """The C function ``name`` computing ``op``: a chain of two contractions tiled
     together (``chain``), a contraction over a depth of short runs from its operands
     copied flat (``flat_depth``), a contraction in two stages (``staging``), the blocked
     kernel for contractions worth it, dense pieces for other lattice domains, an
     element-wise op of the depth-to-space family over its split inner index
     (``inner_split``), else the plain loop nest (over merged trailing dimensions
-    where the op is point-wise and its innermost extent short: ``merged``)."""
+    where the op is point-wise and its innermost extent short: ``merged``).  A
+    ``choice`` takes its path where it applies (and on the blocked path its blocking)."""
+    choice = choice or KernelChoice()
+    wanted = choice.path if choice.path != "auto" and choice.path in lowering_paths(op) else "auto"
+
+    def tried(path: str) -> bool:
+        return wanted in ("auto", path)
+
     try:
-        chain = chain_plan(op)
+        chain = chain_plan(op) if tried("chain") else None
         if chain is not None:
             return chain_function(op, chain, name)
-        flat = flat_depth_plan(op)
+        flat = flat_depth_plan(op) if tried("flat") else None
         if flat is not None:
             return flat_function(op, flat, name)
-        staged = staged_plan(op)
+        staged = staged_plan(op) if tried("staged") else None
         if staged is not None:
             return staged_function(op, staged, name)
-        blocked = blocked_form(op)
+        blocked = blocked_form(op) if tried("blocked") else None
         if blocked is not None:
-            return gemm_function(blocked[0], blocked[1], name)
-        pieces = split_lattice(op) if op.scatter is None else None
-        if pieces is not None and (len(pieces) > 1 or pieces[0].empty):
+            return gemm_function(blocked[0], blocked[1], name, choice.blocking)
+        pieces = _lattice_pieces(op) if tried("pieces") else None
+        if pieces is not None:
             return lower_pieces(op, pieces, name)
         split = split_inner(op, None) if op.scatter is None and not op.reductions else None
         if split is not None:  # the depth-to-space family: unit-stride inner loops
