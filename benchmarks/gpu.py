@@ -64,8 +64,23 @@ def medians(systems: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def capsule_case(stride: int, precision: str, rounds: int, block: int) -> dict:
-    """The capsule conv (N=16, C=K=32, 14x14 output, 3x3, 4x4 poses) forward and backward."""
+def tuned_executor(executor: CudaExecutor, budget: float, feed) -> CudaExecutor | None:
+    """``executor``'s graph planned again after ``neoflow tune``'s cuda tuner timed its tensor-core
+    pieces (within ``budget`` seconds; None where ``budget`` is 0), run once on ``feed``."""
+    if budget <= 0:
+        return None
+    from neoflow.targets.cuda import tuner
+
+    ops = tuner.tensor_core_ops(executor.graph, executor.precision, executor.arch)
+    tuner.tune_ops(ops, executor.precision, executor.arch, budget)
+    tuned = CudaExecutor(executor.graph, executor.keep, precision=executor.precision, arch=executor.arch)
+    tuned.run(feed)
+    return tuned
+
+
+def capsule_case(stride: int, precision: str, rounds: int, block: int, tune: float = 0.0) -> dict:
+    """The capsule conv (N=16, C=K=32, 14x14 output, 3x3, 4x4 poses) forward and backward (with
+    ``tune`` seconds: also after tuning its kernels on the GPU)."""
     torch = _torch()
     size = 13 * stride + 3
     dtype_name = "float16" if precision == "fp16" else "float32"  # fp16: half tensors, as PyTorch's
@@ -124,6 +139,14 @@ def capsule_case(stride: int, precision: str, rounds: int, block: int) -> dict:
         "torch.compile": lambda: torch_block(compiled, block),
         "3 cuBLAS GEMMs": lambda: torch_block(gemms, block),
     }
+    tuned = tuned_executor(executor, tune, inputs)
+    if tuned is not None:
+        found = tuned.run(inputs)
+        errors |= {
+            f"{name} tuned": float(np.abs(found[name] - reference[name]).max() / np.abs(reference[name]).max())
+            for name in reference
+        }
+        systems["neoflow tuned"] = lambda: neoflow_block(tuned, block)
     times = medians(systems, rounds)
     kernels = _kernel_rows(executor, inputs)
     return {"case": f"capsule stride {stride} {precision}", "times": times, "errors": errors, "kernels": kernels}
@@ -197,7 +220,7 @@ def _capsule_conv_jax(x, k, stride: int):
     return out
 
 
-def capsule_network_case(rounds: int, block: int) -> dict:
+def capsule_network_case(rounds: int, block: int, tune: float = 0.0) -> dict:
     """The training step (cross-entropy, SGD) of ``models/capsule28.onnx`` (batch 64, 28x28, two
     capsule-conv layers), compiled with the neoflow fusion policy, against PyTorch eager and JAX jit."""
     import jax
@@ -262,14 +285,15 @@ def capsule_network_case(rounds: int, block: int) -> dict:
         loss.block_until_ready()
         return (time.perf_counter() - begin) / block
 
-    times = medians(
-        {
-            "neoflow": lambda: sum(executor.time(feed, block)) / block,
-            "torch eager": lambda: torch_block(torch_step, block),
-            "jax jit": jax_block,
-        },
-        rounds,
-    )
+    systems = {
+        "neoflow": lambda: sum(executor.time(feed, block)) / block,
+        "torch eager": lambda: torch_block(torch_step, block),
+        "jax jit": jax_block,
+    }
+    tuned = tuned_executor(executor, tune, feed)
+    if tuned is not None:
+        systems["neoflow tuned"] = lambda: sum(tuned.time(feed, block)) / block
+    times = medians(systems, rounds)
     errors = {
         f"loss step {k + 1} vs torch": abs(ours - theirs) / abs(theirs)
         for k, (ours, theirs) in enumerate(zip(losses, torch_losses, strict=True))
@@ -311,12 +335,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="capsule stride 1 fp16 and hgemm 4096 only")
     parser.add_argument("--only", default=None, help="run only the cases whose name holds this text")
     parser.add_argument("--out", default=None, help="write <out>.md")
+    parser.add_argument(
+        "--tune",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also time the capsule cases after tuning their kernels on the GPU for up to SECONDS each (0)",
+    )
     args = parser.parse_args(argv)
     torch = _torch()
     rounds, block = args.rounds, args.block
     cases = [(1, "fp16")] if args.quick else [(s, p) for s in (1, 2) for p in ("fp16", "tf32")]
-    runs = [(f"capsule {s} {p}", lambda s=s, p=p: capsule_case(s, p, rounds, block)) for s, p in cases]
-    runs.append(("capsule network", lambda: capsule_network_case(rounds, block)))
+    runs = [(f"capsule {s} {p}", lambda s=s, p=p: capsule_case(s, p, rounds, block, args.tune)) for s, p in cases]
+    runs.append(("capsule network", lambda: capsule_network_case(rounds, block, args.tune)))
     runs += [
         (f"hgemm {n}", lambda n=n: hgemm_case(n, rounds, max(2, block // 4)))
         for n in ((4096,) if args.quick else (4096, 8192))

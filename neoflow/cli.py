@@ -271,13 +271,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from neoflow.runtime import tuning
-    from neoflow.targets.cpu.tuning import describe
 
     if args.budget <= 0:
         raise InputError(f"--budget must be positive, got {args.budget}")
     spec = _train_spec(args)
     step = "training step" if args.train else "inference"
-    options = {"target": "cpu", "train": spec, "shapes": dict(args.shape), "fusion": args.fusion}
+    options = {"target": args.target, "train": spec, "shapes": dict(args.shape), "fusion": args.fusion}
+    if args.precision is not None:
+        options["precision"] = args.precision
     print(f"compiling the {step} untuned ...", file=sys.stderr, flush=True)
     with tuning.untuned():
         before = neoflow.compile(args.model, **options)
@@ -292,25 +293,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 print(f"tuning kernel {done + 1}/{total}: {op}", file=sys.stderr, flush=True)
 
         report = tuning.tune_model(before, args.train, args.budget, args.retune, progress, args.seed)
-    if not report.results and not report.known and not report.left:
+    if not report.rows and not report.known and not report.left:
         print(
             "no kernel of this model runs alone with more than one way to lower it (ops inside loop nests and "
             "sliced kernels of the fusion plan are not tuned; --fusion none runs every op alone)"
         )
         return 0
-    rows = [
-        f"| {r.op} | {describe(r.choice)} | {r.default_seconds * 1e3:.3f} | {r.seconds * 1e3:.3f} | "
-        f"{r.speedup:.2f}x | {r.tried} |"
-        for r in report.results
-    ]
-    print("| kernel (op) | choice | default ms | tuned ms | speedup | candidates |")
+    print("| kernel | choice | default ms | tuned ms | speedup | candidates |")
     print("| --- | --- | --- | --- | --- | --- |")
-    print("\n".join(rows))
-    rejected = [f"{r.op}: {', '.join(r.rejected)}" for r in report.results if r.rejected]
+    for row in report.rows:
+        print(
+            f"| {row.kernel} | {row.choice} | {row.default_seconds * 1e3:.3f} | {row.seconds * 1e3:.3f} | "
+            f"{row.speedup:.2f}x | {row.candidates} |"
+        )
+    rejected = [f"{row.kernel}: {', '.join(row.rejected)}" for row in report.rows if row.rejected]
     if rejected:
         print("candidates whose output differed from the default's (not used): " + "; ".join(rejected))
     print(
-        f"{len(report.results)} kernel(s) tuned, {report.known} tuned before (--retune measures them again), "
+        f"{len(report.rows)} kernel(s) tuned, {report.known} tuned before (--retune measures them again), "
         f"{report.left} left when the budget ran out; results in {report.table}"
     )
     print(f"compiling the {step} tuned ...", file=sys.stderr, flush=True)
@@ -518,13 +518,24 @@ def build_parser() -> argparse.ArgumentParser:
     fuse.set_defaults(func=cmd_fuse)
 
     tune_help = (
-        "Measure the cpu target's kernels of a model on this machine (lowering path, block sizes, structure) "
-        "and keep the fastest for every later compile; prints each kernel's gain and the step before and after."
+        "Measure a model's kernels on this machine (cpu: lowering path, block sizes, structure; cuda: each "
+        "tensor-core piece's instruction, tiles and splits) and keep the fastest for every later compile; "
+        "prints each kernel's gain and the step before and after."
     )
     tune = commands.add_parser("tune", help=tune_help, description=tune_help)
     tune.add_argument("model", help="an .onnx model or an .nf program")
     tune.add_argument("--budget", type=float, default=600.0, metavar="SECONDS", help="time for the search (600)")
     tune.add_argument("--retune", action="store_true", help="measure kernels tuned before again")
+    tune.add_argument(
+        "--target",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (C kernels: path, block sizes, structure) or cuda (each tensor-core piece's instruction, "
+        "tiles and depth splits, timed on the GPU) (cpu)",
+    )
+    tune.add_argument(
+        "--precision", default=None, choices=("tf32", "fp16", "bf16", "fp32"), help="cuda: contraction precision"
+    )
     tune.add_argument("--fusion", default="neoflow", metavar="POLICY", help="the fusion policy compiles use (neoflow)")
     tune.add_argument(
         "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"

@@ -42,7 +42,7 @@ def test_tune_measures_each_kernel_keeps_the_results_and_times_the_step(cache: P
     assert main(["tune", str(program), "--budget", "60", "--no-progress", "--fusion", "none"]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
-    assert rows[0] == ["kernel (op)", "choice", "default ms", "tuned ms", "speedup", "candidates"]
+    assert rows[0] == ["kernel", "choice", "default ms", "tuned ms", "speedup", "candidates"]
     tuned = {row[0]: row for row in rows[2:]}
     assert set(tuned) == {"Y", "Z"}
     assert all(float(row[3]) <= float(row[2]) and int(row[5]) >= 2 for row in tuned.values())

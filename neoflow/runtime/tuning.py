@@ -1,8 +1,9 @@
-"""``neoflow tune``: a compiled model's kernels measured on this machine (``targets.cpu.tuning``), the
-results kept for every later compile, and the step timed before and after.
+"""``neoflow tune``: a compiled model's kernels measured on this machine, the results kept for every
+later compile, and the step timed before and after.
 
-The kernels are tuned on the values a real step gives them (the example batch run kernel by kernel),
-the costliest first (by their arithmetic), until the time budget is spent.
+On the cpu target (``targets.cpu.tuning``) the kernels are tuned on the values a real step gives them
+(the example batch run kernel by kernel); on the cuda target (``targets.cuda.tuner``) each tensor-core
+piece on random inputs.  The costliest first (by their arithmetic), until the time budget is spent.
 """
 
 from __future__ import annotations
@@ -20,15 +21,32 @@ from neoflow.ir.op import Op
 from neoflow.runtime.compiled import CompiledModel
 from neoflow.targets.cpu.executor import threads
 from neoflow.targets.cpu.lower import lower_op, lowering_paths
-from neoflow.targets.cpu.tuning import TuneResult, compare, kernel_key, load_table, record, table_path, tune_op
+from neoflow.targets.cpu.tuning import compare, describe, kernel_key, load_table, record, table_path, tune_op
+
+
+@dataclass(frozen=True)
+class TuneRow:
+    """One kernel tuned: its name, the choice kept, the default's and the kept choice's median
+    seconds, the candidates timed and those whose output differed from the default's."""
+
+    kernel: str
+    choice: str
+    default_seconds: float
+    seconds: float
+    candidates: int
+    rejected: tuple[str, ...] = ()
+
+    @property
+    def speedup(self) -> float:
+        return self.default_seconds / self.seconds if self.seconds > 0 else 1.0
 
 
 @dataclass(frozen=True)
 class TuneReport:
-    """What ``tune_model`` did: the results it measured, the kernels it had no time for, those it
-    skipped as tuned already, and where the table is."""
+    """What ``tune_model`` did: a row per kernel it measured, the kernels it had no time for, those
+    it skipped as tuned already, and where the table is."""
 
-    results: tuple[TuneResult, ...]
+    rows: tuple[TuneRow, ...]
     left: int
     known: int
     table: Path
@@ -55,28 +73,57 @@ def tune_model(
 ) -> TuneReport:
     """Tune the kernels of ``model``'s inference (or training step) within ``budget_seconds`` and
     record what was found; ``retune``: measure kernels the table has already; ``progress(done,
-    total, op)`` is told before each kernel."""
-    if model.target != "cpu":
-        raise InputError(f"neoflow tune measures the cpu target's kernels; the model was compiled for '{model.target}'")
+    total, kernel)`` is told before each kernel."""
     if budget_seconds <= 0:
         raise InputError(f"the tuning budget must be positive, got {budget_seconds} s")
+    if model.target == "cuda":
+        return _tune_cuda(model, training, budget_seconds, retune, progress)
+    if model.target != "cpu":
+        raise InputError(f"neoflow tune measures the cpu and cuda targets' kernels, not '{model.target}'s")
     deadline = time.perf_counter() + budget_seconds
     executor, feed = model.executor_and_feed(model.example_batch(training, seed), training)
     ops = tunable(executor)
     known = load_table(threads())
     todo = [op for op in ops if retune or kernel_key(lower_op(op, "KERNEL")) not in known]
     values = _all_values(executor, feed)
-    results: list[TuneResult] = []
+    rows: list[TuneRow] = []
     for done, op in enumerate(todo):
         if time.perf_counter() > deadline:
             break
         if progress is not None:
             progress(done, len(todo), op.name)
-        results.append(tune_op(op, [values[t.name] for t in op.inputs], deadline))
-        record(results[-1:], threads())  # kept as found: an interrupted run loses nothing measured
+        result = tune_op(op, [values[t.name] for t in op.inputs], deadline)
+        record([result], threads())  # kept as found: an interrupted run loses nothing measured
+        rows.append(
+            TuneRow(
+                op.name, describe(result.choice), result.default_seconds, result.seconds, result.tried, result.rejected
+            )
+        )
     if progress is not None:
-        progress(len(results), len(todo), "")
-    return TuneReport(tuple(results), len(todo) - len(results), len(ops) - len(todo), table_path(threads()))
+        progress(len(rows), len(todo), "")
+    return TuneReport(tuple(rows), len(todo) - len(rows), len(ops) - len(todo), table_path(threads()))
+
+
+def _tune_cuda(model, training: bool, budget_seconds: float, retune: bool, progress) -> TuneReport:
+    """``tune_model`` on the cuda target: every tensor-core piece of the step's ops timed on the GPU."""
+    from neoflow.targets.cuda import tuner
+    from neoflow.targets.cuda.tuning import table_path as cuda_table
+
+    executor, _ = model.executor_and_feed(model.example_batch(training), training)
+    arch, precision = executor.arch, executor.precision
+    ops = tuner.tensor_core_ops(executor.graph, precision, arch)
+    skipped = [op for op in ops if not retune and tuner.tuned_pieces(op, precision, arch)]
+    todo = [op for op in ops if op not in skipped]
+    results = tuner.tune_ops(todo, precision, arch, budget_seconds, progress)
+    rows = []
+    for r in results:
+        kept = tuner.describe(r.fastest)
+        choice = f"{kept} (the model's)" if r.fastest == r.chosen else f"{kept}, not {tuner.describe(r.chosen)}"
+        rows.append(
+            TuneRow(f"{r.op} piece {r.piece}", choice, r.chosen_seconds, r.fastest_seconds, r.tried, r.rejected)
+        )
+    done = len({r.op for r in results})
+    return TuneReport(tuple(rows), len(todo) - done, len(skipped), cuda_table(arch))
 
 
 def _all_values(executor, feed) -> dict:

@@ -1,7 +1,10 @@
-"""Where every target keeps what it compiled (libraries, cubins, machine figures)."""
+"""Where every target keeps what it compiled (libraries, cubins, machine figures) and what it
+measured (``neoflow tune``'s tables of results)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -25,3 +28,51 @@ def write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def tuning_enabled() -> bool:
+    """Whether compiles use the measured tuning tables (``NEOFLOW_TUNING`` unset or not ``0``)."""
+    return os.environ.get("NEOFLOW_TUNING", "1") != "0"
+
+
+_tables: dict[Path, tuple[int, dict]] = {}
+
+
+def read_table(path: Path) -> dict[str, dict]:
+    """The JSON object of results at ``path`` (empty where there is none or it is damaged: measuring
+    again rewrites it), read again only when the file changed."""
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return {}
+    cached = _tables.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    if not isinstance(entries, dict):
+        entries = {}
+    _tables[path] = (stamp, entries)
+    return entries
+
+
+def update_table(path: Path, entries: dict[str, dict]) -> None:
+    """Add ``entries`` to the table at ``path`` (read again just before, so that entries another
+    process wrote meanwhile are kept), written atomically."""
+    _tables.pop(path, None)
+    merged = {**read_table(path), **entries}
+    write_atomically(path, json.dumps(merged, indent=1, sort_keys=True).encode())
+    _tables.pop(path, None)
+
+
+def table_digest(path: Path) -> str:
+    """A hash of the table at ``path`` as compiles would read it now (``off`` where tuning is ignored,
+    ``none`` where there is no table)."""
+    if not tuning_enabled():
+        return "off"
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "none"

@@ -6,7 +6,7 @@ An op's kernel is named by the C its default lowering emits (``lower_op`` with n
 op's shapes, index maps and expressions), so ops that compile to the same code share one result.  The
 results of one machine — its processor, cores, the thread count kernels run with and the compiler
 with its flags — live in ``$NEOFLOW_CACHE_DIR/tuning/cpu-<machine>.json``, written atomically.  Without
-an entry an op compiles as it always did; ``NEOFLOW_TUNING=0`` ignores the table.
+an entry an op compiles as it always did; ``NEOFLOW_TUNING=0`` ignores the table (``targets.cache``).
 
 The search (``tune_op``) starts from the default, tries every other path that can compute the op, and
 on the blocked kernel walks its structure, depth block and row block one at a time, keeping a change
@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
-import json
 import os
 import statistics
 import time
@@ -34,7 +33,8 @@ import numpy as np
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.op import Op
-from neoflow.targets.cache import cache_dir, write_atomically
+from neoflow.targets.cache import cache_dir, read_table, tuning_enabled, update_table
+from neoflow.targets.cache import table_digest as file_digest
 from neoflow.targets.cpu.compiler import build_library, compiler, version
 from neoflow.targets.cpu.gemm import DEFAULT_BLOCKING, MICROKERNEL, STRUCTURES, Blocking
 from neoflow.targets.cpu.lower import KernelChoice, lower_op, lowering_paths
@@ -51,11 +51,6 @@ ROW_BLOCKS = (48, 144, 192)
 ROUNDS, BLOCK_SECONDS = 3, 0.03
 #: the function name tuned kernels are compiled under
 FUNCTION = "nf_tuned"
-
-
-def enabled() -> bool:
-    """Whether compiles use the tuning table (``NEOFLOW_TUNING`` unset or not ``0``)."""
-    return os.environ.get("NEOFLOW_TUNING", "1") != "0"
 
 
 @cache
@@ -88,38 +83,14 @@ def kernel_key(default_code: str) -> str:
     return hashlib.sha256(default_code.encode()).hexdigest()[:32]
 
 
-_loaded: dict[Path, tuple[float, dict]] = {}
-
-
 def load_table(threads: int) -> dict[str, dict]:
     """This machine's entries by kernel key (empty where none were measured or the file is damaged)."""
-    path = table_path(threads)
-    try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        return {}
-    cached = _loaded.get(path)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    try:
-        entries = json.loads(path.read_text())
-        if not isinstance(entries, dict):
-            entries = {}
-    except (OSError, ValueError):
-        entries = {}  # a damaged table is as good as none: tuning again rewrites it
-    _loaded[path] = (stamp, entries)
-    return entries
+    return read_table(table_path(threads))
 
 
 def table_digest(threads: int) -> str:
-    """A hash of the table compiles would use now ("off" where tuning is ignored)."""
-    if not enabled():
-        return "off"
-    path = table_path(threads)
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    except OSError:
-        return "none"
+    """A hash of the table compiles would use now (``off`` where tuning is ignored)."""
+    return file_digest(table_path(threads))
 
 
 def choice_of(entry: dict) -> KernelChoice:
@@ -136,7 +107,7 @@ def choice_of(entry: dict) -> KernelChoice:
 def tuned_choice(default_code: str, threads: int) -> KernelChoice | None:
     """The measured choice for the kernel whose default C is ``default_code``; None where there is
     none, it is the default, or tuning is off."""
-    if not enabled():
+    if not tuning_enabled():
         return None
     entry = load_table(threads).get(kernel_key(default_code))
     if entry is None:
@@ -149,11 +120,9 @@ def tuned_choice(default_code: str, threads: int) -> KernelChoice | None:
 
 
 def record(results: Sequence[TuneResult], threads: int) -> Path:
-    """Add ``results`` to this machine's table (read again just before, so that entries another
-    tuner wrote meanwhile are kept) and write it atomically."""
+    """Add ``results`` to this machine's table."""
     path = table_path(threads)
-    _loaded.pop(path, None)
-    entries = dict(load_table(threads))
+    entries = {}
     for result in results:
         choice = result.choice
         entries[result.key] = {
@@ -166,8 +135,7 @@ def record(results: Sequence[TuneResult], threads: int) -> Path:
             "default_seconds": result.default_seconds,
             "op": result.op,
         }
-    write_atomically(path, json.dumps(entries, indent=1, sort_keys=True).encode())
-    _loaded.pop(path, None)
+    update_table(path, entries)
     return path
 
 

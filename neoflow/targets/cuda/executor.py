@@ -9,7 +9,7 @@ call as one CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -34,8 +34,8 @@ def graph_plans(graph: Graph, precision: str, arch: str = DEFAULT_ARCH) -> list[
 class PlannedExecutor(OpByOpExecutor):
     """What both executors hold besides the graph, the kept tensors and the memory plan: the
     ``precision`` and every op's kernel plan for a GPU of ``arch`` (``plans``, by op name, in the
-    graph's order).  A fusion plan's kernel groups and sliced kernels change nothing: every op
-    runs as its own kernels."""
+    graph's order; ``plans`` gives them instead, as a tuner's candidates).  A fusion plan's kernel
+    groups and sliced kernels change nothing: every op runs as its own kernels."""
 
     def __init__(
         self,
@@ -45,10 +45,15 @@ class PlannedExecutor(OpByOpExecutor):
         sliced: Collection = (),
         precision: str = DEFAULT_PRECISION,
         arch: str = DEFAULT_ARCH,
+        plans: Sequence[OpPlan] | None = None,
     ) -> None:
         super().__init__(graph, keep)
         self.precision = check_precision(precision)
-        self.plan_for(arch)
+        self.fixed_plans = plans is not None  # given (a tuner's candidates): never planned again
+        if plans is None:
+            self.plan_for(arch)
+        else:
+            self.arch, self.plans = arch, {plan.op.name: plan for plan in plans}
 
     def plan_for(self, arch: str) -> None:
         """Plan every op for a GPU of ``arch`` (``plans``)."""
@@ -115,11 +120,12 @@ class CudaExecutor(PlannedExecutor):
         sliced=(),
         precision: str = DEFAULT_PRECISION,
         arch: str | None = None,
+        plans: Sequence[OpPlan] | None = None,
     ) -> None:
         from neoflow.targets.cuda import driver
         from neoflow.targets.cuda.nvrtc import compile_cubin
 
-        super().__init__(graph, keep, groups, sliced, precision, arch or driver.default_arch())
+        super().__init__(graph, keep, groups, sliced, precision, arch or driver.default_arch(), plans)
         self.source = module_source(list(self.plans.values()))
         self.cubin = compile_cubin(self.source, self.arch)
         self.device = None  # the GPU is found at the first run: compiling needs NVRTC only
@@ -141,6 +147,8 @@ class CudaExecutor(PlannedExecutor):
         self.device = driver.device()
         driver.make_current(self.device)
         if self.cubin.arch != self.device.arch:  # planned for another GPU: plan and build again
+            if self.fixed_plans:
+                raise CompileError(f"plans given for {self.arch} cannot run on this GPU ({self.device.arch})")
             self.plan_for(self.device.arch)
             self.source = module_source(list(self.plans.values()))
             self.cubin = compile_cubin(self.source, self.device.arch)

@@ -40,6 +40,8 @@ from neoflow.ir import dtypes as dt
 from neoflow.ir import index
 from neoflow.ir.op import Op
 from neoflow.ir.simplify import read_offset
+from neoflow.targets.cache import table_digest
+from neoflow.targets.cuda import tuning
 from neoflow.targets.cuda.timing import H100, predict_kernel
 
 #: precision name -> (operand storage dtype, MMA shape m, n, k); ``fp32`` runs contractions on SIMT cores
@@ -710,26 +712,41 @@ def _candidate_kernels(name: str, view: GemmView, precision: str, arch: str):
             yield kernel
 
 
-def choose_kernel(name: str, view: GemmView, precision: str, predict, arch: str = DEFAULT_ARCH) -> MmaKernel:
-    """The kernel of ``view`` with the instruction and tiles (``_candidate_kernels``, within the
-    shared memory a block may have) and depth splits (``SPLITS``) the timing model
-    ``predict(kernel) -> seconds`` likes best."""
-    candidates = []
+def candidates(name: str, view: GemmView, precision: str, arch: str = DEFAULT_ARCH) -> list[MmaKernel]:
+    """Every kernel a plan of ``view`` may take: each of ``_candidate_kernels`` within the shared
+    memory a block may have, with each depth split (``SPLITS``) its depth tiles allow."""
+    found = []
     for kernel in _candidate_kernels(name, view, precision, arch):
         if kernel.shared_bytes > H100.shared_bytes_per_block:
             continue
         for splits in SPLITS:
             if splits > 1 and kernel.depth_tiles < splits * MIN_SPLIT_TILES:
                 break
-            candidates.append(dataclasses.replace(kernel, splits=splits))
-    return min(candidates, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
+            found.append(dataclasses.replace(kernel, splits=splits))
+    return found
 
 
-def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH) -> OpPlan | None:
+def choose_kernel(
+    name: str, view: GemmView, precision: str, predict, arch: str = DEFAULT_ARCH, entry: dict | None = None
+) -> MmaKernel:
+    """The kernel of ``view`` among its ``candidates``: the one a measured ``entry`` (``tuning``)
+    records where it is one of them, else the one the timing model ``predict(kernel) -> seconds``
+    likes best."""
+    found = candidates(name, view, precision, arch)
+    if entry is not None:
+        for kernel in found:
+            if tuning.matches(kernel, entry):
+                return kernel
+    return min(found, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
+
+
+def tensor_core_plan(
+    op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH, use_table: bool = True
+) -> OpPlan | None:
     """``op``'s contraction pieces on the tensor cores of ``arch`` (kernels named ``name``,
-    ``name_1``, ...), each with the instruction, tiles and splits the timing model likes best;
-    None where the precision has no MMA, an operand is not floating or the op is no
-    contraction the mapper places."""
+    ``name_1``, ...), each with the instruction, tiles and splits measured on the GPU where the
+    tuning table has them (``use_table``), else those the timing model likes best; None where the
+    precision has no MMA, an operand is not floating or the op is no contraction the mapper places."""
     check_precision(precision)
     if PRECISIONS[precision] is None or any(t.dtype not in ("float32", "float16", "bfloat16") for t in op.inputs):
         return None
@@ -737,19 +754,31 @@ def tensor_core_plan(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch
     if views is None:
         return None
     kernels = tuple(
-        choose_kernel(name if k == 0 else f"{name}_{k}", view, precision, predict_kernel, arch)
+        choose_kernel(
+            name if k == 0 else f"{name}_{k}",
+            view,
+            precision,
+            predict_kernel,
+            arch,
+            tuning.measured(op, k, precision, arch) if use_table else None,
+        )
         for k, view in enumerate(views)
     )
     return OpPlan(op, kernels, not covers_output(op, views))
 
 
-@lru_cache(maxsize=512)
 def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH) -> OpPlan:
     """The kernels of ``op`` (named ``name``, ``name_1``, ...) for a GPU of ``arch``: its ``tensor_core_plan`` where
     it has one, else one SIMT kernel; a long sum with few outputs runs a block per output
     point instead where the timing model expects that faster, and always where an operand
     would be decoded variable by variable at every element (no index tables: capsule28's k1
     update took 0.48 ms on the tensor cores, 0.17 ms a block per output, on an H100)."""
+    return _plan_op(op, name, precision, arch, table_digest(tuning.table_path(arch)))
+
+
+@lru_cache(maxsize=512)
+def _plan_op(op: Op, name: str, precision: str, arch: str, table: str) -> OpPlan:
+    """``plan_op`` for the tuning table whose digest is ``table`` (a new table plans afresh)."""
     plan = tensor_core_plan(op, name, precision, arch)
     simt = simt_kernel(name, op)
     if plan is None:

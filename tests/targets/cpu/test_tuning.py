@@ -12,6 +12,7 @@ import pytest
 import neoflow
 from neoflow.ir.interpreter import evaluate_op
 from neoflow.runtime.compiled import _cache_key
+from neoflow.targets.cache import write_atomically
 from neoflow.targets.cpu import tuning
 from neoflow.targets.cpu.executor import CpuExecutor, threads
 from neoflow.targets.cpu.gemm import STRUCTURES, Blocking
@@ -127,7 +128,7 @@ def test_a_candidate_with_another_result_is_rejected_not_taken(cache, monkeypatc
 def _record(op, choice: KernelChoice) -> None:
     key = tuning.kernel_key(lower_op(op, "KERNEL"))
     entry = {"path": choice.path, "structure": choice.blocking.structure, "kc": choice.blocking.kc}
-    tuning.write_atomically(tuning.table_path(threads()), json.dumps({key: entry}).encode())
+    write_atomically(tuning.table_path(threads()), json.dumps({key: entry}).encode())
 
 
 def test_compiles_take_the_tables_choice_and_still_compute_the_op(cache, monkeypatch) -> None:

@@ -1,0 +1,168 @@
+"""Measures the cuda target's kernel choices on the GPU (``neoflow tune --target cuda``).
+
+``tune_op`` times the timing model's best ``CANDIDATES`` kernels of each tensor-core piece of an op
+(``plan.candidates``, compiled in parallel by NVRTC), each piece alone in its op (the other pieces as
+the model planned them), every candidate's output checked against the model's choice first; the
+candidates take turns in blocks of CUDA-graph replays and the medians decide.  The fastest goes into
+the table (``tuning``) where it beats the model's choice by ``MARGIN``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from neoflow.codegen.hardware import TENSOR_CORE
+from neoflow.codegen.implicit_gemm import gemm_views
+from neoflow.fusion.work import op_work
+from neoflow.ir import dtypes as dt
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Op
+from neoflow.targets.cache import read_table
+from neoflow.targets.cuda.emit import module_source
+from neoflow.targets.cuda.executor import CudaExecutor
+from neoflow.targets.cuda.nvrtc import compile_cubin
+from neoflow.targets.cuda.plan import OpPlan, candidates, tensor_core_plan
+from neoflow.targets.cuda.timing import predict_kernel
+from neoflow.targets.cuda.tuning import piece_key, record, table_path
+
+#: the timing model's best candidates of a piece that are timed
+CANDIDATES = 12
+#: a candidate must be this much faster than the model's choice to replace it (alone, in an op of its own:
+#: within a graph, where independent ops share the GPU, gains of 3 % measured alone came out as losses)
+MARGIN = 0.95
+#: replays of a candidate's CUDA graph a block, and blocks (the candidates take turns block by block)
+REPLAYS, ROUNDS = 10, 5
+
+
+@dataclass(frozen=True)
+class PieceResult:
+    """What tuning one piece found: the model's choice and the fastest, with their median seconds."""
+
+    op: str
+    piece: int
+    key: str
+    chosen: object
+    fastest: object
+    chosen_seconds: float
+    fastest_seconds: float
+    tried: int
+    rejected: tuple[str, ...] = ()
+
+    @property
+    def speedup(self) -> float:
+        return self.chosen_seconds / self.fastest_seconds if self.fastest_seconds > 0 else 1.0
+
+
+def describe(kernel) -> str:
+    """A kernel's instruction, tiles and splits in a few characters."""
+    t = kernel.tiles
+    instruction = "wgmma" if kernel.wgmma else "mma"
+    return f"{instruction} {t.block_m}x{t.block_n}x{t.block_k}/{t.warps_m}x{t.warps_n} s{kernel.splits}"
+
+
+def _inputs(op: Op, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {t.name: rng.standard_normal(t.shape).astype(dt.numpy_dtype(t.dtype)) for t in op.inputs}
+
+
+def _close(expected: np.ndarray, found: np.ndarray) -> bool:
+    expected, found = expected.astype(np.float32), found.astype(np.float32)
+    scale = float(np.max(np.abs(expected))) if expected.size else 1.0
+    return bool(np.allclose(found, expected, rtol=2e-2, atol=2e-2 * max(scale, 1e-6), equal_nan=True))
+
+
+def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, seed: int = 0) -> list[PieceResult]:
+    """Time the timing model's best ``CANDIDATES`` kernels of each tensor-core piece of ``op`` on the
+    GPU (compiled in parallel by NVRTC) and return, per piece, the model's choice and the fastest."""
+    planned = tensor_core_plan(op, "nf_op0", precision, arch, use_table=False)
+    if planned is None:
+        return []
+    inputs = _inputs(op, seed)
+    graph = Graph.from_ops([op])
+    results = []
+    for piece, view in enumerate(gemm_views(op, TENSOR_CORE)):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        chosen = planned.kernels[piece]
+        ranked = sorted(candidates(chosen.name, view, precision, arch), key=predict_kernel)
+        trial = [chosen, *[k for k in ranked if k != chosen][: CANDIDATES - 1]]
+        plans = [
+            OpPlan(op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)
+            for kernel in trial
+        ]
+        with ProcessPoolExecutor(max(1, min(len(plans), os.cpu_count() or 1))) as pool:
+            list(pool.map(compile_cubin, [module_source([plan]) for plan in plans], [arch] * len(plans)))
+        executors, kept, rejected = [], [], []
+        expected = None
+        for kernel, plan in zip(trial, plans, strict=True):
+            executor = CudaExecutor(graph, [op.name], precision=precision, arch=arch, plans=[plan])
+            found = executor.run(inputs)[op.name]
+            if expected is None:
+                expected = found
+            elif not _close(expected, found):
+                rejected.append(describe(kernel))
+                continue
+            executors.append(executor)
+            kept.append(kernel)
+        seconds = _time_in_turns([executor.replay_graph for executor in executors])
+        best = min(range(len(kept)), key=seconds.__getitem__)
+        if seconds[best] >= MARGIN * seconds[0]:
+            best = 0
+        key = piece_key(op, piece, precision, arch)
+        results.append(
+            PieceResult(op.name, piece, key, chosen, kept[best], seconds[0], seconds[best], len(trial), tuple(rejected))
+        )
+        del executors
+    return results
+
+
+def _time_in_turns(graphs: Sequence) -> list[float]:
+    """Median seconds of a replay of each CUDA graph, the graphs taking turns in blocks of replays."""
+    from neoflow.targets.cuda import driver
+
+    times: list[list[float]] = [[] for _ in graphs]
+    for _ in range(ROUNDS):
+        for graph, found in zip(graphs, times, strict=True):
+            found.extend(driver.time_replays(graph, REPLAYS))
+    return [statistics.median(found) for found in times]
+
+
+def tensor_core_ops(graph: Graph, precision: str, arch: str) -> list[Op]:
+    """The ops of ``graph`` with pieces on the tensor cores, the most arithmetic first."""
+    ops = [op for op in graph.ops if tensor_core_plan(op, "nf_op0", precision, arch, use_table=False) is not None]
+    return sorted(ops, key=lambda op: -op_work(op).flops)
+
+
+def tune_ops(
+    ops: Sequence[Op],
+    precision: str,
+    arch: str,
+    budget_seconds: float,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[PieceResult]:
+    """Tune the tensor-core pieces of ``ops`` in order within ``budget_seconds``, recording as it goes."""
+    deadline = time.perf_counter() + budget_seconds
+    found: list[PieceResult] = []
+    for done, op in enumerate(ops):
+        if time.perf_counter() > deadline:
+            break
+        if progress is not None:
+            progress(done, len(ops), op.name)
+        results = tune_op(op, precision, arch, deadline)
+        record(results, arch)
+        found.extend(results)
+    return found
+
+
+def tuned_pieces(op: Op, precision: str, arch: str) -> bool:
+    """Whether every tensor-core piece of ``op`` has an entry."""
+    views = gemm_views(op, TENSOR_CORE) or []
+    table = read_table(table_path(arch))
+    return bool(views) and all(piece_key(op, k, precision, arch) in table for k in range(len(views)))

@@ -1,0 +1,104 @@
+"""The cuda target's table of measured kernel choices: plans take what it records (and compute the same),
+ignore what no candidate matches, a damaged table or ``NEOFLOW_TUNING=0``; on a GPU, the tuner fills it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import neoflow
+from neoflow.codegen.hardware import TENSOR_CORE
+from neoflow.codegen.implicit_gemm import gemm_views
+from neoflow.ir.graph import Graph
+from neoflow.targets.cache import write_atomically
+from neoflow.targets.cuda import tuning
+from neoflow.targets.cuda.executor import ModelExecutor
+from neoflow.targets.cuda.plan import candidates, plan_op, tensor_core_plan
+from tests.targets.cuda.gpu_cases import capsule, inputs_for
+
+ARCH = "sm_90"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEOFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("NEOFLOW_TUNING", raising=False)
+    return tmp_path
+
+
+def _other(op, precision: str = "tf32"):
+    """A candidate of each piece of ``op`` other than the model's choice (a depth split where one fits)."""
+    planned = tensor_core_plan(op, "nf_op0", precision, ARCH, use_table=False)
+    chosen = []
+    for piece, view in enumerate(gemm_views(op, TENSOR_CORE)):
+        model = planned.kernels[piece]
+        others = [k for k in candidates(model.name, view, precision, ARCH) if k != model]
+        chosen.append(next((k for k in others if k.splits > 1), others[0]))
+    return planned, chosen
+
+
+def _write(op, kernels, precision: str = "tf32") -> None:
+    entries = {tuning.piece_key(op, k, precision, ARCH): tuning.kernel_entry(kern) for k, kern in enumerate(kernels)}
+    write_atomically(tuning.table_path(ARCH), json.dumps(entries).encode())
+
+
+def test_plans_take_the_measured_kernel_and_compute_the_same(cache, monkeypatch) -> None:
+    op = capsule(2)  # four lattice pieces
+    planned, other = _other(op)
+    _write(op, other)
+    tuned = plan_op(op, "nf_op0", "tf32", ARCH)
+    assert tuned.kernels == tuple(other) and tuned.kernels != planned.kernels
+    inputs = inputs_for(op, seed=3)
+    reference = neoflow.evaluate(op, inputs)
+    found = ModelExecutor(Graph.from_ops([op]), [op.name], precision="tf32").run(inputs)[op.name]
+    np.testing.assert_allclose(found, reference, rtol=0, atol=3e-3 * np.abs(reference).max())
+    monkeypatch.setenv("NEOFLOW_TUNING", "0")
+    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == planned.kernels
+
+
+def test_an_entry_no_candidate_matches_or_a_damaged_table_leaves_the_models_choice(cache) -> None:
+    op = capsule(1)
+    planned, _ = _other(op)
+    key = tuning.piece_key(op, 0, "tf32", ARCH)
+    write_atomically(tuning.table_path(ARCH), json.dumps({key: {"tiles": [7, 7, 7, 1, 1], "wgmma": False}}).encode())
+    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == planned.kernels
+    write_atomically(tuning.table_path(ARCH), b'{"cut short": ')
+    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == planned.kernels
+
+
+def test_pieces_are_keyed_by_what_they_compute_not_by_name(cache) -> None:
+    op = capsule(1)
+    renamed = neoflow.op(
+        "Y[b, k, p, q, i, j] = ReduceAdd({c, r, s, t}, In[b, c, p + r, q + s, i, t] * W[k, c, r, s, t, j])",
+        shapes={t.name: t.shape for t in op.inputs},
+    )
+    assert tuning.piece_key(op, 0, "tf32", ARCH) == tuning.piece_key(renamed, 0, "tf32", ARCH)
+    assert tuning.piece_key(op, 0, "tf32", ARCH) != tuning.piece_key(op, 0, "fp16", ARCH)
+    assert tuning.piece_key(op, 0, "tf32", ARCH) != tuning.piece_key(capsule(2), 0, "tf32", ARCH)
+
+
+def _gpu_reason() -> str | None:
+    try:
+        from neoflow.targets.cuda import driver
+
+        driver.device()
+    except Exception as err:
+        return f"no GPU: {err}"
+    return None
+
+
+@pytest.mark.skipif(_gpu_reason() is not None, reason="no GPU")
+def test_the_tuner_times_candidates_on_the_gpu_and_records_the_fastest(cache) -> None:
+    from neoflow.targets.cuda import tuner
+
+    op = capsule(2, batch=4, channels=16, out=7)
+    results = tuner.tune_op(op, "tf32", ARCH)
+    assert len(results) == len(gemm_views(op, TENSOR_CORE))
+    for result in results:
+        assert result.tried >= 2 and not result.rejected
+        assert result.fastest_seconds <= result.chosen_seconds
+    tuning.record(results, ARCH)
+    assert tuner.tuned_pieces(op, "tf32", ARCH)
+    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == tuple(r.fastest for r in results)
