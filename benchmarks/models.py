@@ -2,6 +2,7 @@
 ONNX Runtime and torch.compile, and onnx's ``light_*`` models against ONNX Runtime, in one process.
 
     python -m benchmarks.models [--quick] [--only resnet18,vit] [--out benchmarks/models_results]
+    python -m benchmarks.models --tune 240 --only resnet18,vit --skip-light --out benchmarks/models_tuned
 
 The networks are built in PyTorch (``benchmarks/architectures.py``) and exported to ONNX the way users do
 (TorchScript exporter; training mode without constant folding for training, eval mode for inference).
@@ -10,7 +11,9 @@ BatchNorm in training mode) must match PyTorch's, and its inference outputs PyTo
 a row that does not match says so and is not timed.  Every system gets the same threads; the systems take
 turns block by block (``--block`` consecutive calls, ``--rounds`` rounds: single interleaved calls let one
 library's spinning worker threads slow the next); the tables give the median and quartiles of every call
-and the ratio of medians.  Writes ``<out>.md`` and ``<out>.png``.
+and the ratio of medians.  With ``--tune SECONDS`` each model is also compiled after ``neoflow tune``
+measured its kernels for up to that long, and timed in the same rounds ("neoflow tuned": the peers'
+ratios are then against it).  Writes ``<out>.md`` and ``<out>.png``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,19 @@ def _stats(calls: list[float]) -> tuple[float, float, float]:
     return median, q1, q3
 
 
-def training_row(name: str, batch: int) -> Row:
+def _tuned(compiled, source, training: bool, budget: float, **options):
+    """``source`` compiled again after ``neoflow tune`` measured ``compiled``'s kernels for up to
+    ``budget`` seconds (None where ``budget`` is 0)."""
+    if budget <= 0:
+        return None
+    import neoflow
+    from neoflow.runtime.tuning import tune_model
+
+    tune_model(compiled, training, budget)
+    return neoflow.compile(source, target="cpu", fusion="neoflow", **options)
+
+
+def training_row(name: str, batch: int, tune: float = 0.0) -> Row:
     """A training step of architecture ``name``: neoflow against PyTorch eager and torch.compile,
     after checking the first steps' losses."""
     import onnx
@@ -102,10 +117,14 @@ def training_row(name: str, batch: int) -> Row:
         "torch eager": eager,
         "torch.compile": torch_step(compiled_net, forward) if forward is not None else None,
     }
+    tuned = _tuned(compiled, proto, True, tune, train=spec)
+    if tuned is not None:
+        tuned.set_parameters(compiled.parameters())
+        systems["neoflow tuned"] = lambda: tuned.train_step({"x": x, "labels": labels})
     return Row(f"{name} training step (batch {batch})", systems, check, compile_s)
 
 
-def inference_row(name: str, batch: int, threads: int) -> Row:
+def inference_row(name: str, batch: int, threads: int, tune: float = 0.0) -> Row:
     """Inference of architecture ``name`` (eval export): neoflow against ONNX Runtime and torch.compile."""
     import onnx
     import torch
@@ -135,10 +154,14 @@ def inference_row(name: str, batch: int, threads: int) -> Row:
         "onnxruntime": lambda: session.run(None, {"x": x}),
         "torch.compile": compiled_forward if forward is not None else None,
     }
+    tuned = _tuned(compiled, onnx.load_from_string(data), False, tune)
+    if tuned is not None:
+        error = max(error, _relative(tuned.run({"x": x})["y"], want))
+        systems["neoflow tuned"] = lambda: tuned.run({"x": x})
     return Row(f"{name} inference (batch {batch})", systems, _check(error, "PyTorch"), compile_s)
 
 
-def light_row(name: str, threads: int) -> Row:
+def light_row(name: str, threads: int, tune: float = 0.0) -> Row:
     """onnx's ``light_<name>`` model: neoflow against ONNX Runtime on the same input."""
     import onnx
 
@@ -160,6 +183,10 @@ def light_row(name: str, threads: int) -> Row:
         "neoflow": lambda: compiled.run({source.name: x}),
         "onnxruntime": lambda: session.run(None, {source.name: x}),
     }
+    tuned = _tuned(compiled, proto, False, tune)
+    if tuned is not None:
+        error = max(error, _relative(tuned.run({source.name: x})[output], session.run(None, {source.name: x})[0]))
+        systems["neoflow tuned"] = lambda: tuned.run({source.name: x})
     return Row(f"light_{name} inference", systems, _check(error, "ONNX Runtime"), compile_s)
 
 
@@ -181,31 +208,31 @@ def _ort_session(model: bytes, threads: int):
 
 
 def _table(title: str, rows: list[Row], peers: list[str], goal: str) -> list[str]:
+    tuned = any(row.times.get("neoflow tuned") for row in rows)
+    ours_name = "neoflow tuned" if tuned else "neoflow"
+    mine = ["neoflow", "neoflow tuned"] if tuned else ["neoflow"]
     lines = [f"### {title}", "", goal, ""]
-    lines.append("| workload | check | neoflow compile | neoflow | " + " | ".join(peers) + " |")
-    lines.append("| --- | --- | --- | --- | " + " | ".join("---" for _ in peers) + " |")
+    lines.append("| workload | check | neoflow compile | " + " | ".join([*mine, *peers]) + " |")
+    lines.append("| --- | --- | --- | " + " | ".join("---" for _ in [*mine, *peers]) + " |")
     for row in rows:
         if not row.times:
-            lines.append(
-                f"| {row.name} | {row.check} | {row.compile_s:.1f} s | not timed | "
-                + " | ".join("-" for _ in peers)
-                + " |"
-            )
+            cells = ["not timed", *("-" for _ in [*mine[1:], *peers])]
+            lines.append(f"| {row.name} | {row.check} | {row.compile_s:.1f} s | " + " | ".join(cells) + " |")
             continue
-        ours = _stats(row.times["neoflow"])
+        ours = _stats(row.times[ours_name])
         cells = []
-        for peer in peers:
-            calls = row.times.get(peer)
+        for system in [*mine, *peers]:
+            calls = row.times.get(system)
             if not calls:
                 cells.append("-")
                 continue
             median, q1, q3 = _stats(calls)
-            cells.append(f"{median * 1e3:.2f} ms [{q1 * 1e3:.2f}, {q3 * 1e3:.2f}] (**{median / ours[0]:.2f}x**)")
-        mine = f"{ours[0] * 1e3:.2f} ms [{ours[1] * 1e3:.2f}, {ours[2] * 1e3:.2f}]"
-        lines.append(f"| {row.name} | {row.check} | {row.compile_s:.1f} s | {mine} | " + " | ".join(cells) + " |")
+            ratio = "" if system == ours_name else f" (**{median / ours[0]:.2f}x**)"
+            cells.append(f"{median * 1e3:.2f} ms [{q1 * 1e3:.2f}, {q3 * 1e3:.2f}]{ratio}")
+        lines.append(f"| {row.name} | {row.check} | {row.compile_s:.1f} s | " + " | ".join(cells) + " |")
     ratios = {
-        peer: [_stats(r.times[peer])[0] / _stats(r.times["neoflow"])[0] for r in rows if r.times.get(peer)]
-        for peer in peers
+        peer: [_stats(r.times[peer])[0] / _stats(r.times[ours_name])[0] for r in rows if r.times.get(peer)]
+        for peer in ([*peers, "neoflow"] if tuned else peers)
     }
     summary = [
         f"{peer} geomean {statistics.geometric_mean(v):.2f}x, lowest {min(v):.2f}x" for peer, v in ratios.items() if v
@@ -224,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block", type=int, default=5, help="consecutive calls of one system per round")
     parser.add_argument("--out", default="benchmarks/models_results", help="output prefix (.md and .png)")
+    parser.add_argument("--tune", type=float, default=0.0, metavar="SECONDS", help="neoflow tune each model first")
+    parser.add_argument("--skip-light", action="store_true", help="no light_* models")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     # compile times are cold: a kernel cache of their own, empty
@@ -237,14 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     tables: list[tuple[str, list[Row], list[str], str]] = [
         (
             "Training steps",
-            [training_row(n, batch) for n in names],
+            [training_row(n, batch, args.tune) for n in names],
             ["torch eager", "torch.compile"],
             "Goal: >= 1.5x PyTorch eager and >= 1.2x torch.compile on each.",
         ),
         (
             "Inference",
-            [inference_row(n, batch, args.threads) for n in names]
-            + ([] if args.quick else [light_row(n, args.threads) for n in LIGHT_MODELS]),
+            [inference_row(n, batch, args.threads, args.tune) for n in names]
+            + ([] if args.quick or args.skip_light else [light_row(n, args.threads, args.tune) for n in LIGHT_MODELS]),
             ["onnxruntime", "torch.compile"],
             "Goal: geomean >= 1.0x ONNX Runtime, none below 0.8x.",
         ),
@@ -262,7 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         f"system; {rounds} rounds of {block} consecutive calls per system, the systems taking turns round by "
         "round; median [first quartile, third quartile] of every call. (x) = peer time / neoflow time: above 1 "
         f"neoflow is faster. Training: cross-entropy, SGD lr {LEARNING_RATE} momentum {MOMENTUM}, BatchNorm in "
-        "training mode; neoflow compile time is cold (no kernel cache).",
+        "training mode; neoflow compile time is cold (no kernel cache)."
+        + (
+            f" neoflow tuned: compiled again after `neoflow tune` measured its kernels for up to {args.tune:.0f} s;"
+            " the peers' ratios are against it."
+            if args.tune
+            else ""
+        ),
         "",
     ]
     for title, rows, peers, goal in tables:

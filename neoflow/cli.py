@@ -310,7 +310,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if rejected:
         print("candidates whose output differed from the default's (not used): " + "; ".join(rejected))
     print(
-        f"{len(report.rows)} kernel(s) tuned, {report.known} tuned before (--retune measures them again), "
+        f"{len(report.rows)} {'piece(s)' if args.target == 'cuda' else 'kernel(s)'} tuned, {report.known} "
+        f"{'op(s)' if args.target == 'cuda' else 'kernel(s)'} tuned before (--retune measures them again), "
         f"{report.left} left when the budget ran out; results in {report.table}"
     )
     print(f"compiling the {step} tuned ...", file=sys.stderr, flush=True)
@@ -318,7 +319,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     untuned_s, tuned_s = tuning.compare_steps(before, after, args.train, args.seed)
     print(
         f"{step}: {untuned_s * 1e3:.3f} ms untuned, {tuned_s * 1e3:.3f} ms tuned "
-        f"({untuned_s / tuned_s:.2f}x; medians of blocks of steps taking turns)"
+        f"({untuned_s / tuned_s:.2f}x; medians of blocks of "
+        f"{'CUDA-graph replays' if args.target == 'cuda' else 'steps'} taking turns)"
     )
     return 0
 

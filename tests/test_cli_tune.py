@@ -46,14 +46,14 @@ def test_tune_measures_each_kernel_keeps_the_results_and_times_the_step(cache: P
     tuned = {row[0]: row for row in rows[2:]}
     assert set(tuned) == {"Y", "Z"}
     assert all(float(row[3]) <= float(row[2]) and int(row[5]) >= 2 for row in tuned.values())
-    assert "2 kernel(s) tuned, 0 tuned before" in out
+    assert "2 kernel(s) tuned, 0 kernel(s) tuned before" in out
     assert "inference: " in out and "ms untuned" in out and "ms tuned" in out
     (table,) = (cache / "tuning").glob("cpu-*.json")
     assert {entry["op"] for entry in json.loads(table.read_text()).values()} == {"Y", "Z"}
     assert program.read_text() == before  # the input is never modified
     # a second run finds them tuned and measures nothing again
     assert main(["tune", str(program), "--budget", "60", "--no-progress", "--fusion", "none"]) == 0
-    assert "0 kernel(s) tuned, 2 tuned before" in capsys.readouterr().out
+    assert "0 kernel(s) tuned, 2 kernel(s) tuned before" in capsys.readouterr().out
     assert main(["tune", str(program), "--budget", "60", "--no-progress"]) == 0
     assert "no kernel of this model runs alone" in capsys.readouterr().out
 

@@ -111,7 +111,7 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
                 continue
             executors.append(executor)
             kept.append(kernel)
-        seconds = _time_in_turns([executor.replay_graph for executor in executors])
+        seconds = time_in_turns([executor.replay_graph for executor in executors])
         best = min(range(len(kept)), key=seconds.__getitem__)
         if seconds[best] >= MARGIN * seconds[0]:
             best = 0
@@ -123,12 +123,12 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
     return results
 
 
-def _time_in_turns(graphs: Sequence) -> list[float]:
+def time_in_turns(graphs: Sequence, rounds: int = ROUNDS) -> list[float]:
     """Median seconds of a replay of each CUDA graph, the graphs taking turns in blocks of replays."""
     from neoflow.targets.cuda import driver
 
     times: list[list[float]] = [[] for _ in graphs]
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for graph, found in zip(graphs, times, strict=True):
             found.extend(driver.time_replays(graph, REPLAYS))
     return [statistics.median(found) for found in times]
