@@ -204,15 +204,20 @@ class ValuePrinter:
         return None if offset.has(sympy.floor, sympy.Mod) else offset
 
     def __call__(self, node: Expr, target: str | None = None) -> str:
-        """``node`` as C, converted to ``target`` (default: the node's dtype)."""
+        """``node`` as C, converted to ``target`` (default: the node's dtype).  A weakly typed float
+        (a literal, or an expression of literals alone) is computed in a float ``target``, the dtype
+        it meets: ``X * 0.1`` with a double ``X`` multiplies by ``0.1``, not by ``(double)0.1f``."""
         if isinstance(node, Select):  # converting each value alike: the choice stays one of two values
             return self._select(node, node.dtype if target is None else target)
+        if target is not None and node.dtype == dt.WEAK_FLOAT and dt.concrete(target) in dt.WIDE_FLOATS:
+            return self._value(node, dt.concrete(target))
         text = self._value(node)
         return cast(text, node.dtype, target, self.types) if target is not None else text
 
-    def _value(self, node: Expr) -> str:
+    def _value(self, node: Expr, meets: str | None = None) -> str:
+        """``node`` as C; ``meets``: the float dtype a weakly typed float ``node`` is computed in."""
         if isinstance(node, Const):
-            return _literal(node.value, node.dtype)
+            return _literal(node.value, meets or node.dtype)
         if isinstance(node, Index):
             return self.index(node.expr)
         if isinstance(node, Read):
@@ -225,9 +230,9 @@ class ValuePrinter:
         if isinstance(node, Cast):
             return self(node.x, node.to)
         if isinstance(node, Unary):
-            return self._unary(node)
+            return self._unary(node, meets)
         if isinstance(node, Binary):
-            return self._binary(node)
+            return self._binary(node, meets)
         raise CompileError(f"no C form for {type(node).__name__}")
 
     def _select(self, node: Select, dtype: str) -> str:
@@ -243,10 +248,10 @@ class ValuePrinter:
             return f"{pick}({cond}, {a}, {b})"
         return f"({cond} ? {a} : {b})"
 
-    def _unary(self, node: Unary) -> str:
+    def _unary(self, node: Unary, meets: str | None = None) -> str:
         if node.op == "!":
             return f"(!{self(node.x, 'bool')})"
-        work = _compute(node.dtype)
+        work = meets or _compute(node.dtype)
         x = self(node.x, work)
         if node.op == "-":
             return f"(-{x})"
@@ -258,13 +263,14 @@ class ValuePrinter:
             return f"(1 / (1 + {_math('exp', work)}(-{x})))"
         return f"{_math(_FLOAT_FUNCS[node.op], work)}({x})"
 
-    def _binary(self, node: Binary) -> str:
+    def _binary(self, node: Binary, meets: str | None = None) -> str:
         if node.op in ("&&", "||"):
             a = self(node.a, "bool")
             with self.on_branch(node.a, node.op == "&&"):
                 b = self(node.b, "bool")
             return f"({a} {node.op} {b})"
-        operand = _compute(node.operand_dtype)
+        weak = meets is not None and node.operand_dtype == dt.WEAK_FLOAT
+        operand = meets if weak else _compute(node.operand_dtype)
         a, b = self(node.a, operand), self(node.b, operand)
         floating = _is_float(operand)
         if node.op in ("+", "-", "*", "<", "<=", ">", ">=", "==", "!="):
@@ -282,7 +288,7 @@ class ValuePrinter:
         else:
             raise CompileError(f"operator '{node.op}' has no C form")
         result = "bool" if node.dtype == "bool" else operand
-        return cast(text, result, node.dtype, self.types)
+        return cast(text, result, meets if weak and node.dtype == dt.WEAK_FLOAT else node.dtype, self.types)
 
 
 def unflatten_index(flat: str, variables: list[tuple[str, int]]) -> str:

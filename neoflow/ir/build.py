@@ -63,6 +63,15 @@ LITERALS: dict[str, bool | float] = {"true": True, "false": False, "inf": float(
 _INDEX_OPS = ("+", "-", "*", "/", "//", "%")
 
 
+def _literal(node: Node) -> bool:
+    """Whether ``node`` is made of number literals alone (``3``, ``-(2 * 4)``)."""
+    if isinstance(node, Number):
+        return True
+    if isinstance(node, UnOp):
+        return node.op == "-" and _literal(node.x)
+    return isinstance(node, BinOp) and _literal(node.a) and _literal(node.b)
+
+
 def _error(cls: type[ParseError] | type[ShapeError], message: str, pos: Pos | None, op: str) -> Exception:
     return cls(message, op=op, line=pos[0] if pos else None, column=pos[1] if pos else None)
 
@@ -264,6 +273,8 @@ class _OpBuilder:
         raise self.fail("expected an integer index expression (variables, integers, + - * / // %)", node.pos)
 
     def is_index(self, node: Node) -> bool:
+        """Whether a value is an integer index expression (folded as one, ``/`` flooring).  A ``/``
+        between literals alone is not: ``1 / 3`` is a third, as in Python, not 0."""
         if isinstance(node, Number):
             return isinstance(node.value, int)
         if isinstance(node, Name):
@@ -271,6 +282,8 @@ class _OpBuilder:
         if isinstance(node, UnOp):
             return node.op == "-" and self.is_index(node.x)
         if isinstance(node, BinOp):
+            if node.op == "/" and _literal(node.a) and _literal(node.b):
+                return False
             return node.op in _INDEX_OPS and self.is_index(node.a) and self.is_index(node.b)
         return False
 

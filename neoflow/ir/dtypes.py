@@ -43,6 +43,8 @@ STORAGE_INTS = ("int4", "uint4", "int2", "uint2")
 WEAK_INT = "weak_int"
 WEAK_FLOAT = "weak_float"
 DEFAULT_FLOAT = "float32"
+#: the float dtypes arithmetic is carried out in: a weakly typed float meeting one is computed in it
+WIDE_FLOATS = ("float32", "float64")
 
 _FLOATS = (
     "float16",

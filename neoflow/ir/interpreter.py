@@ -104,7 +104,8 @@ class _OpEvaluator:
             env[axis] = self.grid(axis, 0, self.extent[axis])
         self.env = env
         with np.errstate(all="ignore"):
-            value = np.asarray(self.eval(self.op.body, None), dtype=dt.numpy_dtype(self.op.dtype))
+            target = dt.numpy_dtype(self.op.dtype)
+            value = np.asarray(self.eval(self.op.body, None, target), dtype=target)
         if value.ndim:  # full rank; the reduction axes have been reduced to size 1
             value = value.reshape(value.shape[: len(self.op.indices)])
         return np.broadcast_to(value, tuple(s.stop - s.start for s in chunk))
@@ -118,8 +119,14 @@ class _OpEvaluator:
             out.append(value.reshape(value.shape[:n_out]) if value.ndim else value)
         return out
 
-    def eval(self, node: Expr, live: Mask) -> np.ndarray:
+    def eval(self, node: Expr, live: Mask, meets: np.dtype | None = None) -> np.ndarray:
+        """``node``'s value where ``live`` (None: everywhere).  ``meets``: the dtype the value is
+        converted to where it is used; a weakly typed float (a literal, or an expression of literals
+        alone) is computed in it, as NumPy 2 and JAX treat Python scalars: ``X * 0.1`` multiplies a
+        float64 ``X`` by the float64 nearest 0.1, not by the float32 one."""
         target = dt.numpy_dtype(node.dtype)
+        if meets is not None and node.dtype == dt.WEAK_FLOAT and meets.name in dt.WIDE_FLOATS:
+            target = meets
         if isinstance(node, Const):
             return np.asarray(node.value, dtype=target)
         if isinstance(node, Index):
@@ -128,39 +135,42 @@ class _OpEvaluator:
             indices = [np.asarray(index.evaluate(i, self.env, self.read_data)) for i in node.indices]
             return self.gather(node.tensor, indices, live, node)
         if isinstance(node, Unary):
-            work = dt.compute_dtype(node.dtype)
-            return _UNARY[node.op](self.eval(node.x, live).astype(work, copy=False)).astype(target, copy=False)
+            work = target if node.dtype == dt.WEAK_FLOAT else dt.compute_dtype(node.dtype)
+            x = self.eval(node.x, live, work)
+            return _UNARY[node.op](x.astype(work, copy=False)).astype(target, copy=False)
         if isinstance(node, Binary):
-            return self.binary(node, live)
+            return self.binary(node, live, target)
         if isinstance(node, Select):
             cond = self.eval(node.cond, live).astype(bool, copy=False)
-            a = self.eval(node.a, cond if live is None else live & cond)
-            b = self.eval(node.b, ~cond if live is None else live & ~cond)
+            a = self.eval(node.a, cond if live is None else live & cond, target)
+            b = self.eval(node.b, ~cond if live is None else live & ~cond, target)
             return np.where(cond, a.astype(target, copy=False), b.astype(target, copy=False))
         if isinstance(node, Cast):
-            return self.eval(node.x, live).astype(target)
+            return self.eval(node.x, live, target).astype(target)
         if isinstance(node, Reduce):
             return self.reduce(node, live, target)
         raise TypeError(f"cannot evaluate {type(node).__name__}")
 
-    def binary(self, node: Binary, live: Mask) -> np.ndarray:
-        operand = dt.compute_dtype(node.operand_dtype)
-        a = self.eval(node.a, live).astype(operand if node.op not in ("&&", "||") else bool, copy=False)
+    def binary(self, node: Binary, live: Mask, target: np.dtype) -> np.ndarray:
         if node.op in ("&&", "||"):
+            a = self.eval(node.a, live).astype(bool, copy=False)
             go_on = a if node.op == "&&" else ~a
             b = self.eval(node.b, go_on if live is None else live & go_on).astype(bool, copy=False)
             return np.logical_and(a, b) if node.op == "&&" else np.logical_or(a, b)
-        b = self.eval(node.b, live).astype(operand, copy=False)
-        return _BINARY[node.op](a, b).astype(dt.numpy_dtype(node.dtype), copy=False)
+        operand = _operand(node, target)
+        a = self.eval(node.a, live, operand).astype(operand, copy=False)
+        b = self.eval(node.b, live, operand).astype(operand, copy=False)
+        result = target if node.dtype == dt.WEAK_FLOAT else dt.numpy_dtype(node.dtype)
+        return _BINARY[node.op](a, b).astype(result, copy=False)
 
     def contract(self, node: Reduce, live: Mask, target: np.dtype) -> np.ndarray | None:
         """``ReduceAdd`` of a product of two factors, by ``np.einsum`` (no product grid)."""
         body = node.body
         if node.kind != "ReduceAdd" or node.where is not None or not isinstance(body, Binary) or body.op != "*":
             return None
-        operand = dt.numpy_dtype(body.operand_dtype)
-        a = self.eval(body.a, live).astype(operand, copy=False)
-        b = self.eval(body.b, live).astype(operand, copy=False)
+        operand = _operand(body, target)
+        a = self.eval(body.a, live, operand).astype(operand, copy=False)
+        b = self.eval(body.b, live, operand).astype(operand, copy=False)
         if a.ndim != self.rank or b.ndim != self.rank or self.rank > 52:
             return None
         positions = {self.axes.index(axis) for axis in node.axes}
@@ -179,10 +189,10 @@ class _OpEvaluator:
             return contracted
         initial = reduction_identity(node.kind, target)
         if node.where is None:
-            body = self.eval(node.body, live).astype(target, copy=False)
+            body = self.eval(node.body, live, target).astype(target, copy=False)
         else:
             inside = self.eval(node.where, live).astype(bool, copy=False)
-            body = self.eval(node.body, inside if live is None else live & inside).astype(target, copy=False)
+            body = self.eval(node.body, inside if live is None else live & inside, target).astype(target, copy=False)
             body = np.where(inside, body, np.asarray(initial, dtype=target))
         positions = tuple(self.axes.index(a) for a in node.axes)
         shape = list(np.shape(body)) + [1] * (self.rank - np.ndim(body))
@@ -231,6 +241,14 @@ class _PointEvaluator(_OpEvaluator):
         if self.value is None:
             raise TypeError("a reduction cannot be evaluated at points")
         return np.asarray(self.value).astype(target, copy=False)
+
+
+def _operand(node: Binary, target: np.dtype) -> np.dtype:
+    """The dtype ``node``'s operands are computed in: its operand dtype's, or, where that is a weak
+    float (literals alone), ``target``, the dtype its value meets."""
+    if node.operand_dtype == dt.WEAK_FLOAT and target.name in dt.WIDE_FLOATS:
+        return target
+    return dt.compute_dtype(node.operand_dtype)
 
 
 def evaluate_at(

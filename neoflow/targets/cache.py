@@ -3,6 +3,7 @@ measured (``neoflow tune``'s tables of results)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -35,44 +36,58 @@ def tuning_enabled() -> bool:
     return os.environ.get("NEOFLOW_TUNING", "1") != "0"
 
 
-_tables: dict[Path, tuple[int, dict]] = {}
+_tables: dict[Path, tuple[tuple[int, int], dict, str]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_mtime_ns, status.st_size
+
+
+def _load(path: Path) -> tuple[dict, str]:
+    """The table at ``path`` and a hash of its bytes, read again only when the file changed."""
+    stamp = _stamp(path)
+    if stamp is None:
+        return {}, "none"
+    cached = _tables.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1], cached[2]
+    try:
+        data = path.read_bytes()
+        entries = json.loads(data)
+    except (OSError, ValueError):
+        data, entries = b"", {}
+    if not isinstance(entries, dict):
+        entries = {}
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    _tables[path] = (stamp, entries, digest)
+    return entries, digest
 
 
 def read_table(path: Path) -> dict[str, dict]:
     """The JSON object of results at ``path`` (empty where there is none or it is damaged: measuring
-    again rewrites it), read again only when the file changed."""
-    try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        return {}
-    cached = _tables.get(path)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    if not isinstance(entries, dict):
-        entries = {}
-    _tables[path] = (stamp, entries)
-    return entries
+    again rewrites it)."""
+    return _load(path)[0]
 
 
 def update_table(path: Path, entries: dict[str, dict]) -> None:
-    """Add ``entries`` to the table at ``path`` (read again just before, so that entries another
-    process wrote meanwhile are kept), written atomically."""
-    _tables.pop(path, None)
-    merged = {**read_table(path), **entries}
-    write_atomically(path, json.dumps(merged, indent=1, sort_keys=True).encode())
+    """Add ``entries`` to the table at ``path``, written atomically; read again under a lock just
+    before, so that the entries other processes add at the same time are all kept."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _tables.pop(path, None)
+        merged = {**read_table(path), **entries}
+        write_atomically(path, json.dumps(merged, indent=1, sort_keys=True).encode())
     _tables.pop(path, None)
 
 
 def table_digest(path: Path) -> str:
     """A hash of the table at ``path`` as compiles would read it now (``off`` where tuning is ignored,
-    ``none`` where there is no table)."""
+    ``none`` where there is no table); cheap while the file is unchanged."""
     if not tuning_enabled():
         return "off"
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    except OSError:
-        return "none"
+    return _load(path)[1]
