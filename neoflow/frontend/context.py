@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from neoflow.errors import NeoflowError, ShapeError, UnsupportedOpError
+from neoflow.errors import InputError, NeoflowError, ShapeError, UnsupportedOpError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.index import index_vars
 from neoflow.ir.op import Op, Tensor
@@ -170,6 +170,8 @@ class NodeContext:
         """Define output ``k`` (or an internal tensor ``name``) as ``body`` over the
         index variables ``i0, i1, ...`` of ``shape``; returns its name."""
         out = name or self.output(k)
+        if any(d < 0 for d in shape):
+            raise self.fail(f"its output '{out}' would have shape {list(shape)}: a negative dimension")
         names = index_vars(len(shape))
         text = body(names) if callable(body) else body
         self.model.add_statement(f"{out}[{', '.join(names)}] = {text}", shape, dtype)
@@ -192,5 +194,16 @@ class NodeContext:
 
 
 def to_array(tensor: onnx.TensorProto) -> np.ndarray:
-    """An ONNX tensor as a numpy array."""
-    return numpy_helper.to_array(tensor)
+    """An ONNX tensor as a numpy array; a data type ONNX does not have, or data that does not fill
+    the tensor's dims, is an ``InputError`` naming the tensor."""
+    if tensor.data_type not in onnx.TensorProto.DataType.values():
+        raise InputError(f"tensor '{tensor.name}' has data type {tensor.data_type}, which is no ONNX data type")
+    if any(d < 0 for d in tensor.dims):
+        raise InputError(f"tensor '{tensor.name}' has dims {list(tensor.dims)}: a negative dimension")
+    try:
+        return numpy_helper.to_array(tensor)
+    except (ValueError, TypeError, KeyError) as err:
+        kind = onnx.TensorProto.DataType.Name(tensor.data_type)
+        raise InputError(
+            f"tensor '{tensor.name}': its data does not match its data type {kind} and dims {list(tensor.dims)} ({err})"
+        ) from None

@@ -186,10 +186,20 @@ def pad(ctx: NodeContext) -> None:
         ctx.elementwise("{0}", [0])
 
 
+def _blocksize(ctx: NodeContext, channels: int | None = None) -> int:
+    """The node's ``blocksize``: positive, and (``DepthToSpace``) dividing ``channels`` in squares."""
+    b = ctx.attr("blocksize")
+    if not isinstance(b, int) or b < 1:
+        raise ctx.fail(f"blocksize must be a positive integer, got {b!r}")
+    if channels is not None and channels % (b * b):
+        raise ctx.fail(f"its {channels} input channels are not a multiple of blocksize^2 = {b * b}")
+    return b
+
+
 @converter("DepthToSpace")
 def depth_to_space(ctx: NodeContext) -> None:
     n, c, h, w = ctx.shape(0)
-    b = int(ctx.attr("blocksize"))
+    b = _blocksize(ctx, c)
     x = ctx.input(0)
     out_c = c // (b * b)
     if ctx.attr("mode", "DCR") == "DCR":
@@ -202,7 +212,9 @@ def depth_to_space(ctx: NodeContext) -> None:
 @converter("SpaceToDepth")
 def space_to_depth(ctx: NodeContext) -> None:
     n, c, h, w = ctx.shape(0)
-    b = int(ctx.attr("blocksize"))
+    b = _blocksize(ctx)
+    if h % b or w % b:
+        raise ctx.fail(f"its {h} x {w} input is not a multiple of blocksize {b}")
     x = ctx.input(0)
     ctx.define(f"{x}[i0, i1%{c}, i2*{b} + i1//{c * b}, i3*{b} + i1//{c}%{b}]", (n, c * b * b, h // b, w // b))
 

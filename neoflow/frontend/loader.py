@@ -49,6 +49,9 @@ def read_model(source: str | os.PathLike | onnx.ModelProto, check: bool = True) 
     except onnx.checker.ValidationError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "invalid model"
         raise InputError(f"the model fails onnx.checker: {first}") from None
+    except Exception as err:  # the checker's own failures on damaged bytes (an undecodable name)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise InputError(f"the model fails onnx.checker: {type(err).__name__}: {first}") from None
     return model
 
 

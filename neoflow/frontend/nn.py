@@ -22,6 +22,15 @@ def _window(
     strides = list(ctx.attr("strides", [1] * k))
     dilations = list(ctx.attr("dilations", [1] * k))
     pads = list(ctx.attr("pads", [0] * (2 * k)))
+    for name, values, count, low in (
+        ("strides", strides, k, 1),
+        ("dilations", dilations, k, 1),
+        ("pads", pads, 2 * k, 0),
+    ):
+        if len(values) != count or any(not isinstance(v, int) or v < low for v in values):
+            raise ctx.fail(f"{name} {values} should be {count} integers of at least {low} for a {k}-d window")
+    if any(not isinstance(v, int) or v < 1 for v in kernel):
+        raise ctx.fail(f"kernel {list(kernel)} should be positive integers")
     auto_pad = ctx.attr("auto_pad", "NOTSET")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         pads = [0] * (2 * k)

@@ -26,6 +26,7 @@ from neoflow.runtime import compile_cache
 from neoflow.runtime.custom_op import CompiledOp
 from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
 from neoflow.runtime.report import compile_report
+from neoflow.runtime.resources import check_memory
 from neoflow.targets import check_target, machine_file, with_machine_file
 
 ModelSource = str | os.PathLike | onnx.ModelProto | Graph
@@ -125,6 +126,7 @@ def _compile_model(model, target, train, shapes, parameters, fusion, precision) 
         inference = load_onnx(proto, shapes, fold_parameters=train is None)
     if parameters:
         inference = _bind(inference, parameters)
+    check_memory(inference)
     forward = inference
     if train is not None and proto is not None:
         forward = dataclasses.replace(
@@ -138,6 +140,7 @@ def _compile_model(model, target, train, shapes, parameters, fusion, precision) 
             stored = _parameter_sources(proto) | set(parameters or {})
             constants = [p for p in forward.parameters if sources.get(p, p) not in stored]
         training = build_training_graph(forward, train, constants)
+        check_memory(training.graph)
     return CompiledModel(inference, training, train, target, proto, dict(shapes or {}), fusion, precision)
 
 

@@ -124,3 +124,39 @@ def test_missing_external_data_is_a_one_line_error_naming_the_tensor(tmp_path) -
     with pytest.raises(InputError, match=r"tensor 'w': its external data file .* does not exist") as caught:
         neoflow.load_onnx(path)
     assert "\n" not in str(caught.value)
+
+
+def test_a_tensor_larger_than_the_machines_memory_fails_before_anything_is_allocated() -> None:
+    model = model_of(
+        helper.make_node("Relu", ["x"], ["y"]), inputs=(("x", [2, 2**31, 5]),), outputs=(("y", [2, 2**31, 5]),)
+    )
+    with pytest.raises(InputError) as info:
+        neoflow.compile(model, target="interp")
+    assert "tensor 'x' ([2, 2147483648, 5] float32) needs 80.0 GiB, more than this machine's" in one_line(info.value)
+
+
+@pytest.mark.parametrize(
+    ("node", "message"),
+    [
+        (helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=0), "blocksize must be a positive integer, got 0"),
+        (helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=3), "not a multiple of blocksize^2 = 9"),
+        (helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[0, 1]), "strides [0, 1] should be"),
+        (helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2, 0]), "kernel [2, 0] should be positive"),
+    ],
+)
+def test_attributes_out_of_range_name_the_node(node, message) -> None:
+    model = model_of(node, inputs=(("x", [1, 8, 4, 4]),), outputs=(("y", [1, 8, 4, 4]),))
+    with pytest.raises(NeoflowError) as info:
+        neoflow.load_onnx(model)
+    assert message in one_line(info.value)
+
+
+def test_an_initializer_of_no_onnx_data_type_or_short_data_names_the_tensor() -> None:
+    model = onnx.load(MODELS / "cnn.onnx")
+    model.graph.initializer[0].data_type = 99
+    with pytest.raises(InputError, match=f"tensor '{model.graph.initializer[0].name}' has data type 99"):
+        neoflow.load_onnx(model, check=False)
+    model = onnx.load(MODELS / "cnn.onnx")
+    model.graph.initializer[0].dims[0] += 1
+    with pytest.raises(InputError, match="its data does not match its data type FLOAT and dims"):
+        neoflow.load_onnx(model, check=False)  # (onnx.checker, when run, says so first)

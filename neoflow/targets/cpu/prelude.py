@@ -71,21 +71,31 @@ NF_PICK(nf_pick, double, uint64_t)
    call, glibc hands large blocks back to the system and the next call faults them in
    again, which costs a small kernel more than its arithmetic.  NF_SCRATCH declares a
    pointer to at least ``count`` elements, the block of that site and thread (contents
-   undefined); a thread's blocks are freed when it exits. */
+   undefined); a thread's blocks are freed when it exits.  Each library holds one thread key
+   (a process has PTHREAD_KEYS_MAX, 1024 on Linux): where none is left its blocks are kept
+   but not freed at thread exit (a key used without being created was another library's:
+   Python's own thread state broke after a tuner loaded 1100 libraries), and the key is given
+   back when the library is unloaded. */
 #include <pthread.h>
 typedef struct nf_block { struct nf_block *next; } nf_block;
 static pthread_key_t nf_blocks_key;
+static int nf_blocks_keyed;
 static pthread_once_t nf_blocks_once = PTHREAD_ONCE_INIT;
 static void nf_free_blocks(void *head) {
     for (nf_block *b = (nf_block *)head; b != NULL;) { nf_block *next = b->next; free(b); b = next; }
 }
-static void nf_blocks_init(void) { pthread_key_create(&nf_blocks_key, nf_free_blocks); }
+static void nf_blocks_init(void) { nf_blocks_keyed = pthread_key_create(&nf_blocks_key, nf_free_blocks) == 0; }
+__attribute__((destructor)) static void nf_blocks_fini(void) {
+    if (nf_blocks_keyed) pthread_key_delete(nf_blocks_key);
+}
 static void *nf_scratch(void **kept, size_t *capacity, size_t bytes) {
     if (*kept == NULL || bytes > *capacity) {  /* a larger block; the smaller one stays listed */
         pthread_once(&nf_blocks_once, nf_blocks_init);
         nf_block *block = (nf_block *)aligned_alloc(64, 64 + (bytes + 63) / 64 * 64);
-        block->next = (nf_block *)pthread_getspecific(nf_blocks_key);
-        pthread_setspecific(nf_blocks_key, block);
+        if (nf_blocks_keyed) {
+            block->next = (nf_block *)pthread_getspecific(nf_blocks_key);
+            pthread_setspecific(nf_blocks_key, block);
+        }
         *kept = (char *)block + 64;
         *capacity = bytes;
     }

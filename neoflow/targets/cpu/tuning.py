@@ -17,6 +17,7 @@ far, and compare medians.
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import dataclasses
 import hashlib
@@ -186,6 +187,11 @@ class _Candidate:
         self.function(*self.pointers)
         return self.out
 
+    def close(self) -> None:
+        """Unload the library (its thread key and code given back: a search loads hundreds)."""
+        handle, self.library, self.function = self.library._handle, None, None
+        _ctypes.dlclose(handle)
+
 
 def _calls_per_block(call: Callable[[], object]) -> int:
     start = time.perf_counter()
@@ -258,33 +264,43 @@ def tune_op(
         tried += 1
         if not _matches(expected, candidate()):
             rejected.append(describe(choice))
+            candidate.close()
             return None
         incumbent, challenger = compare(best, candidate)
         if default_seconds is None:
             default_seconds = incumbent
         best_seconds = incumbent if best_seconds is None else min(best_seconds, incumbent)
         if challenger < MARGIN * incumbent:
+            if best is not default:
+                best.close()
             best, best_seconds = candidate, challenger
+        else:
+            candidate.close()
         return challenger
 
-    paths = lowering_paths(op)
-    for path in paths:
-        attempt(KernelChoice(path))
-    if "blocked" in paths:
-        for structure in STRUCTURES:
-            base = KernelChoice("blocked", Blocking(structure=structure))
-            seconds = attempt(base)
-            promising = seconds is not None and best_seconds is not None and seconds <= PROMISING * best_seconds
-            if promising or lower_op(op, "KERNEL", base) == default_code:  # the default's own structure
-                for step in range(2):
-                    for choice in _walk(structure, best.choice)[step]:
-                        attempt(choice)
-    if best is default:
-        if default_seconds is None:  # nothing else was timed: the default alone
-            default_seconds = compare(default, default, rounds=1)[0]
-        return TuneResult(op.name, key, KernelChoice(), default_seconds, default_seconds, tried, tuple(rejected))
-    # the winner against the default head to head, in more rounds: kept only where still faster
-    default_seconds, best_seconds = compare(default, best, rounds=2 * ROUNDS)
-    if best_seconds >= MARGIN * default_seconds:
-        return TuneResult(op.name, key, KernelChoice(), default_seconds, default_seconds, tried, tuple(rejected))
-    return TuneResult(op.name, key, best.choice, default_seconds, best_seconds, tried, tuple(rejected))
+    try:
+        paths = lowering_paths(op)
+        for path in paths:
+            attempt(KernelChoice(path))
+        if "blocked" in paths:
+            for structure in STRUCTURES:
+                base = KernelChoice("blocked", Blocking(structure=structure))
+                seconds = attempt(base)
+                promising = seconds is not None and best_seconds is not None and seconds <= PROMISING * best_seconds
+                if promising or lower_op(op, "KERNEL", base) == default_code:  # the default's own structure
+                    for step in range(2):
+                        for choice in _walk(structure, best.choice)[step]:
+                            attempt(choice)
+        if best is default:
+            if default_seconds is None:  # nothing else was timed: the default alone
+                default_seconds = compare(default, default, rounds=1)[0]
+            return TuneResult(op.name, key, KernelChoice(), default_seconds, default_seconds, tried, tuple(rejected))
+        # the winner against the default head to head, in more rounds: kept only where still faster
+        default_seconds, best_seconds = compare(default, best, rounds=2 * ROUNDS)
+        if best_seconds >= MARGIN * default_seconds:
+            return TuneResult(op.name, key, KernelChoice(), default_seconds, default_seconds, tried, tuple(rejected))
+        return TuneResult(op.name, key, best.choice, default_seconds, best_seconds, tried, tuple(rejected))
+    finally:  # every library unloaded: a search loads hundreds
+        default.close()
+        if best is not default:
+            best.close()

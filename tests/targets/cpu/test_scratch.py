@@ -59,3 +59,51 @@ def test_kernels_keep_their_temporaries_in_scratch_blocks_and_free_none() -> Non
         code = lower_op(op, "kernel")
         assert "NF_SCRATCH(float, " in code, op.name
         assert "free(" not in code and "aligned_alloc(" not in code, op.name
+
+
+@NEEDS_CC
+def test_a_library_loaded_when_no_thread_key_is_left_keeps_its_blocks_and_python_works(tmp_path) -> None:
+    # a tuner loads hundreds of libraries, each with a thread key for its blocks; a process has 1024
+    # keys: where none is left, a library must not use another's key (Python's thread state broke)
+    libc = ctypes.CDLL(None)
+    keys = []
+    while True:
+        key = ctypes.c_uint()
+        if libc.pthread_key_create(ctypes.byref(key), None) != 0:
+            break
+        keys.append(key)
+    try:
+        library = load_library(PROBE + "\n/* no key left */\n")
+        probe = library.probe
+        probe.argtypes, probe.restype = [ctypes.c_int64], ctypes.c_void_p
+        first = probe(1000)
+        assert first and probe(1000) == first
+        found = []
+        thread = threading.Thread(target=lambda: found.append(probe(1000)))
+        thread.start()
+        thread.join()
+        assert found and found[0] != first
+    finally:
+        for key in keys:
+            libc.pthread_key_delete(key)
+    assert len(keys) > 100
+
+
+@NEEDS_CC
+def test_a_library_unloaded_gives_its_thread_key_back() -> None:
+    import _ctypes
+
+    from neoflow.targets.cpu.compiler import build_library
+
+    path = str(build_library(PROBE + "\n/* loaded and unloaded */\n"))
+    for _ in range(1100):  # more than a process's 1024 keys
+        library = ctypes.CDLL(path)
+        library.probe.argtypes, library.probe.restype = [ctypes.c_int64], ctypes.c_void_p
+        thread = threading.Thread(target=library.probe, args=(16,))  # a thread of its own: a block, a key
+        thread.start()
+        thread.join()
+        _ctypes.dlclose(library._handle)
+    libc = ctypes.CDLL(None)
+    key = ctypes.c_uint()
+    assert libc.pthread_key_create(ctypes.byref(key), None) == 0, "no thread key left"
+    libc.pthread_key_delete(key)
