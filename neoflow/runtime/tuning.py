@@ -19,6 +19,7 @@ from neoflow.errors import InputError
 from neoflow.fusion.work import op_work
 from neoflow.ir.op import Op
 from neoflow.runtime.compiled import CompiledModel
+from neoflow.targets.cache import within_budget
 from neoflow.targets.cpu.executor import threads
 from neoflow.targets.cpu.lower import lower_op, lowering_paths
 from neoflow.targets.cpu.tuning import compare, describe, kernel_key, load_table, record, table_path, tune_op
@@ -87,11 +88,7 @@ def tune_model(
     todo = [op for op in ops if retune or kernel_key(lower_op(op, "KERNEL")) not in known]
     values = _all_values(executor, feed)
     rows: list[TuneRow] = []
-    for done, op in enumerate(todo):
-        if time.perf_counter() > deadline:
-            break
-        if progress is not None:
-            progress(done, len(todo), op.name)
+    for op in within_budget(todo, deadline, progress):
         result = tune_op(op, [values[t.name] for t in op.inputs], deadline)
         record([result], threads())  # kept as found: an interrupted run loses nothing measured
         rows.append(

@@ -8,7 +8,12 @@ import hashlib
 import json
 import os
 import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def cache_dir() -> Path:
@@ -91,3 +96,14 @@ def table_digest(path: Path) -> str:
     if not tuning_enabled():
         return "off"
     return _load(path)[1]
+
+
+def within_budget(items: Sequence[T], deadline: float, progress: Callable[[int, int, str], None] | None) -> Iterator[T]:
+    """``items`` (ops to tune, by ``name``) one by one until ``time.perf_counter()`` passes
+    ``deadline``, telling ``progress(done, total, name)`` before each."""
+    for done, item in enumerate(items):
+        if time.perf_counter() > deadline:
+            return
+        if progress is not None:
+            progress(done, len(items), item.name)
+        yield item

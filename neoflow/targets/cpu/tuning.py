@@ -153,10 +153,6 @@ class TuneResult:
     tried: int
     rejected: tuple[str, ...] = ()
 
-    @property
-    def speedup(self) -> float:
-        return self.default_seconds / self.seconds if self.seconds > 0 else 1.0
-
 
 def describe(choice: KernelChoice) -> str:
     """A choice in a few words (``default`` for the untuned lowering)."""

@@ -24,7 +24,7 @@ from neoflow.fusion.work import op_work
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
-from neoflow.targets.cache import read_table
+from neoflow.targets.cache import read_table, within_budget
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.executor import CudaExecutor
 from neoflow.targets.cuda.nvrtc import compile_cubin
@@ -54,10 +54,6 @@ class PieceResult:
     fastest_seconds: float
     tried: int
     rejected: tuple[str, ...] = ()
-
-    @property
-    def speedup(self) -> float:
-        return self.chosen_seconds / self.fastest_seconds if self.fastest_seconds > 0 else 1.0
 
 
 def describe(kernel) -> str:
@@ -150,11 +146,7 @@ def tune_ops(
     """Tune the tensor-core pieces of ``ops`` in order within ``budget_seconds``, recording as it goes."""
     deadline = time.perf_counter() + budget_seconds
     found: list[PieceResult] = []
-    for done, op in enumerate(ops):
-        if time.perf_counter() > deadline:
-            break
-        if progress is not None:
-            progress(done, len(ops), op.name)
+    for op in within_budget(ops, deadline, progress):
         results = tune_op(op, precision, arch, deadline)
         record(results, arch)
         found.extend(results)

@@ -19,6 +19,17 @@ needs_nvrtc = pytest.mark.skipif(
 )
 
 
+def gpu_reason() -> str | None:
+    """Why the GPU tests cannot run here (None where a GPU answers)."""
+    try:
+        from neoflow.targets.cuda import driver
+
+        driver.device()
+    except Exception as err:
+        return f"no GPU: {err}"
+    return None
+
+
 def capsule(stride: int, batch: int = 2, channels: int = 8, out: int = 5, dtype: str = "float32") -> Op:
     """A capsule convolution (3x3, 4x4 poses) with an ``out x out`` output."""
     size = (out - 1) * stride + 3

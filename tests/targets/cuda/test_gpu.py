@@ -15,24 +15,14 @@ from tests.targets.cuda.gpu_cases import (
     all_ops,
     capsule,
     conv_relu,
+    gpu_reason,
     inputs_for,
     long_sums,
     masked_gradient,
     wgmma_plan,
 )
 
-
-def _gpu_reason() -> str | None:
-    try:
-        from neoflow.targets.cuda import driver
-
-        driver.device()
-    except Exception as err:
-        return f"no GPU: {err}"
-    return None
-
-
-REASON = _gpu_reason()
+REASON = gpu_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 CASES = {

@@ -16,7 +16,7 @@ from neoflow.targets.cache import write_atomically
 from neoflow.targets.cuda import tuning
 from neoflow.targets.cuda.executor import ModelExecutor
 from neoflow.targets.cuda.plan import candidates, plan_op, tensor_core_plan
-from tests.targets.cuda.gpu_cases import capsule, inputs_for
+from tests.targets.cuda.gpu_cases import capsule, gpu_reason, inputs_for
 
 ARCH = "sm_90"
 
@@ -79,17 +79,7 @@ def test_pieces_are_keyed_by_what_they_compute_not_by_name(cache) -> None:
     assert tuning.piece_key(op, 0, "tf32", ARCH) != tuning.piece_key(capsule(2), 0, "tf32", ARCH)
 
 
-def _gpu_reason() -> str | None:
-    try:
-        from neoflow.targets.cuda import driver
-
-        driver.device()
-    except Exception as err:
-        return f"no GPU: {err}"
-    return None
-
-
-@pytest.mark.skipif(_gpu_reason() is not None, reason="no GPU")
+@pytest.mark.skipif(gpu_reason() is not None, reason="no GPU")
 def test_the_tuner_times_candidates_on_the_gpu_and_records_the_fastest(cache) -> None:
     from neoflow.targets.cuda import tuner
 
