@@ -767,19 +767,24 @@ def tensor_core_plan(
     return OpPlan(op, kernels, not covers_output(op, views))
 
 
-def plan_op(op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH) -> OpPlan:
+def plan_op(
+    op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH, measured: bool = True
+) -> OpPlan:
     """The kernels of ``op`` (named ``name``, ``name_1``, ...) for a GPU of ``arch``: its ``tensor_core_plan`` where
     it has one, else one SIMT kernel; a long sum with few outputs runs a block per output
     point instead where the timing model expects that faster, and always where an operand
     would be decoded variable by variable at every element (no index tables: capsule28's k1
-    update took 0.48 ms on the tensor cores, 0.17 ms a block per output, on an H100)."""
-    return _plan_op(op, name, precision, arch, table_digest(tuning.table_path(arch)))
+    update took 0.48 ms on the tensor cores, 0.17 ms a block per output, on an H100).  ``measured``:
+    with the kernels the tuning table records (False: the timing model's own choices, which the fusion
+    cost model plans with, so that a table never changes the fusion plan whose ops it was measured on)."""
+    return _plan_op(op, name, precision, arch, table_digest(tuning.table_path(arch)) if measured else "off")
 
 
 @lru_cache(maxsize=512)
 def _plan_op(op: Op, name: str, precision: str, arch: str, table: str) -> OpPlan:
-    """``plan_op`` for the tuning table whose digest is ``table`` (a new table plans afresh)."""
-    plan = tensor_core_plan(op, name, precision, arch)
+    """``plan_op`` for the tuning table whose digest is ``table`` (a new table plans afresh; ``off``:
+    none)."""
+    plan = tensor_core_plan(op, name, precision, arch, use_table=table != "off")
     simt = simt_kernel(name, op)
     if plan is None:
         return OpPlan(op, (simt,), op.scatter is not None)

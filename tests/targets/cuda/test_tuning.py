@@ -92,3 +92,17 @@ def test_the_tuner_times_candidates_on_the_gpu_and_records_the_fastest(cache) ->
     tuning.record(results, ARCH)
     assert tuner.tuned_pieces(op, "tf32", ARCH)
     assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == tuple(r.fastest for r in results)
+
+
+def test_the_fusion_cost_model_plans_with_the_models_choices_not_the_table(cache) -> None:
+    # the table is measured on the ops of a fusion plan: were the plan costed with it, it could change
+    # (capsule28's tuned step planned other ops, which the table then did not know)
+    from neoflow.targets.cuda import gpu_schedule
+
+    op = capsule(2)
+    before = gpu_schedule(op)
+    _, other = _other(op)
+    _write(op, other)
+    taken = plan_op(op, "probe", "tf32", ARCH).kernels
+    assert [tuning.kernel_entry(k) for k in taken] == [tuning.kernel_entry(k) for k in other]  # executors do
+    assert gpu_schedule(op) == before
