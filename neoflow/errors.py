@@ -87,3 +87,9 @@ class InputError(NeoflowError):
     """Run-time inputs that do not match what a graph or op declares."""
 
     kind = "input error"
+
+
+class NumericError(NeoflowError):
+    """A training step whose loss or updated parameters are not finite (NaN or Inf)."""
+
+    kind = "numeric error"

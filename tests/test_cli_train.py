@@ -132,3 +132,18 @@ def test_compile_with_a_fusion_policy_records_it_and_reloads_with_it(tmp_path: P
     err = capsys.readouterr().err
     assert "unknown fusion policy 'nope'" in err and err.count("\n") == 1
     assert not (tmp_path / "bad").exists()
+
+
+def test_training_stops_with_a_one_line_message_at_the_first_non_finite_step(tmp_path: Path, capsys) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    x[40, 3] = np.nan
+    np.savez(tmp_path / "data.npz", x=x, y=rng.integers(0, 10, 64))
+    build = tmp_path / "b"
+    assert main(["compile", str(MODELS / "mlp.onnx"), "--train", "--labels", "y", "-o", str(build)]) == 0
+    capsys.readouterr()
+    code = main(["train", str(build), "--data", str(tmp_path / "data.npz"), "--epochs", "3", "--no-progress"])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("neoflow: numeric error: training step "), err[-1]
+    assert err[-1].endswith("the loss is nan"), err[-1]

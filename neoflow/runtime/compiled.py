@@ -14,7 +14,7 @@ import onnx
 from onnx import numpy_helper
 
 from neoflow.autodiff.training import TrainingGraph, TrainSpec, build_training_graph, internal_names
-from neoflow.errors import CompileError, InputError
+from neoflow.errors import CompileError, InputError, NumericError
 from neoflow.frontend import load_onnx, read_model
 from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.ir import dtypes as dt
@@ -335,19 +335,38 @@ class CompiledModel:
                 raise InputError(f"label {bad} in '{name}' is outside [0, {classes})")
         return array
 
-    def train_step(self, batch: Mapping[str, np.ndarray]) -> float:
+    def train_step(self, batch: Mapping[str, np.ndarray], check: bool = False) -> float:
         """One optimizer step on ``batch`` (data inputs and labels by name);
-        returns the loss before the step."""
+        returns the loss before the step.  With ``check``, a loss or an updated parameter
+        that is not finite (a NaN or Inf gradient makes its parameter so) raises
+        ``NumericError`` with the step's number, and the parameters stay as they were."""
         training = self._require_training()
         # the next values are read by the next step only, so the executor may write the
         # step after next's into the same buffers (what it returns is not kept longer)
         outputs = self._train.run(self._training_feed(batch), recycle=True)
+        if check:
+            self._check_finite(training, outputs)
         for target, next_value in training.updates.items():
             self._values[target] = outputs[next_value]
         self.step += 1
         prediction = outputs.get(training.prediction)
         self.last_prediction = None if prediction is None else prediction.copy()
         return float(outputs[training.loss])
+
+    def _check_finite(self, training: TrainingGraph, outputs: Mapping[str, np.ndarray]) -> None:
+        """Raise ``NumericError`` where the step's loss or an updated value is NaN or Inf."""
+        number = self.step + 1
+        loss = float(outputs[training.loss])
+        if not np.isfinite(loss):
+            raise NumericError(f"training step {number}: the loss is {loss}")
+        for target, next_value in training.updates.items():
+            value = outputs[next_value]
+            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                bad = int(np.size(value) - np.isfinite(value).sum())
+                raise NumericError(
+                    f"training step {number}: the update of '{self.public_name(target)}' holds {bad} NaN or Inf "
+                    f"value(s) of {value.size} (its gradient is not finite); the parameters are left as they were"
+                )
 
     def gradients(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The loss gradient of every trainable parameter on ``batch``, by name

@@ -105,7 +105,7 @@ class Trainer:
         for b in range(batches):
             pick = order[b * self.batch : (b + 1) * self.batch]
             loss = self.model.train_step(
-                {self.input_name: self.x_train[pick], self.model.spec.labels: self.y_train[pick]}
+                {self.input_name: self.x_train[pick], self.model.spec.labels: self.y_train[pick]}, check=True
             )
             losses.append(loss)
             seen += len(pick)

@@ -223,3 +223,24 @@ def test_weights_the_exporter_reads_through_a_transpose_are_trained_and_inferenc
     with torch.no_grad():
         want = net(x).numpy()
     np.testing.assert_allclose(model.run({"x": x.numpy()})["logits"], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["interp", "cpu"])
+def test_a_non_finite_loss_or_gradient_is_reported_with_the_step_when_checked(target: str) -> None:
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.1)
+    model = neoflow.compile(MODELS_DIR / "mlp.onnx", target=target, train=spec)
+    rng = np.random.default_rng(0)
+    batch = model.example_batch(training=True)
+    good = {name: value.copy() for name, value in batch.items()}
+    model.train_step(good, check=True)
+    before = model.parameters()
+    poisoned = {name: value.copy() for name, value in batch.items()}
+    x = next(name for name, value in poisoned.items() if value.dtype.kind == "f")
+    poisoned[x][0, rng.integers(poisoned[x].shape[1])] = np.inf
+    with pytest.raises(neoflow.NumericError) as info:
+        model.train_step(poisoned, check=True)
+    message = str(info.value)
+    assert message.startswith("numeric error: training step 2:") and "\n" not in message
+    after = model.parameters()
+    assert all(np.array_equal(before[name], after[name]) for name in before), "a failed step changes nothing"
+    model.train_step(poisoned)  # unchecked, as before: the step runs
