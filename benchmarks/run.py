@@ -300,15 +300,9 @@ PEERS = ["torch eager", "torch.compile", "jax jit", "onnxruntime"]
 
 def machine() -> str:
     """The CPU model (from /proc/cpuinfo on Linux) and core count."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name} ({platform.machine()}), {os.cpu_count()} cores"
+    from neoflow.codegen.hardware import cpu_model
+
+    return f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -286,19 +286,28 @@ def text_mutant(program: int, seed: int) -> str:
 def text_outcome(text: str) -> tuple[str, str]:
     """Parse ``text`` and evaluate it on random inputs: ``ok``, ``neoflow error`` or ``internal``."""
     import neoflow
+
+    def run() -> None:
+        graph = neoflow.graph(text)
+        rng = np.random.default_rng(0)
+        neoflow.evaluate(graph, {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs})
+
+    return _classified(run)
+
+
+def _classified(run: Callable[[], object]) -> tuple[str, str]:
+    """``("ok", "")`` where ``run()`` returns, ``("neoflow error", message)`` where it raises a one-line
+    ``NeoflowError``, else ``("internal", what and where)``."""
     from neoflow.errors import NeoflowError
 
     try:
-        graph = neoflow.graph(text)
-        rng = np.random.default_rng(0)
-        inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
-        neoflow.evaluate(graph, inputs)
+        run()
     except NeoflowError as err:
         message = str(err)
         if "\n" in message or not message:
             return "internal", f"NeoflowError of {message.count(chr(10)) + 1} lines: {message[:300]!r}"
         return "neoflow error", message
-    except Exception as err:
+    except Exception as err:  # what the fuzzer is for: anything else is a bug
         frames = traceback.extract_tb(err.__traceback__)
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
         return "internal", f"{type(err).__name__}: {str(err)[:200]} at {where}"
@@ -319,23 +328,15 @@ def outcome(data: bytes, workdir: Path) -> tuple[str, str]:
     """Compile the model ``data`` (interp target) and run it on random inputs: ``("ok", "")``,
     ``("neoflow error", message)`` or ``("internal", traceback summary)``."""
     import neoflow
-    from neoflow.errors import NeoflowError
 
     path = workdir / "mutant.onnx"
     path.write_bytes(data)
-    try:
+
+    def run() -> None:
         model = neoflow.compile(path, target="interp")
         model.run(model.example_batch())
-    except NeoflowError as err:
-        message = str(err)
-        if "\n" in message or not message:
-            return "internal", f"NeoflowError of {message.count(chr(10)) + 1} lines: {message[:300]!r}"
-        return "neoflow error", message
-    except Exception as err:  # what the fuzzer is for: anything else is a bug
-        frames = traceback.extract_tb(err.__traceback__)
-        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
-        return "internal", f"{type(err).__name__}: {str(err)[:200]} at {where}"
-    return "ok", ""
+
+    return _classified(run)
 
 
 class _Timeout(Exception):
@@ -346,12 +347,12 @@ def _alarm(signum, frame):
     raise _Timeout
 
 
-def outcome_within(data: bytes, workdir: Path, seconds: float = TIME_LIMIT) -> tuple[str, str]:
-    """``outcome`` under a time limit (``hang`` past it; SIGALRM, so in the main thread only)."""
+def within(run: Callable[[], tuple[str, str]], seconds: float = TIME_LIMIT) -> tuple[str, str]:
+    """``run()``'s outcome under a time limit (``hang`` past it; SIGALRM, so in the main thread only)."""
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return outcome(data, workdir)
+        return run()
     except _Timeout:
         return "hang", f"over {seconds:.0f} s"
     finally:
@@ -359,19 +360,16 @@ def outcome_within(data: bytes, workdir: Path, seconds: float = TIME_LIMIT) -> t
         signal.signal(signal.SIGALRM, previous)
 
 
+def outcome_within(data: bytes, workdir: Path, seconds: float = TIME_LIMIT) -> tuple[str, str]:
+    """``outcome`` under a time limit."""
+    return within(lambda: outcome(data, workdir), seconds)
+
+
 def _work(job: tuple[str, str, int, str]) -> tuple[str, str, int, str, str]:
     seed_model, mutation, seed, workdir = job
     np.random.seed(seed)
     if mutation == "text":
-        previous = signal.signal(signal.SIGALRM, _alarm)
-        signal.setitimer(signal.ITIMER_REAL, TIME_LIMIT)
-        try:
-            kind, detail = text_outcome(text_mutant(int(seed_model), seed))
-        except _Timeout:
-            kind, detail = "hang", f"over {TIME_LIMIT:.0f} s"
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
+        kind, detail = within(lambda: text_outcome(text_mutant(int(seed_model), seed)))
         return f"program {seed_model}", mutation, seed, kind, detail
     try:
         data = mutant(seed_model, mutation, seed)
@@ -379,10 +377,6 @@ def _work(job: tuple[str, str, int, str]) -> tuple[str, str, int, str, str]:
         return seed_model, mutation, seed, "skipped", f"{type(err).__name__}"
     kind, detail = outcome_within(data, Path(workdir))
     return seed_model, mutation, seed, kind, detail
-
-
-def _initialise(directory: str) -> None:
-    Path(directory).mkdir(parents=True, exist_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

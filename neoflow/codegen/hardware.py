@@ -128,16 +128,28 @@ def _cpu_caches() -> dict[int, int]:
     return sizes
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (``/proc/cpuinfo``, Linux); empty where they cannot be read."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in ``/proc/cpuinfo`` (Linux); None where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+        if line.startswith(field):
+            return line.partition(":")[2].strip()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``, Linux); empty where they cannot be read."""
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``, Linux; else what ``platform`` says)."""
+    import platform
+
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def _cpu(name: str, vector_bytes: int, notes: str, step_cycles: float = 6.0) -> Hardware:

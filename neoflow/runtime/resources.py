@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
 from functools import cache
-
-import numpy as np
 
 from neoflow.errors import InputError
 from neoflow.ir import dtypes as dt
@@ -29,7 +28,7 @@ def check_memory(graph: Graph, limit: int | None = None) -> None:
         return
     public = graph.source_names
     for tensor in (*graph.inputs, *(op.output for op in graph.ops)):
-        need = int(np.prod(tensor.shape, dtype=object)) * dt.numpy_dtype(tensor.dtype).itemsize
+        need = math.prod(tensor.shape) * dt.numpy_dtype(tensor.dtype).itemsize
         if need > limit:
             raise InputError(
                 f"tensor '{public.get(tensor.name, tensor.name)}' ({list(tensor.shape)} {tensor.dtype}) needs "

@@ -53,15 +53,17 @@ class TuneReport:
     table: Path
 
 
-def tunable(executor) -> list[Op]:
+def tunable(executor) -> list[tuple[Op, str]]:
     """The ops of a cpu ``executor`` running as kernels of their own with more than one way to lower
-    them, one per kernel (ops compiling to the same code share it), the most arithmetic first."""
-    found: dict[str, Op] = {}
+    them, each with its default C, one per kernel (ops compiling to the same code share it), the most
+    arithmetic first."""
+    found: dict[str, tuple[Op, str]] = {}
     for op in executor.own_kernels():
         if len(lowering_paths(op)) < 2:
             continue
-        found.setdefault(kernel_key(lower_op(op, "KERNEL")), op)
-    return sorted(found.values(), key=lambda op: -op_work(op).flops)
+        code = lower_op(op, "KERNEL")
+        found.setdefault(kernel_key(code), (op, code))
+    return sorted(found.values(), key=lambda pair: -op_work(pair[0]).flops)
 
 
 def tune_model(
@@ -83,13 +85,14 @@ def tune_model(
         raise InputError(f"neoflow tune measures the cpu and cuda targets' kernels, not '{model.target}'s")
     deadline = time.perf_counter() + budget_seconds
     executor, feed = model.executor_and_feed(model.example_batch(training, seed), training)
-    ops = tunable(executor)
+    kernels = tunable(executor)
     known = load_table(threads())
-    todo = [op for op in ops if retune or kernel_key(lower_op(op, "KERNEL")) not in known]
+    todo = [(op, code) for op, code in kernels if retune or kernel_key(code) not in known]
+    codes = {op.name: code for op, code in todo}
     values = _all_values(executor, feed)
     rows: list[TuneRow] = []
-    for op in within_budget(todo, deadline, progress):
-        result = tune_op(op, [values[t.name] for t in op.inputs], deadline)
+    for op in within_budget([op for op, _ in todo], deadline, progress):
+        result = tune_op(op, [values[t.name] for t in op.inputs], deadline, codes[op.name])
         record([result], threads())  # kept as found: an interrupted run loses nothing measured
         rows.append(
             TuneRow(
@@ -98,7 +101,7 @@ def tune_model(
         )
     if progress is not None:
         progress(len(rows), len(todo), "")
-    return TuneReport(tuple(rows), len(todo) - len(rows), len(ops) - len(todo), table_path(threads()))
+    return TuneReport(tuple(rows), len(todo) - len(rows), len(kernels) - len(todo), table_path(threads()))
 
 
 def _tune_cuda(model, training: bool, budget_seconds: float, retune: bool, progress) -> TuneReport:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from neoflow.codegen.hardware import cpu_model
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.op import Op
@@ -54,23 +55,14 @@ ROUNDS, BLOCK_SECONDS = 3, 0.03
 FUNCTION = "nf_tuned"
 
 
-@cache
-def _processor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def machine_key(threads: int) -> str:
     """The key of this machine's table: processor, cores, ``threads``, compiler and its version."""
-    command = compiler()
-    text = f"{TUNING_VERSION}/{_processor()}/{os.cpu_count()}/{threads}/{command}/{version(command)}"
+    return _machine_key(threads, compiler())
+
+
+@cache
+def _machine_key(threads: int, command: str) -> str:
+    text = f"{TUNING_VERSION}/{cpu_model()}/{os.cpu_count()}/{threads}/{command}/{version(command)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
