@@ -5,7 +5,8 @@ instead of importing, differentiating, planning and lowering it again.
 Kept under ``$NEOFLOW_CACHE_DIR/models/<key>.pickle``; the key covers the model's bytes, every compile option
 and a hash of neoflow's own source, so a changed model, option or neoflow never finds a stale entry.
 ``NEOFLOW_COMPILE_CACHE=0`` turns it off.  Only the ``cpu`` and ``interp`` targets' models are cached (``TARGETS``);
-a model whose executors cannot be pickled is compiled every time.
+a model whose executors cannot be pickled is compiled every time.  An entry is stored with its SHA-256 beside
+it; one whose bytes no longer match is a miss.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import tempfile
 from functools import cache
 from pathlib import Path
 
-from neoflow.targets.cache import cache_dir
+from neoflow.targets.cache import cache_dir, entry_lock, intact, store_sealed
 
 #: the targets whose compiled models are cached (their executors reload from what they keep)
 TARGETS = ("cpu", "interp")
@@ -54,32 +54,27 @@ def _path(name: str) -> Path:
 
 
 def lookup(name: str) -> object | None:
-    """The compiled model stored under ``name``, or None (absent, or unreadable: it is compiled again)."""
+    """The compiled model stored under ``name``, or None (absent, damaged or unreadable: it is compiled
+    again)."""
     path = _path(name)
-    if not path.is_file():
+    if not intact(path):
         return None
     try:
         with path.open("rb") as stream:
             return pickle.load(stream)
-    except Exception:  # a truncated or incompatible entry is a miss, never an error
+    except Exception:  # an entry of an incompatible environment is a miss, never an error
         return None
 
 
 def store(name: str, compiled: object) -> bool:
-    """Store ``compiled`` under ``name`` (written to a temporary file renamed into place); False where it
-    cannot be pickled."""
+    """Store ``compiled`` under ``name`` (with its digest, renamed into place); False where it cannot be
+    pickled."""
     try:
         data = pickle.dumps(compiled, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # executors holding device state: not cached
         return False
     path = _path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.", suffix=".pickle")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+    with entry_lock(path):
+        store_sealed(path, data)
     return True

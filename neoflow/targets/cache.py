@@ -10,6 +10,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,6 +35,66 @@ def write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+#: the suffix of the file beside each cache entry holding the SHA-256 of its bytes
+DIGEST_SUFFIX = ".sha256"
+
+
+def file_digest(path: Path | str) -> str:
+    """The SHA-256 of the file at ``path``, in hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def seal(temporary: Path | str, path: Path) -> None:
+    """Put a finished build (the complete file ``temporary``, in ``path``'s directory) into the
+    cache at ``path``: first its digest beside it, then the file renamed into place.  Called under
+    ``entry_lock(path)``, so the file in place always has the digest it was written with."""
+    write_atomically(_digest_path(path), file_digest(temporary).encode())
+    os.replace(temporary, path)
+
+
+def store_sealed(path: Path, data: bytes) -> None:
+    """Write ``data`` into the cache at ``path`` as ``seal`` does (under ``entry_lock(path)``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        seal(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def intact(path: Path) -> bool:
+    """Whether the cache entry at ``path`` is there and whole: its bytes match the digest written
+    with it (a truncated, corrupted or digest-less entry is not, and is built again)."""
+    try:
+        expected = _digest_path(path).read_text().strip()
+        return file_digest(path) == expected
+    except OSError:
+        return False
+
+
+@contextmanager
+def entry_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the cache entry ``path`` (one of 256 lock files of its directory,
+    by the entry's name): processes building the same entry at once take turns, and the one that
+    comes second finds it built."""
+    locks = path.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    stripe = hashlib.sha256(path.name.encode()).hexdigest()[:2]
+    with open(locks / stripe, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def tuning_enabled() -> bool:

@@ -70,3 +70,13 @@ def test_an_unreadable_entry_is_compiled_again(cache) -> None:
     (entry,) = (cache / "models").glob("*.pickle")
     entry.write_bytes(b"not a pickle")
     assert not neoflow.compile(CNN, target="interp").from_cache
+
+
+def test_an_entry_whose_bytes_changed_is_compiled_again(cache) -> None:
+    neoflow.compile(CNN, target="interp")
+    (entry,) = (cache / "models").glob("*.pickle")
+    data = bytearray(entry.read_bytes())
+    data[-2] ^= 0x01  # a flipped bit that still unpickles would be a silently wrong model
+    entry.write_bytes(bytes(data))
+    assert not neoflow.compile(CNN, target="interp").from_cache
+    assert neoflow.compile(CNN, target="interp").from_cache  # stored whole again

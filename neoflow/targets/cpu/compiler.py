@@ -3,8 +3,10 @@
 The library is cached under ``$NEOFLOW_CACHE_DIR`` (default ``~/.cache/neoflow``)
 in ``kernels/<hash>.so``, the hash covering the source, the compiler command, the
 flags and the compiler's version; the source is kept beside it.  A build goes to a temporary
-file that is renamed into place, so two processes compiling the same source at
-once both end with a complete library.
+file that is renamed into place, after its SHA-256 is written beside it
+(``targets.cache.seal``), under a lock on the entry: processes compiling the same source at once
+take turns and the second finds it built, no process ever loads half a library, and an entry whose
+bytes no longer match their digest (truncated, corrupted) is built again.
 
 A large source whose top-level functions the generator separated with ``UNIT`` lines is
 compiled as several translation units at once (one compiler process per core), each the
@@ -28,7 +30,7 @@ from functools import cache
 from pathlib import Path
 
 from neoflow.errors import CompileError
-from neoflow.targets.cache import cache_dir
+from neoflow.targets.cache import cache_dir, entry_lock, intact, seal, write_atomically
 
 # -fno-math-errno: the kernels never read errno, and a math function that may set it cannot be hoisted
 # out of a loop or vectorised (an Adam update recomputed pow(beta, step) at every element)
@@ -99,24 +101,23 @@ def build_library(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     key = _key(source, command, *flags, version(command))
     directory = cache_dir() / "kernels"
     library = directory / f"{key}.so"
-    if library.is_file():
+    if intact(library):
         return library
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{key}.c").write_text(source)
-    units = translation_units(source, os.cpu_count() or 1)
-    with _temporary(directory, key, ".so") as temporary:
-        if len(units) > 1:
-            objects = _objects(units, command, flags, directory)
-            _check(
-                _run([*shlex.split(command), *flags, *map(str, objects), "-o", temporary, *libraries]),
-                source_of=directory / f"{key}.c",
-            )
-        else:
-            _check(
-                _run([*shlex.split(command), *flags, "-x", "c", "-", "-o", temporary, *libraries], source),
-                directory / f"{key}.c",
-            )
-        os.replace(temporary, library)
+    with entry_lock(library):
+        if intact(library):  # another process built it while this one waited
+            return library
+        write_atomically(directory / f"{key}.c", source.encode())
+        units = translation_units(source, os.cpu_count() or 1)
+        with _temporary(directory, key, ".so") as temporary:
+            if len(units) > 1:
+                objects = _objects(units, command, flags, directory)
+                arguments = [*shlex.split(command), *flags, *map(str, objects), "-o", temporary, *libraries]
+                _check(_run(arguments), source_of=directory / f"{key}.c")
+            else:
+                arguments = [*shlex.split(command), *flags, "-x", "c", "-", "-o", temporary, *libraries]
+                _check(_run(arguments, source), directory / f"{key}.c")
+            seal(temporary, library)
     return library
 
 
@@ -145,7 +146,7 @@ def _objects(units: list[str], command: str, flags: tuple[str, ...], directory: 
     running = []
     with contextlib.ExitStack() as stack:
         for unit, path in zip(units, paths, strict=True):
-            if path.is_file():
+            if intact(path):
                 continue
             temporary = stack.enter_context(_temporary(objects, path.stem, ".o"))
             process = subprocess.Popen(
@@ -167,7 +168,8 @@ def _objects(units: list[str], command: str, flags: tuple[str, ...], directory: 
                 failed = path.with_suffix(".c")
                 failed.write_text(unit)
                 _check(subprocess.CompletedProcess([], process.returncode, "", stderr), failed)
-            os.replace(temporary, path)
+            with entry_lock(path):  # an object two libraries share may be sealed by both at once
+                seal(temporary, path)
     return paths
 
 

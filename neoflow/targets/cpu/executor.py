@@ -255,8 +255,7 @@ class CpuExecutor:
     def _load_library(self) -> None:
         """Load the compiled library (rebuilt from the source where the kernel cache lost it) and bind
         its functions; a fresh arena and fresh recycled blocks."""
-        if not self.library_path.is_file():
-            self.library_path = build_library(self.source)
+        self.library_path = build_library(self.source)  # the cached one where it is whole
         self.library = ctypes.CDLL(str(self.library_path))
         self.library.nf_set_threads(ctypes.c_int(threads()))
         self.kernels = {}

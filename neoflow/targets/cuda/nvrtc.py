@@ -3,7 +3,8 @@
 Compiling needs NVRTC and the CUDA headers (the ``nvidia-cuda-nvrtc`` and
 ``nvidia-cuda-runtime`` wheels of ``neoflow[cuda]``), not a GPU or a driver, so
 a CPU-only machine builds the cubins a GPU later runs.  The cache key is the
-source, the architecture, the options and NVRTC's version.
+source, the architecture, the options and NVRTC's version; a cubin is stored with its SHA-256
+beside it and built again where its bytes no longer match (``targets.cache.seal``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from functools import cache
 from pathlib import Path
 
 from neoflow.errors import CompileError
-from neoflow.targets.cache import cache_dir, write_atomically
+from neoflow.targets.cache import cache_dir, entry_lock, intact, store_sealed, write_atomically
 
 #: options every kernel is built with (``-Xptxas=-v`` makes ptxas report registers and spills)
 OPTIONS = ("--std=c++17", "-default-device", "-Xptxas=-v", "--extra-device-vectorization")
@@ -106,15 +107,25 @@ def compile_cubin(source: str, arch: str = "sm_90", name: str = "neoflow.cu") ->
     ``wgmma`` is built for ``sm_90a``, the architecture-specific target it needs); from the
     cache when it is there.  A compile error is a ``CompileError`` with the first lines of
     NVRTC's log."""
-    nvrtc = _nvrtc()
+    _nvrtc()  # NVRTC missing: the error that says how to install it, before anything else
     build = f"{arch}a" if arch == "sm_90" and "wgmma.mma_async" in source else arch
     options = (f"--gpu-architecture={build}", f"-I{include_dir()}", *OPTIONS)
     key = hashlib.sha256("\0".join([source, *options, version()]).encode()).hexdigest()[:32]
     directory = cache_dir() / "cubins"
     path, log_path = directory / f"{key}.cubin", directory / f"{key}.log"
-    if path.is_file() and log_path.is_file():
-        log = log_path.read_text()
-        return Cubin(path, log, arch, *_parse(log))
+    if not (intact(path) and log_path.is_file()):
+        with entry_lock(path):
+            if not (intact(path) and log_path.is_file()):  # not built by another process meanwhile
+                binary, log = _nvrtc_compile(source, name, options, arch)
+                write_atomically(log_path, log.encode())
+                store_sealed(path, binary)
+    log = log_path.read_text()
+    return Cubin(path, log, arch, *_parse(log))
+
+
+def _nvrtc_compile(source: str, name: str, options: tuple[str, ...], arch: str) -> tuple[bytes, str]:
+    """The cubin NVRTC builds of ``source`` and its log."""
+    nvrtc = _nvrtc()
     err, program = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
@@ -131,6 +142,4 @@ def compile_cubin(source: str, arch: str = "sm_90", name: str = "neoflow.cu") ->
         _check(err, "nvrtcGetCUBIN")
     finally:
         nvrtc.nvrtcDestroyProgram(program)
-    write_atomically(path, binary)
-    write_atomically(log_path, log.encode())
-    return Cubin(path, log, arch, *_parse(log))
+    return binary, log

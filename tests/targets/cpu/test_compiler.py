@@ -9,6 +9,7 @@ import pytest
 
 import neoflow
 from neoflow.errors import CompileError
+from neoflow.targets import cache
 from neoflow.targets.cpu import compiler
 from tests.on_targets import NEEDS_CC
 
@@ -67,16 +68,58 @@ def test_compile_failure_shows_the_compiler_output(tmp_path, monkeypatch) -> Non
     assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left behind
 
 
-def test_two_processes_compiling_at_once(tmp_path) -> None:
+# each worker builds, loads and calls: a library every worker builds, one of its own, and a library of
+# several translation units (objects compiled at once, cached, linked) that every worker builds too
+_WORKER = """
+import os, sys
+from neoflow.targets import cache
+from neoflow.targets.cpu import compiler
+compiler.UNIT_BYTES = 10
+compiler.os.cpu_count = lambda: 2
+worker = int(sys.argv[1])
+shared = compiler.load_library("int nf_answer(void) { return 42; }\\n/* shared */")
+own = compiler.load_library(f"int nf_answer(void) {{ return {worker}; }}\\n")
+units = compiler.UNIT.join(f"int nf_f{k}(int x) {{ return x + {k}; }}" for k in range(4))
+split = compiler.load_library("#include <stdint.h>" + compiler.UNIT + units)
+print(shared.nf_answer(), own.nf_answer(), split.nf_f3(1))
+"""
+
+
+def test_eight_processes_compiling_the_same_and_different_kernels_into_one_cache(tmp_path) -> None:
+    import os
     import subprocess
     import sys
 
-    code = "import sys; from neoflow.targets.cpu import compiler; print(compiler.load_library(sys.argv[1]).nf_answer())"
-    env = {**__import__("os").environ, "NEOFLOW_CACHE_DIR": str(tmp_path)}
-    source = SOURCE + "/* race */\n"
-    runs = [subprocess.Popen([sys.executable, "-c", code, source], env=env, stdout=subprocess.PIPE) for _ in range(3)]
-    assert [p.communicate()[0].strip() for p in runs] == [b"42"] * 3
-    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+    env = {**os.environ, "NEOFLOW_CACHE_DIR": str(tmp_path)}
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(w)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for w in range(8)
+    ]
+    outcomes = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0] * 8, [err.decode()[-500:] for _, err in outcomes]
+    assert [out.split() for out, _ in outcomes] == [[b"42", str(w).encode(), b"4"] for w in range(8)]
+    kernels = tmp_path / "kernels"
+    assert len(list(kernels.glob("*.so"))) == 8 + 2 and len(list(kernels.glob("*.so.sha256"))) == 10
+    assert len(list((kernels / "objects").glob("*.o"))) == 2  # the split library's units, built once each
+    assert not [p.name for p in kernels.rglob(".*") if p.is_file()]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted", "digest lost"])
+def test_a_damaged_cache_entry_is_detected_and_built_again(tmp_path, monkeypatch, damage) -> None:
+    monkeypatch.setenv("NEOFLOW_CACHE_DIR", str(tmp_path))
+    source = SOURCE + f"/* {damage} */\n"
+    library = compiler.build_library(source)
+    whole = library.read_bytes()
+    if damage == "truncated":
+        library.write_bytes(whole[: len(whole) // 2])
+    elif damage == "corrupted":
+        library.write_bytes(whole[:100] + bytes([whole[100] ^ 0xFF]) + whole[101:])
+    else:
+        library.with_name(library.name + ".sha256").unlink()
+    assert compiler.build_library(source) == library and cache.intact(library)
+    assert compiler.load_library(source).nf_answer() == 42
 
 
 def test_a_large_source_is_split_into_translation_units_with_every_function_once(monkeypatch) -> None:

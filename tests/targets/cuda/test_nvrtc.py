@@ -10,6 +10,7 @@ import pytest
 import neoflow
 from neoflow.errors import CompileError
 from neoflow.ir.graph import Graph
+from neoflow.targets import cache
 from neoflow.targets.cuda import nvrtc
 from neoflow.targets.cuda.emit import PRELUDE, module_source
 from neoflow.targets.cuda.executor import graph_plans
@@ -104,6 +105,14 @@ def test_the_compile_cache_answers_without_nvrtc(source: str, monkeypatch) -> No
     monkeypatch.setattr(nvrtc, "_check", lambda *a: pytest.fail("NVRTC was called for a cached module"))
     again = nvrtc.compile_cubin(source, "sm_90")
     assert again.path == first.path and again.spills == first.spills
+
+
+def test_a_truncated_cubin_is_built_again(source: str) -> None:
+    first = nvrtc.compile_cubin(source, "sm_90")
+    whole = first.path.read_bytes()
+    first.path.write_bytes(whole[: len(whole) // 3])
+    again = nvrtc.compile_cubin(source, "sm_90")
+    assert again.path == first.path and cache.intact(again.path) and len(again.path.read_bytes()) == len(whole)
 
 
 def test_bad_cuda_is_a_one_line_compile_error() -> None:
