@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -346,7 +346,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"training on {data.name}: {len(trainer.x_train)} samples, {len(trainer.x_test)} test samples, "
         f"batch {trainer.batch}, {args.epochs} epochs, target {model.target}"
     )
-    results = _train_epochs(trainer, args.epochs, show_bar=not args.no_progress and sys.stderr.isatty())
+    checkpoint = (lambda: model.save(args.build)) if args.checkpoint else None
+    results = _train_epochs(trainer, args.epochs, not args.no_progress and sys.stderr.isatty(), checkpoint)
     out = model.export_onnx(args.output or Path(args.build) / "trained.onnx")
     total = sum(r.seconds for r in results)
     final = results[-1].test_accuracy
@@ -355,8 +356,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_epochs(trainer: object, epochs: int, show_bar: bool) -> list:
-    """Run the epochs with a progress bar (on a terminal) and one line per epoch."""
+def _train_epochs(trainer: object, epochs: int, show_bar: bool, checkpoint: Callable[[], object] | None) -> list:
+    """Run the epochs with a progress bar (on a terminal) and one line per epoch, calling ``checkpoint``
+    (where given) after each."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -386,6 +388,9 @@ def _train_epochs(trainer: object, epochs: int, show_bar: bool) -> list:
                 parts.append(f"test acc {result.test_accuracy:.1%}")
             parts.append(f"{result.samples_per_second:.0f} samples/s")
             parts.append(f"{result.seconds:.1f} s")
+            if checkpoint is not None:
+                checkpoint()
+                parts.append("saved")
             print("  ".join(parts), flush=True)
     return results
 
@@ -557,6 +562,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=None, help="learning rate (default: the compiled one)")
     train.add_argument("--seed", type=int, default=0, help="seed for the split and shuffling (0)")
     train.add_argument("-o", "--output", default=None, metavar="FILE", help="trained model (BUILD/trained.onnx)")
+    train.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="save the model (parameters, optimizer state, step) back into BUILD after every epoch, atomically, "
+        "so that a later 'neoflow train BUILD' goes on from there",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
     return parser

@@ -147,3 +147,23 @@ def test_training_stops_with_a_one_line_message_at_the_first_non_finite_step(tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("neoflow: numeric error: training step "), err[-1]
     assert err[-1].endswith("the loss is nan"), err[-1]
+
+
+def test_checkpoint_saves_after_every_epoch_and_the_next_run_goes_on(tmp_path: Path, capsys) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((96, 64)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=(x[:, :10] > 0).argmax(axis=1))
+    build = tmp_path / "b"
+    compile_args = ["compile", str(MODELS / "mlp.onnx"), "--train", "--labels", "y", "--target", "interp"]
+    assert main([*compile_args, "--optimizer", "momentum", "-o", str(build)]) == 0
+    capsys.readouterr()
+    train = ["train", str(build), "--data", str(tmp_path / "data.npz"), "--epochs", "2", "--no-progress"]
+    assert main([*train, "--checkpoint"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("s  saved") == 2
+    first = json.loads((build / "manifest.json").read_text())["step"]
+    assert first > 0
+    assert main([*train, "--checkpoint"]) == 0
+    assert json.loads((build / "manifest.json").read_text())["step"] == 2 * first
+    assert main(train) == 0  # without --checkpoint the build is left as it was
+    assert json.loads((build / "manifest.json").read_text())["step"] == 2 * first

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import print_graph
 from neoflow.ir.text import parse_graph
 from neoflow.runtime import compile_cache
+from neoflow.runtime.build_dir import MANIFEST, Build, open_build, save_build
 from neoflow.runtime.custom_op import CompiledOp
 from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
 from neoflow.runtime.report import compile_report
@@ -30,10 +31,11 @@ from neoflow.runtime.resources import check_memory
 from neoflow.targets import check_target, machine_file, with_machine_file
 
 ModelSource = str | os.PathLike | onnx.ModelProto | Graph
-MANIFEST = "manifest.json"
 #: the copy of a ``<target>:<file>`` target's machine description a build directory keeps
 MACHINE_FILE = "machine.json"
-BUILD_FORMAT = "neoflow-build/1"
+BUILD_FORMAT = "neoflow-build/2"
+#: the formats ``load`` reads (``/1``: written before builds listed their files' digests; not verified)
+READABLE_FORMATS = ("neoflow-build/1", BUILD_FORMAT)
 
 
 def compile(
@@ -472,11 +474,14 @@ class CompiledModel:
     def save(self, directory: str | os.PathLike) -> Path:
         """Write everything ``neoflow.load`` needs into ``directory``: the model
         with its current parameters, the optimizer state, the training step
-        (text), a report and a manifest."""
+        (text), a report and a manifest listing each file's size and SHA-256.
+        Atomic: a save interrupted at any point leaves the previous one loadable."""
         directory = Path(directory)
-        if directory.exists() and not directory.is_dir():
-            raise InputError(f"'{directory}' exists and is not a directory")
-        directory.mkdir(parents=True, exist_ok=True)
+        save_build(directory, self._write_build)
+        return directory
+
+    def _write_build(self, staging: Path) -> dict:
+        """Write the build's files into ``staging``; its manifest."""
         manifest = {
             "format": BUILD_FORMAT,
             "target": self.target,
@@ -487,31 +492,26 @@ class CompiledModel:
             "fusion": self.fusion_name,
             "precision": self.precision,
         }
-        with tempfile.TemporaryDirectory(dir=directory, prefix=".saving-") as scratch:
-            staging = Path(scratch)
-            if self.source is not None:
-                self.export_onnx(staging / "model.onnx")
-                manifest["model"] = "model.onnx"
-            else:
-                (staging / "model.nf").write_text(print_graph(self.inference) + "\n")
-                np.savez(staging / "parameters.npz", **{p: self._values[p] for p in self._parameter_names})
-                manifest["model"] = "model.nf"
-            if self.training is not None:
-                np.savez(staging / "state.npz", **{k: self._values[k] for k in self.training.state})
-                (staging / "train_step.nf").write_text(print_graph(self.training.graph) + "\n")
-            for role, executor in (("inference", self._run), ("train_step", self._train)):
-                # what the target built (C and its library, CUDA and its cubin), by file suffix
-                for suffix, data in getattr(executor, "artifacts", dict)().items():
-                    (staging / f"{role}{suffix}").write_bytes(data)
-            described = machine_file(self.target)
-            if described is not None:  # the build keeps its own copy of the machine it was compiled for
-                (staging / MACHINE_FILE).write_bytes(Path(described).read_bytes())
-                manifest["target"] = with_machine_file(self.target, MACHINE_FILE)
-            (staging / "report.txt").write_text(self.report() + "\n")
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            for item in staging.iterdir():
-                os.replace(item, directory / item.name)
-        return directory
+        if self.source is not None:
+            self.export_onnx(staging / "model.onnx")
+            manifest["model"] = "model.onnx"
+        else:
+            (staging / "model.nf").write_text(print_graph(self.inference) + "\n")
+            np.savez(staging / "parameters.npz", **{p: self._values[p] for p in self._parameter_names})
+            manifest["model"] = "model.nf"
+        if self.training is not None:
+            np.savez(staging / "state.npz", **{k: self._values[k] for k in self.training.state})
+            (staging / "train_step.nf").write_text(print_graph(self.training.graph) + "\n")
+        for role, executor in (("inference", self._run), ("train_step", self._train)):
+            # what the target built (C and its library, CUDA and its cubin), by file suffix
+            for suffix, data in getattr(executor, "artifacts", dict)().items():
+                (staging / f"{role}{suffix}").write_bytes(data)
+        described = machine_file(self.target)
+        if described is not None:  # the build keeps its own copy of the machine it was compiled for
+            (staging / MACHINE_FILE).write_bytes(Path(described).read_bytes())
+            manifest["target"] = with_machine_file(self.target, MACHINE_FILE)
+        (staging / "report.txt").write_text(self.report() + "\n")
+        return manifest
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -532,16 +532,14 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def load(directory: str | os.PathLike, target: str | None = None, shapes: Mapping[str, Sequence[int]] | None = None):
     """Load a model ``CompiledModel.save`` wrote (recompiling it for ``target``,
-    default the saved one, and ``shapes``, default the saved ones)."""
-    directory = Path(directory)
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise InputError(
-            f"'{directory}' is not a neoflow build directory (no {MANIFEST}; make one with neoflow compile)"
-        )
+    default the saved one, and ``shapes``, default the saved ones); every file is
+    checked against the manifest's SHA-256 and the saved tensors' shapes against
+    the model's (an ``InputError`` naming the damaged file)."""
+    build = open_build(Path(directory))
+    manifest = build.manifest
+    manifest_path = build.path(MANIFEST)
     try:
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != BUILD_FORMAT:
+        if manifest.get("format") not in READABLE_FORMATS:
             raise ValueError(f"format {manifest.get('format')!r}")
         spec = None
         if manifest["train"] is not None:
@@ -552,30 +550,46 @@ def load(directory: str | os.PathLike, target: str | None = None, shapes: Mappin
                     "frozen": tuple(manifest["train"]["frozen"]),
                 }
             )
-        model_path = directory / manifest["model"]
+        model_path = build.path(manifest["model"])
+        saved_target = manifest["target"]
+        saved_shapes = manifest["shapes"]
+        step, lr = int(manifest.get("step", 0)), manifest.get("lr")
     except (ValueError, KeyError, TypeError) as err:
         raise InputError(f"'{manifest_path}' is not a valid neoflow manifest ({err})") from None
-    parameters = None
-    if model_path.suffix == ".nf":
-        with np.load(directory / "parameters.npz") as saved:
-            parameters = {k: saved[k] for k in saved.files}
-    saved_target = manifest["target"]
+    parameters = _saved_arrays(build, "parameters.npz") if model_path.suffix == ".nf" else None
     described = machine_file(saved_target)
     if described is not None and not Path(described).is_absolute():  # the build's own copy of its machine
-        saved_target = with_machine_file(saved_target, directory / described)
+        saved_target = with_machine_file(saved_target, build.path(described))
     compiled = compile(
         model_path,
         target or saved_target,
         spec,
-        shapes if shapes is not None else manifest["shapes"],
+        shapes if shapes is not None else saved_shapes,
         parameters,
         fusion=manifest.get("fusion", DEFAULT_POLICY),
         precision=manifest.get("precision"),
     )
-    state_path = directory / "state.npz"
-    if compiled.training is not None and state_path.is_file():
-        with np.load(state_path) as saved:
-            compiled.restore_state({k: saved[k] for k in saved.files})
-    compiled.step = int(manifest.get("step", 0))
-    compiled.lr = float(manifest.get("lr", compiled.lr))
+    if compiled.training is not None and build.has("state.npz"):
+        state = _saved_arrays(build, "state.npz")
+        for name in compiled.training.state:
+            expected = compiled._values[name].shape
+            if name not in state or state[name].shape != expected:
+                found = "missing" if name not in state else f"of shape {list(state[name].shape)}"
+                raise InputError(
+                    f"'{build.path('state.npz')}' does not fit the model: optimizer state '{name}' is {found}, "
+                    f"expected shape {list(expected)}"
+                )
+        compiled.restore_state(state)
+    compiled.step = step
+    compiled.lr = float(lr) if lr is not None else compiled.lr
     return compiled
+
+
+def _saved_arrays(build: Build, name: str) -> dict[str, np.ndarray]:
+    """The arrays of the build's ``.npz`` file ``name`` (an ``InputError`` where it cannot be read)."""
+    path = build.path(name)
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            return {k: saved[k] for k in saved.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
+        raise InputError(f"'{path}' cannot be read as saved arrays ({type(err).__name__}: {err})") from None
