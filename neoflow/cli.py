@@ -19,6 +19,7 @@ import neoflow
 from neoflow.errors import InputError, NeoflowError
 from neoflow.ir import Graph, Op
 from neoflow.ir.interpreter import evaluate_graph
+from neoflow.runtime.build_dir import open_build
 
 
 def _shape_arg(text: str) -> tuple[str, tuple[int, ...]]:
@@ -29,6 +30,17 @@ def _shape_arg(text: str) -> tuple[str, tuple[int, ...]]:
         return name.strip(), tuple(int(d) for d in dims.split(",") if d.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected NAME=D1,D2,... (e.g. A=1,3,224,224), got '{text}'") from None
+
+
+def _seed_arg(text: str) -> int:
+    """A seed: a non-negative integer (NumPy's generators take no other)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"a seed is a non-negative integer, got '{text}'")
+    return seed
 
 
 def _pair_arg(text: str) -> tuple[str, str]:
@@ -106,26 +118,48 @@ def _random_or_given(tensors, given: dict[str, str], random: bool, seed: int) ->
     return inputs
 
 
+def _require_file(path: str) -> None:
+    """An ``InputError`` before any work where the model file ``path`` is not there."""
+    if not Path(path).is_file():
+        raise InputError(f"no such file: '{path}'")
+
+
+def _output_dir(output: str | None) -> Path | None:
+    """The ``-o DIR`` of ``run``, made (an ``InputError`` where it cannot be, before anything runs)."""
+    if output is None:
+        return None
+    try:
+        Path(output).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot make the output directory '{output}': {err.strerror or err}") from None
+    return Path(output)
+
+
 def _report_outputs(outputs: dict[str, np.ndarray], out_dir: Path | None) -> None:
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
     for name, value in outputs.items():
         print(
             f"{name}: shape {list(value.shape)} {value.dtype}, mean {value.mean():.6g}, "
             f"min {value.min():.6g}, max {value.max():.6g}"
         )
         if out_dir is not None:
-            np.save(out_dir / f"{name}.npy", value)
+            try:
+                np.save(out_dir / f"{name}.npy", value)
+            except OSError as err:
+                raise InputError(f"cannot write '{out_dir / name}.npy': {err.strerror or err}") from None
 
 
 def _run_build(args: argparse.Namespace) -> int:
-    model = neoflow.load(args.program)
+    out_dir = _output_dir(args.output)
+    shapes = None
+    if args.shape:  # the saved shapes with those given replaced
+        shapes = {**open_build(Path(args.program)).manifest.get("shapes", {}), **dict(args.shape)}
+    model = neoflow.load(args.program, shapes=shapes)
     tensors = [(model.public_name(t.name), t) for t in model.inference.free_inputs]
     inputs = _random_or_given(tensors, dict(args.input), args.random, args.seed)
     start = time.perf_counter()
     outputs = model.run(inputs)
     elapsed = time.perf_counter() - start
-    _report_outputs(outputs, Path(args.output) if args.output else None)
+    _report_outputs(outputs, out_dir)
     print(f"target {model.target}: {elapsed:.4f} s for {len(model.inference.ops)} ops")
     executor = model.inference_executor
     if hasattr(executor, "op_counters"):  # the NPU model: the simulated run's counters
@@ -149,12 +183,13 @@ def _gpu_name() -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     if Path(args.program).is_dir():
         return _run_build(args)
+    out_dir = _output_dir(args.output)
     graph = _load_graph(args)
     inputs = _random_or_given([(t.name, t) for t in graph.free_inputs], dict(args.input), args.random, args.seed)
     start = time.perf_counter()
     outputs = evaluate_graph(graph, inputs)
     elapsed = time.perf_counter() - start
-    _report_outputs(outputs, Path(args.output) if args.output else None)
+    _report_outputs(outputs, out_dir)
     print(f"interpreter: {elapsed:.3f} s for {len(graph.ops)} ops")
     return 0
 
@@ -239,6 +274,7 @@ def cmd_fuse(args: argparse.Namespace) -> int:
     for path in (args.report, args.plot):
         if path is not None and not Path(path).parent.is_dir():
             raise InputError(f"no such directory for '{path}'")
+    _require_file(args.model)
     spec = _train_spec(args)
     step = "training step" if args.train else "inference"
     reports = []
@@ -270,10 +306,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from neoflow.fusion.policies import load_policy
     from neoflow.runtime import tuning
 
-    if args.budget <= 0:
-        raise InputError(f"--budget must be positive, got {args.budget}")
+    if not 0 < args.budget < float("inf"):
+        raise InputError(f"--budget must be a positive number of seconds, got {args.budget}")
+    _require_file(args.model)
+    load_policy(args.fusion)
+    tuning.check_can_tune(args.target)
     spec = _train_spec(args)
     step = "training step" if args.train else "inference"
     options = {"target": args.target, "train": spec, "shapes": dict(args.shape), "fusion": args.fusion}
@@ -409,7 +449,9 @@ def _training_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="Adam betas")
     command.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon (1e-8)")
     command.add_argument("--freeze", action="append", default=[], metavar="NAME", help="do not train this parameter")
-    command.add_argument("--seed", type=int, default=0, help="dropout noise seed, and the random batch's seed (0)")
+    command.add_argument(
+        "--seed", type=_seed_arg, default=0, help="dropout noise seed, and the random batch's seed (0)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -455,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="value of an input tensor (repeatable)",
     )
     run.add_argument("--random", action="store_true", help="fill inputs not given with random normal values")
-    run.add_argument("--seed", type=int, default=0, help="seed for --random (0)")
+    run.add_argument("--seed", type=_seed_arg, default=0, help="seed for --random (0)")
     run.add_argument("-o", "--output", metavar="DIR", help="write each output as DIR/NAME.npy")
     run.set_defaults(func=cmd_run)
     grad = program_command("grad", "Derive the adjoint of each input of one statement and print it.")
@@ -560,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=10, help="epochs (10)")
     train.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
     train.add_argument("--lr", type=float, default=None, help="learning rate (default: the compiled one)")
-    train.add_argument("--seed", type=int, default=0, help="seed for the split and shuffling (0)")
+    train.add_argument("--seed", type=_seed_arg, default=0, help="seed for the split and shuffling (0)")
     train.add_argument("-o", "--output", default=None, metavar="FILE", help="trained model (BUILD/trained.onnx)")
     train.add_argument(
         "--checkpoint",

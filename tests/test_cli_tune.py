@@ -9,6 +9,7 @@ import pytest
 
 from neoflow.cli import main
 from tests.on_targets import NEEDS_CC
+from tests.targets.cuda.gpu_cases import gpu_reason
 
 pytestmark = NEEDS_CC
 
@@ -61,8 +62,12 @@ def test_tune_measures_each_kernel_keeps_the_results_and_times_the_step(cache: P
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--budget", "0"], "--budget must be positive"),
-        (["--budget", "-3"], "--budget must be positive"),
+        (["--budget", "0"], "--budget must be a positive number of seconds"),
+        (["--budget", "-3"], "--budget must be a positive number of seconds"),
+        (["--budget", "nan"], "--budget must be a positive number of seconds, got nan"),
+        (["--fusion", "nope"], "unknown fusion policy 'nope'"),
+        # without a GPU: said before anything is compiled
+        *([(["--target", "cuda"], "cuda error")] if gpu_reason() else []),
     ],
 )
 def test_bad_requests_are_one_line_errors(args: list[str], message: str, cache: Path, capsys) -> None:

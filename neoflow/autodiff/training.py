@@ -8,6 +8,7 @@ value of each of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -53,12 +54,26 @@ class TrainSpec:
     seed: int = 0
     keep_prediction: bool = False
 
+    def __post_init__(self) -> None:
+        checked_learning_rate(self.lr)
+
     @property
     def optimizer_settings(self) -> OptimizerSettings:
         """The optimizer part of the spec (checked)."""
         return OptimizerSettings(
             self.optimizer, self.momentum, self.nesterov, self.weight_decay, tuple(self.betas), self.eps
         ).normalised()
+
+
+def checked_learning_rate(value: object) -> float:
+    """``value`` as a learning rate: a finite number >= 0, or an ``InputError``."""
+    try:
+        lr = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"the learning rate must be a number, got {value!r:.40}") from None
+    if not math.isfinite(lr) or lr < 0:
+        raise InputError(f"the learning rate must be a finite number >= 0, got {lr}")
+    return lr
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from neoflow.frontend.registry import CONVERTERS, CUSTOM_EXPRESSIONS
 from neoflow.ir.graph import Graph
 from neoflow.ir.index import index_vars
 from neoflow.ir.interpreter import evaluate_op
-from neoflow.ir.op import Tensor
+from neoflow.ir.op import Tensor, given_shape
 
 CUSTOM_DOMAIN = "neoflow"
 
@@ -30,6 +30,10 @@ def read_model(source: str | os.PathLike | onnx.ModelProto, check: bool = True) 
     non-ONNX or invalid file is an ``InputError``."""
     if isinstance(source, onnx.ModelProto):
         model = source
+    elif not isinstance(source, str | os.PathLike):
+        raise InputError(
+            f"a model is a path to an .onnx file, an onnx.ModelProto or a neoflow Graph, got {source!r:.60}"
+        )
     else:
         path = os.fspath(source)
         if not os.path.isfile(path):
@@ -77,7 +81,7 @@ def _load_external_data(model: onnx.ModelProto, directory: str) -> None:
 
 def _input_shape(value: onnx.ValueInfoProto, given: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
     if value.name in given:
-        return tuple(int(d) for d in given[value.name])
+        return given_shape(given[value.name], value.name)
     dims = []
     for d, dim in enumerate(value.type.tensor_type.shape.dim):
         if dim.HasField("dim_value"):

@@ -43,7 +43,7 @@ from neoflow.ir.expr import (
     Unary,
     map_indices,
 )
-from neoflow.ir.op import Op, Tensor
+from neoflow.ir.op import Op, Tensor, given_shape
 from neoflow.ir.simplify import simplify_index
 from neoflow.ir.syntax import (
     Assign,
@@ -584,7 +584,9 @@ def build_ops(
 
     ``shapes`` and ``dtypes`` give tensors' shapes/dtypes (inputs, and outputs to
     pin); declarations in the text add to them."""
-    shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+    if not isinstance(shapes, Mapping) or not isinstance(dtypes, Mapping):
+        raise ShapeError("shapes and dtypes are mappings from tensor names (shapes={'X': (4, 5)})")
+    shapes = {name: given_shape(shape, name) for name, shape in shapes.items()}
     dtypes = {name: dt.check_dtype(d) for name, d in dtypes.items()}
     defining: dict[str, Assign] = {}
     for stmt in statements:

@@ -295,6 +295,8 @@ def check_inputs(
     """``inputs`` for ``tensors``: each present, of the right shape, converted to its dtype;
     values ``as_is(value)`` holds for (a GPU target's device arrays) pass unconverted, their
     shape checked."""
+    if not isinstance(inputs, Mapping):
+        raise InputError(f"inputs must be a mapping of input names to arrays, got {type(inputs).__name__}", op=owner)
     arrays = {}
     for tensor in tensors:
         if tensor.name not in inputs:
@@ -307,16 +309,25 @@ def check_inputs(
                 )
             arrays[tensor.name] = value
             continue
-        try:
-            array = np.asarray(value)
-        except (TypeError, ValueError, RuntimeError) as err:  # a GPU tensor for a host target, say
-            raise InputError(f"input '{tensor.name}' cannot be read as a host array ({err})", op=owner) from err
-        if array.shape != tensor.shape:
-            raise InputError(
-                f"input '{tensor.name}' has shape {list(array.shape)}, expected {list(tensor.shape)}", op=owner
-            )
-        arrays[tensor.name] = array.astype(dt.numpy_dtype(tensor.dtype), copy=False)
+        arrays[tensor.name] = input_array(value, tensor, f"input '{tensor.name}'", owner)
     return arrays
+
+
+def input_array(value: object, tensor: Tensor, what: str, owner: str | None = None) -> np.ndarray:
+    """``value`` as a host array of ``tensor``'s dtype, checked first: its shape, and that it holds
+    numbers its dtype can take (no strings, objects or complex numbers; no floats for an integer
+    tensor); ``what`` names it in the ``InputError``."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as err:  # a GPU tensor for a host target, say
+        raise InputError(f"{what} cannot be read as a host array ({err})", op=owner) from None
+    if array.shape != tensor.shape:
+        raise InputError(f"{what} has shape {list(array.shape)}, expected {list(tensor.shape)}", op=owner)
+    target = dt.numpy_dtype(tensor.dtype)
+    accepted = "biuf" if dt.is_float(tensor.dtype) else "biu"  # floats are not silently truncated to integers
+    if array.dtype != target and array.dtype.kind not in accepted:
+        raise InputError(f"{what} holds {array.dtype} values, expected {tensor.dtype}", op=owner)
+    return array.astype(target, copy=False)
 
 
 def evaluate_op(op: Op, inputs: Mapping[str, np.ndarray]) -> np.ndarray:

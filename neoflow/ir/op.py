@@ -7,9 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+import numpy as np
 import sympy
 from sympy.core.function import AppliedUndef
 
+from neoflow.errors import ShapeError
 from neoflow.ir.expr import Expr, Index, Read, Reduce, map_children, map_indices, reductions
 
 
@@ -100,6 +102,18 @@ class Op:
         from neoflow.ir.printer import print_op
 
         return print_op(self)
+
+
+def given_shape(shape: object, name: str) -> tuple[int, ...]:
+    """A shape a caller gave for tensor ``name`` (``shapes=`` of ``op``, ``graph``, ``compile``): a
+    sequence of positive integers, or a ``ShapeError`` saying what is wrong with it."""
+    if isinstance(shape, str | bytes) or not hasattr(shape, "__iter__"):
+        raise ShapeError(f"the shape given for '{name}' must be a sequence of integers, got {shape!r}")
+    dims = list(shape)
+    for dim in dims:
+        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim < 1:
+            raise ShapeError(f"the shape given for '{name}' has dimension {dim!r}; dimensions are positive integers")
+    return tuple(int(d) for d in dims)
 
 
 def rename_tensors(op: Op, names: Mapping[str, str]) -> Op:

@@ -326,4 +326,6 @@ class _Parser:
 
 def parse(text: str) -> list[Statement]:
     """Parse ``text`` into statements.  Raises ``ParseError`` with line and column."""
+    if not isinstance(text, str):
+        raise ParseError(f"a program is text (a str of statements), got {type(text).__name__}")
     return _Parser(text).statements()

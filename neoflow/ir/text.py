@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from neoflow.errors import ParseError
+from neoflow.errors import ParseError, ShapeError
 from neoflow.ir import dtypes as dt
 from neoflow.ir.build import build_op, build_ops
 from neoflow.ir.graph import Graph
@@ -52,6 +52,8 @@ def parse_op(
         raise ParseError(
             f"expected one statement defining a tensor, found {len(assigns)} (use neoflow.graph for several)"
         )
+    if shapes is not None and not isinstance(shapes, Mapping):
+        raise ShapeError("shapes are a mapping from tensor names (shapes={'X': (4, 5)})")
     shapes = dict(shapes or {})
     name = assigns[0].target.name
     if out_shape is not None:

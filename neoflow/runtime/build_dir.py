@@ -34,7 +34,15 @@ def save_build(directory: Path, write_files: Callable[[Path], dict]) -> None:
     folder ``staging`` and returns the manifest (without its ``files`` entry, which this adds)."""
     if directory.exists() and not directory.is_dir():
         raise InputError(f"'{directory}' exists and is not a directory")
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _save_locked(directory, write_files)
+    except OSError as err:
+        raise InputError(f"cannot save the build into '{directory}': {err.strerror or err}") from None
+
+
+def _save_locked(directory: Path, write_files: Callable[[Path], dict]) -> None:
+    """``save_build``'s work, under the directory's lock."""
     with _locked(directory):
         _complete_pending(directory)
         for stale in directory.glob(f"{_STAGING}*"):  # saves interrupted before their commit point

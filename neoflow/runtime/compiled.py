@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,12 +12,19 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from neoflow.autodiff.training import TrainingGraph, TrainSpec, build_training_graph, internal_names
+from neoflow.autodiff.training import (
+    TrainingGraph,
+    TrainSpec,
+    build_training_graph,
+    checked_learning_rate,
+    internal_names,
+)
 from neoflow.errors import CompileError, InputError, NumericError
 from neoflow.frontend import load_onnx, read_model
 from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
+from neoflow.ir.interpreter import input_array
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import print_graph
 from neoflow.ir.text import parse_graph
@@ -29,6 +35,7 @@ from neoflow.runtime.fusing import DEFAULT_POLICY, build_executor
 from neoflow.runtime.report import compile_report
 from neoflow.runtime.resources import check_memory
 from neoflow.targets import check_target, machine_file, with_machine_file
+from neoflow.targets.cache import write_atomically
 
 ModelSource = str | os.PathLike | onnx.ModelProto | Graph
 #: the copy of a ``<target>:<file>`` target's machine description a build directory keeps
@@ -271,12 +278,23 @@ class CompiledModel:
         """The target's executor of the inference graph (its ``describe`` lists kernels where it has one)."""
         return self._run
 
+    @property
+    def lr(self) -> float:
+        """The learning rate the next training steps use (settable)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = checked_learning_rate(value)
+
     def public_name(self, name: str) -> str:
         """The name a tensor has in the model file (its graph name for text models)."""
         return self._names.get(name, name)
 
     def _feed(self, graph: Graph, given: Mapping[str, np.ndarray], extra: Mapping[str, np.ndarray]) -> dict:
         """Every input of ``graph``: the caller's (checked), parameters, state, ``extra``."""
+        if not isinstance(given, Mapping):
+            raise InputError(f"inputs must be a mapping of input names to arrays, got {type(given).__name__}")
         table = self._input_table(graph, tuple(extra))
         unknown = sorted(set(given) - set(table))
         if unknown:
@@ -285,10 +303,7 @@ class CompiledModel:
         for source, tensor in table.items():
             if source not in given:
                 raise InputError(f"missing input '{source}' (expected shape {list(tensor.shape)}, {tensor.dtype})")
-            array = np.asarray(given[source])
-            if array.shape != tensor.shape:
-                raise InputError(f"input '{source}' has shape {list(array.shape)}, expected {list(tensor.shape)}")
-            values[tensor.name] = array.astype(dt.numpy_dtype(tensor.dtype), copy=False)
+            values[tensor.name] = input_array(given[source], tensor, f"input '{source}'")
         return values
 
     def _input_table(self, graph: Graph, extra: tuple[str, ...]) -> dict[str, Tensor]:
@@ -309,6 +324,8 @@ class CompiledModel:
 
     def _training_feed(self, batch: Mapping[str, np.ndarray]) -> dict:
         training = self._require_training()
+        if not isinstance(batch, Mapping):
+            raise InputError(f"a batch is a mapping of input names to arrays, got {type(batch).__name__}")
         batch = dict(batch)
         if training.labels is not None:
             batch[self.spec.labels] = self._check_labels(training, batch)
@@ -420,11 +437,8 @@ class CompiledModel:
         for name, value in values.items():
             if name not in table:
                 raise InputError(f"parameter '{name}' does not exist (the model has: {', '.join(sorted(table))})")
-            old = self._values[table[name]]
-            array = np.asarray(value)
-            if array.shape != old.shape:
-                raise InputError(f"parameter '{name}' has shape {list(array.shape)}, expected {list(old.shape)}")
-            self._values[table[name]] = array.astype(old.dtype)
+            tensor = self.inference.tensors[table[name]]
+            self._values[table[name]] = input_array(value, tensor, f"parameter '{name}'").copy()
 
     def restore_state(self, state: Mapping[str, np.ndarray]) -> None:
         """Set optimizer state tensors (as ``save`` wrote them); unknown names and
@@ -516,18 +530,10 @@ class CompiledModel:
 
 def _write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file, so a failure leaves no half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(handle, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+        write_atomically(path, data)
+    except OSError as err:
+        raise InputError(f"cannot write '{path}': {err.strerror or err}") from None
 
 
 def load(directory: str | os.PathLike, target: str | None = None, shapes: Mapping[str, Sequence[int]] | None = None):

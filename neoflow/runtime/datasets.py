@@ -52,11 +52,17 @@ def load_dataset(source: str | os.PathLike, seed: int = 0, test_fraction: float 
     try:
         with np.load(path, allow_pickle=False) as arrays:
             data = {k: arrays[k] for k in arrays.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise InputError(f"cannot read '{path}' as an .npz file: {err}") from None
     for key in ("x", "y"):
         if key not in data:
             raise InputError(f"'{path}' has no array '{key}' (it has: {', '.join(data) or 'none'})")
+    for key, value in data.items():
+        if value.dtype.kind not in "biuf" or value.ndim == 0:
+            raise InputError(
+                f"'{path}': array '{key}' holds {value.dtype} values of shape {list(value.shape)}; "
+                "samples are arrays of numbers"
+            )
     if len(data["x"]) != len(data["y"]):
         raise InputError(f"'{path}': x has {len(data['x'])} samples but y has {len(data['y'])}")
     if "x_test" in data and "y_test" in data:

@@ -77,12 +77,11 @@ def tune_model(
     """Tune the kernels of ``model``'s inference (or training step) within ``budget_seconds`` and
     record what was found; ``retune``: measure kernels the table has already; ``progress(done,
     total, kernel)`` is told before each kernel."""
-    if budget_seconds <= 0:
-        raise InputError(f"the tuning budget must be positive, got {budget_seconds} s")
+    if not 0 < budget_seconds < float("inf"):
+        raise InputError(f"the tuning budget must be a positive number of seconds, got {budget_seconds}")
+    check_can_tune(model.target)
     if model.target == "cuda":
         return _tune_cuda(model, training, budget_seconds, retune, progress)
-    if model.target != "cpu":
-        raise InputError(f"neoflow tune measures the cpu and cuda targets' kernels, not '{model.target}'s")
     deadline = time.perf_counter() + budget_seconds
     executor, feed = model.executor_and_feed(model.example_batch(training, seed), training)
     kernels = tunable(executor)
@@ -102,6 +101,17 @@ def tune_model(
     if progress is not None:
         progress(len(rows), len(todo), "")
     return TuneReport(tuple(rows), len(todo) - len(rows), len(kernels) - len(todo), table_path(threads()))
+
+
+def check_can_tune(target: str) -> None:
+    """A one-line error where ``target``'s kernels cannot be measured here (another target; no GPU for
+    ``cuda``), before any work."""
+    if target not in ("cpu", "cuda"):
+        raise InputError(f"neoflow tune measures the cpu and cuda targets' kernels, not '{target}'s")
+    if target == "cuda":
+        from neoflow.targets.cuda.driver import device
+
+        device()
 
 
 def _tune_cuda(model, training: bool, budget_seconds: float, retune: bool, progress) -> TuneReport:

@@ -25,12 +25,16 @@ def cache_dir() -> Path:
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file renamed into place, so a reader
-    (another process sharing the cache) never sees half a file."""
+    (another process sharing the cache) never sees half a file; its permissions as the umask
+    gives a new file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(handle, "wb") as out:
             out.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
