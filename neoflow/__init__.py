@@ -16,14 +16,16 @@ from neoflow.errors import (
     NonInvertibleMapError,
     NumericError,
     ParseError,
+    ResourceError,
     ShapeError,
     UnsupportedOpError,
 )
 from neoflow.frontend import load_onnx, register_op
-from neoflow.ir import Graph, Op, Tensor, evaluate
+from neoflow.ir import Graph, Op, Tensor
 from neoflow.ir.text import parse_graph as graph
 from neoflow.ir.text import parse_op as op
 from neoflow.runtime import CompiledModel, compile, load
+from neoflow.runtime.resources import evaluate
 
 __version__ = "0.1.0"
 
@@ -49,6 +51,7 @@ __all__ = [
     "NumericError",
     "Op",
     "ParseError",
+    "ResourceError",
     "ShapeError",
     "Tensor",
     "TrainSpec",

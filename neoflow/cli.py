@@ -125,17 +125,24 @@ def _require_file(path: str) -> None:
 
 
 def _output_dir(output: str | None) -> Path | None:
-    """The ``-o DIR`` of ``run``, made (an ``InputError`` where it cannot be, before anything runs)."""
+    """The ``-o DIR`` of ``run``, checked before anything runs (made only when outputs are written)."""
     if output is None:
         return None
-    try:
-        Path(output).mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise InputError(f"cannot make the output directory '{output}': {err.strerror or err}") from None
-    return Path(output)
+    path = Path(output)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"cannot write outputs into '{output}': it exists and is not a directory")
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write outputs into '{output}': '{existing}' is not a writable directory")
+    return path
 
 
 def _report_outputs(outputs: dict[str, np.ndarray], out_dir: Path | None) -> None:
+    if out_dir is not None:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise InputError(f"cannot make the output directory '{out_dir}': {err.strerror or err}") from None
     for name, value in outputs.items():
         print(
             f"{name}: shape {list(value.shape)} {value.dtype}, mean {value.mean():.6g}, "

@@ -89,6 +89,12 @@ class InputError(NeoflowError):
     kind = "input error"
 
 
+class ResourceError(NeoflowError):
+    """A model or op that needs more memory than this machine has, or more work than the time limit allows."""
+
+    kind = "resource error"
+
+
 class NumericError(NeoflowError):
     """A training step whose loss or updated parameters are not finite (NaN or Inf)."""
 

@@ -41,6 +41,8 @@ from neoflow.ir.op import Op, Tensor
 from neoflow.ir.simplify import condition_value
 
 MAX_PIECES = 64
+#: the most residues of a reduction variable tried (one of them is kept)
+MAX_RESIDUES = 256
 
 
 @dataclass(frozen=True)
@@ -303,8 +305,8 @@ def split_lattice(op: Op) -> tuple[Piece, ...] | None:
         output = name is not None
         if name is None:
             name = _unit_variable(expr, modulus, list(state.reduce.axes))
-        if name is None:
-            return None
+        if name is None or modulus > (MAX_PIECES - len(done) - len(pending) if output else MAX_RESIDUES):
+            return None  # too many pieces, or residues to try (a stride of 10007 took minutes to try)
         splits = []
         for residue in range(modulus):
             split = _substitute(state, name, modulus, residue, output)

@@ -15,6 +15,7 @@ from neoflow.fusion.plan import FusionPlan, apply_plan, validate
 from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.fusion.slicing import SliceRun
 from neoflow.ir.graph import Graph
+from neoflow.runtime.resources import check_resources
 
 DEFAULT_POLICY = "none"
 
@@ -61,8 +62,10 @@ def build_executor(
     """An executor of ``target`` running ``graph`` fused by policy ``fusion`` (contractions in
     ``precision`` where the target has tensor cores; None: its default);
     it carries ``fusion_plan``, the ``planned_graph`` it was made for (``graph``
-    with ``keep`` as its outputs), ``kernel_groups`` and ``cost_model``."""
+    with ``keep`` as its outputs), ``kernel_groups`` and ``cost_model``.  A graph past this machine's
+    memory or the time limit (``runtime.resources``) is a ``ResourceError`` before any planning."""
     model = cost_model(target)
+    check_resources(graph, target, lambda: model.machine.peak_flops if model.machine.measured else None)
     planned = planning_graph(graph, keep)
     plan = plan_for(planned, fusion, model)
     fused, groups = apply_plan(planned, plan)

@@ -152,3 +152,21 @@ def test_a_unit_axis_in_the_condition_is_replaced_there_too(condition: str) -> N
     (piece,) = split_lattice(op)
     assert piece.op.reduce_axes == ("r",) and "u" not in index_variables(piece.op.body)
     assert_compiled_matches_interpreter(op, 1)
+
+
+def test_a_stride_with_too_many_residues_is_not_split_and_costs_no_time() -> None:
+    """An adjoint of stride 10007 took over a minute to split into 10007 pieces (one substitution
+    each) before MAX_PIECES turned it down; now the modulus alone decides, at once."""
+    import time
+
+    import numpy as np
+
+    op = neoflow.op("Y[i] = ReduceAdd({r}, X[10007*i + r] * W[r])", shapes={"X": (10007 * 5 + 7,), "W": (7,)})
+    adjoint = neoflow.grad(op)["X"]
+    start = time.perf_counter()
+    assert split_lattice(adjoint) is None
+    assert time.perf_counter() - start < 2.0
+    compiled = neoflow.compile(op, target="interp", grad=True)
+    x, w = np.ones(10007 * 5 + 7, np.float32), np.arange(7, dtype=np.float32)
+    dx = compiled.backward({"X": x, "W": w}, {"dY": np.ones(op.shape, np.float32)})["X"]
+    assert dx[10007 * 2 + 3] == 3.0 and dx[10007 * 2 + 7] == 0.0  # offset 3 of row 2; past its reach

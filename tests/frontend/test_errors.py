@@ -130,7 +130,7 @@ def test_a_tensor_larger_than_the_machines_memory_fails_before_anything_is_alloc
     model = model_of(
         helper.make_node("Relu", ["x"], ["y"]), inputs=(("x", [2, 2**31, 5]),), outputs=(("y", [2, 2**31, 5]),)
     )
-    with pytest.raises(InputError) as info:
+    with pytest.raises(neoflow.ResourceError) as info:
         neoflow.compile(model, target="interp")
     assert "tensor 'x' ([2, 2147483648, 5] float32) needs 80.0 GiB, more than this machine's" in one_line(info.value)
 
