@@ -2,8 +2,10 @@
 go wrong (and text-language programs, grammar-aware), each compiled and run; every outcome must be a
 result or a one-line ``NeoflowError``.
 
-    python -m tests.fuzz --minutes 10 [--seed 0] [--workers 2]
+    python -m tests.fuzz --minutes 10 [--seed 0] [--workers 2] [--target interp|cpu] [--train-share 0.3]
 
+A share of the ONNX mutants (``--train-share``) is compiled with a training step (cross-entropy, SGD) and
+trained one step, the rest run inference; ``--target cpu`` compiles them to C (slower: fewer mutants).
 Each mutant runs in a worker process under a time limit (a hang is an outcome too); the run prints how
 many mutants ran and their outcomes by kind, and every internal error (an exception that is not a
 ``NeoflowError``, or a ``NeoflowError`` of more than one line) with the mutation that made it.  The test
@@ -324,17 +326,22 @@ def mutant(seed_model: str, mutation: str, seed: int) -> bytes:
     return result if isinstance(result, bytes) else result.SerializeToString()
 
 
-def outcome(data: bytes, workdir: Path) -> tuple[str, str]:
-    """Compile the model ``data`` (interp target) and run it on random inputs: ``("ok", "")``,
-    ``("neoflow error", message)`` or ``("internal", traceback summary)``."""
+def outcome(data: bytes, workdir: Path, target: str = "interp", train: bool = False) -> tuple[str, str]:
+    """Compile the model ``data`` for ``target`` (with ``train``, a training step) and run it (train one
+    step) on random inputs: ``("ok", "")``, ``("neoflow error", message)`` or ``("internal", traceback
+    summary)``."""
     import neoflow
 
     path = workdir / "mutant.onnx"
     path.write_bytes(data)
 
     def run() -> None:
-        model = neoflow.compile(path, target="interp")
-        model.run(model.example_batch())
+        if train:
+            model = neoflow.compile(path, target=target, train=neoflow.TrainSpec(labels="fuzz_labels"))
+            model.train_step(model.example_batch(training=True), check=True)
+        else:
+            model = neoflow.compile(path, target=target)
+            model.run(model.example_batch())
 
     return _classified(run)
 
@@ -360,13 +367,15 @@ def within(run: Callable[[], tuple[str, str]], seconds: float = TIME_LIMIT) -> t
         signal.signal(signal.SIGALRM, previous)
 
 
-def outcome_within(data: bytes, workdir: Path, seconds: float = TIME_LIMIT) -> tuple[str, str]:
+def outcome_within(
+    data: bytes, workdir: Path, seconds: float = TIME_LIMIT, target: str = "interp", train: bool = False
+) -> tuple[str, str]:
     """``outcome`` under a time limit."""
-    return within(lambda: outcome(data, workdir), seconds)
+    return within(lambda: outcome(data, workdir, target, train), seconds)
 
 
-def _work(job: tuple[str, str, int, str]) -> tuple[str, str, int, str, str]:
-    seed_model, mutation, seed, workdir = job
+def _work(job: tuple[str, str, int, str, str, bool]) -> tuple[str, str, int, str, str]:
+    seed_model, mutation, seed, workdir, target, train = job
     np.random.seed(seed)
     if mutation == "text":
         kind, detail = within(lambda: text_outcome(text_mutant(int(seed_model), seed)))
@@ -375,8 +384,8 @@ def _work(job: tuple[str, str, int, str]) -> tuple[str, str, int, str, str]:
         data = mutant(seed_model, mutation, seed)
     except Exception as err:  # a mutation onnx itself refuses to serialise: not neoflow's to judge
         return seed_model, mutation, seed, "skipped", f"{type(err).__name__}"
-    kind, detail = outcome_within(data, Path(workdir))
-    return seed_model, mutation, seed, kind, detail
+    kind, detail = outcome_within(data, Path(workdir), target=target, train=train)
+    return seed_model, f"{mutation} (train)" if train else mutation, seed, kind, detail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--target", choices=("interp", "cpu"), default="interp")
+    parser.add_argument("--train-share", type=float, default=0.3, help="share of ONNX mutants trained a step")
     args = parser.parse_args(argv)
     import tempfile
 
@@ -399,10 +410,12 @@ def main(argv: list[str] | None = None) -> int:
         k = 0
         while time.monotonic() < deadline or pending:
             while time.monotonic() < deadline and len(pending) < 2 * args.workers:
+                workdir = str(root / f"w{k}")
                 if rng.random() < 0.25:  # a text-language program
-                    job = (str(rng.randrange(len(PROGRAMS))), "text", rng.randrange(2**31), str(root / f"w{k}"))
+                    job = (str(rng.randrange(len(PROGRAMS))), "text", rng.randrange(2**31), workdir, "interp", False)
                 else:
-                    job = (rng.choice(SEEDS), rng.choice(sorted(MUTATIONS)), rng.randrange(2**31), str(root / f"w{k}"))
+                    mutation, train = rng.choice(sorted(MUTATIONS)), rng.random() < args.train_share
+                    job = (rng.choice(SEEDS), mutation, rng.randrange(2**31), workdir, args.target, train)
                 Path(job[3]).mkdir()
                 pending.append(pool.apply_async(_work, (job,)))
                 k += 1
@@ -418,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 if kind in ("internal", "hang"):
                     internal.append(f"{seed_model} {mutation} seed {seed}: {kind}: {detail}")
     total = sum(counts.values())
+    print(f"target {args.target}, {args.train_share:.0%} of ONNX mutants trained a step")
     print(f"{total} mutants in {args.minutes:g} min: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for mutation, found in sorted(by_mutation.items()):
         print(f"  {mutation}: " + ", ".join(f"{k} {v}" for k, v in sorted(found.items())))

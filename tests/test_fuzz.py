@@ -24,6 +24,20 @@ def test_a_mutated_model_is_a_result_or_a_one_line_neoflow_error(seed_model, mut
     assert kind in ("ok", "neoflow error"), f"{seed_model} {mutation} seed {seed}: {kind}: {detail}"
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed_model=st.sampled_from(fuzz.SEEDS),
+    mutation=st.sampled_from(sorted(fuzz.MUTATIONS)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_mutated_model_trained_a_step_is_a_result_or_a_one_line_neoflow_error(
+    seed_model, mutation, seed, tmp_path
+) -> None:
+    data = fuzz.mutant(seed_model, mutation, seed)
+    kind, detail = fuzz.outcome_within(data, tmp_path, seconds=30, train=True)
+    assert kind in ("ok", "neoflow error"), f"{seed_model} {mutation} (train) seed {seed}: {kind}: {detail}"
+
+
 @SETTINGS
 @given(program=st.integers(0, len(fuzz.PROGRAMS) - 1), seed=st.integers(0, 2**31 - 1))
 def test_a_mutated_program_is_a_result_or_a_one_line_neoflow_error(program, seed) -> None:

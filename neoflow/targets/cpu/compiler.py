@@ -121,6 +121,37 @@ def build_library(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     return library
 
 
+#: how a sanitizer program (``executor.sanitizer_program``) is built: AddressSanitizer and UBSan, the
+#: first report fatal; -march=native as the kernels are built (their vector packers run)
+SANITIZER_FLAGS = (
+    *("-O1", "-g", "-march=native", "-fopenmp", "-std=gnu11"),
+    *("-fsanitize=address,undefined", "-fno-sanitize-recover=all"),
+)
+
+
+def build_sanitized(source: str) -> Path:
+    """An executable of the C program ``source`` built with ``SANITIZER_FLAGS`` (cached under
+    ``kernels/sanitized`` as libraries are: such a build of a large model takes a minute)."""
+    command = compiler()
+    key = _key(source, command, *SANITIZER_FLAGS, version(command))
+    directory = cache_dir() / "kernels" / "sanitized"
+    program = directory / key
+    if intact(program):
+        return program
+    directory.mkdir(parents=True, exist_ok=True)
+    with entry_lock(program):
+        if not intact(program):
+            write_atomically(directory / f"{key}.c", source.encode())
+            # its translation units compiled at once, one process a core, as a large library's are
+            objects = _objects(translation_units(source, os.cpu_count() or 1), command, SANITIZER_FLAGS, directory)
+            with _temporary(directory, key, "") as temporary:
+                arguments = [*shlex.split(command), *SANITIZER_FLAGS, *map(str, objects), "-o", temporary, *LIBRARIES]
+                _check(_run(arguments), directory / f"{key}.c")
+                os.chmod(temporary, 0o755)
+                seal(temporary, program)
+    return program
+
+
 def translation_units(source: str, count: int) -> list[str]:
     """``source`` as up to ``count`` translation units of about equal size (one where it is small or
     has no ``UNIT`` lines): each the header, prototypes of every exported function, and its share of

@@ -284,6 +284,13 @@ class CpuExecutor:
         self._recycled, self._recycle_turn = [], 0
         self._load_library()
 
+    def sanitizer_program(self) -> str:
+        """This executor's own module (the kernels, nests and sliced kernels it runs) as a standalone
+        program for an AddressSanitizer/UBSan build (``sanitizer_main``)."""
+        if self.interpreted:
+            raise CompileError(f"ops without a C lowering: {', '.join(self.interpreted)}")
+        return self.source + UNIT + sanitizer_main(self.graph)
+
     def artifacts(self) -> dict[str, bytes]:
         """What a build directory keeps of this executor, by file suffix: the C and its library."""
         return {".c": self.source.encode(), ".so": self.library_path.read_bytes()}
@@ -505,18 +512,17 @@ def sanitizer_program(graph: Graph, groups: Collection[Collection[str]] = (), sl
     source, functions, interpreted = module_source(graph, in_slices)
     if interpreted:
         raise CompileError(f"ops without a C lowering: {', '.join(interpreted)}")
+    nests_c, nests = nest_source(graph_nests(graph, [group for group in groups if in_slices.isdisjoint(group)]))
+    entry = graph_entry(graph, functions, nests, sliced_functions)
+    return UNIT.join([source, nests_c, sliced_c, entry, sanitizer_main(graph)])
+
+
+def sanitizer_main(graph: Graph) -> str:
+    """The ``main`` of a sanitizer program (``sanitizer_program``): every tensor in a buffer of exactly
+    its size, the inputs filled, one ``nf_run_graph``, a checksum of the outputs printed."""
     from neoflow.codegen.c_expr import c_type
 
-    nests_c, nests = nest_source(graph_nests(graph, [group for group in groups if in_slices.isdisjoint(group)]))
-    lines = [
-        source,
-        nests_c,
-        sliced_c,
-        graph_entry(graph, functions, nests, sliced_functions),
-        "#include <stdio.h>",
-        "int main(void) {",
-        "    uint64_t seed = 1;",
-    ]
+    lines = ["#include <stdio.h>", "int main(void) {", "    uint64_t seed = 1;"]
     buffers = {}
     for tensor_name, k in tensor_slots(graph).items():
         tensor = graph.tensors[tensor_name]
