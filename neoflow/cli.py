@@ -378,6 +378,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.epochs < 1:
         raise InputError(f"--epochs must be at least 1, got {args.epochs}")
+    if args.batch is not None and args.batch < 1:
+        raise InputError(f"--batch must be at least 1, got {args.batch}")
     model = neoflow.load(args.build)
     if model.training is None:
         raise InputError(f"'{args.build}' holds an inference build; compile it with --train")

@@ -106,13 +106,16 @@ class Op:
 
 def given_shape(shape: object, name: str) -> tuple[int, ...]:
     """A shape a caller gave for tensor ``name`` (``shapes=`` of ``op``, ``graph``, ``compile``): a
-    sequence of positive integers, or a ``ShapeError`` saying what is wrong with it."""
+    sequence of non-negative integers (ONNX allows empty tensors), or a ``ShapeError`` saying what is
+    wrong with it."""
     if isinstance(shape, str | bytes) or not hasattr(shape, "__iter__"):
         raise ShapeError(f"the shape given for '{name}' must be a sequence of integers, got {shape!r}")
     dims = list(shape)
     for dim in dims:
-        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim < 1:
-            raise ShapeError(f"the shape given for '{name}' has dimension {dim!r}; dimensions are positive integers")
+        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim < 0:
+            raise ShapeError(
+                f"the shape given for '{name}' has dimension {dim!r}; dimensions are non-negative integers"
+            )
     return tuple(int(d) for d in dims)
 
 
