@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests import fuzz
+from tests.on_targets import NEEDS_CC
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -57,3 +58,13 @@ def test_the_first_escapes_found_are_neoflow_errors_now(mutation, message, tmp_p
     seeds = {"initializer_type": 1529936020, "initializer_dims": 1608848942}
     kind, detail = fuzz.outcome(fuzz.mutant("cnn.onnx", mutation, seeds[mutation]), tmp_path)
     assert kind == "neoflow error" and message in detail, detail
+
+
+@NEEDS_CC
+def test_a_batch_of_zero_compiles_for_cpu_and_refuses_to_train(tmp_path) -> None:
+    # the cpu target's escape the long run found: an op over an empty domain split into no lattice pieces
+    # (IndexError); trained, the loss averaged over nothing (a sympy complex infinity in its adjoint)
+    data = fuzz.mutant("mlp.onnx", "input_dims", 1677345005)  # x: [0, 64]
+    assert fuzz.outcome(data, tmp_path, target="cpu") == ("ok", "")
+    kind, detail = fuzz.outcome(data, tmp_path, target="cpu", train=True)
+    assert kind == "neoflow error" and "the loss would average over no elements" in detail, detail

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from neoflow.errors import ShapeError
+from neoflow.errors import InputError, ShapeError
 from neoflow.ir import index
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.text import build_statement
@@ -77,6 +77,11 @@ def make_loss(kind: str, output: Tensor, labels: str, taken: set[str]) -> Loss:
         taken.add(name)
         return name
 
+    if output.size == 0:
+        raise InputError(
+            f"the loss would average over no elements: the model output '{output.name}' has shape "
+            f"{list(output.shape)} (a batch of at least one sample is needed to train)"
+        )
     if kind == "cross_entropy":
         return cross_entropy(output, labels, fresh)
     if kind == "mse":

@@ -637,7 +637,7 @@ def lowering_paths(op: Op) -> list[str]:
 def _lattice_pieces(op: Op) -> list[Piece] | None:
     """The dense pieces of a lattice domain of more than one piece (or an empty one), else None."""
     pieces = split_lattice(op) if op.scatter is None else None
-    return pieces if pieces is not None and (len(pieces) > 1 or pieces[0].empty) else None
+    return pieces if pieces and (len(pieces) > 1 or pieces[0].empty) else None  # none: an empty op
 
 
 def lower_op(op: Op, name: str, choice: KernelChoice | None = None) -> str:
