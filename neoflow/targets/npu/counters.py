@@ -105,6 +105,17 @@ class Counters:
         return "\n".join(lines) + "\n"
 
 
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` (start, end) with those that overlap joined."""
+    joined: list[list[int]] = []
+    for begin, end in sorted(spans):
+        if joined and begin < joined[-1][1]:
+            joined[-1][1] = max(joined[-1][1], end)
+        else:
+            joined.append([begin, end])
+    return [(begin, end) for begin, end in joined]
+
+
 def count(program: Program, schedule: Schedule) -> Counters:
     """The counters of ``program`` run as ``schedule`` says."""
     machine = program.machine
@@ -117,7 +128,7 @@ def count(program: Program, schedule: Schedule) -> Counters:
     )
     pipe_free: dict[tuple, int] = defaultdict(int)
     cores = set()
-    held: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # (core, buffer) -> (start, +/- bytes) events
+    held: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # (core, buffer, offset, size) -> (start, end)
     last_read: dict[int, int] = {}
     depends = schedule.depends or dependencies(program)
     for index, instruction in enumerate(program.instructions):
@@ -149,8 +160,13 @@ def count(program: Program, schedule: Schedule) -> Counters:
         for region in instruction.writes:
             if region.space != GM:
                 end = max(last_read.get(index, schedule.dones[index]), schedule.dones[index])
-                held[(instruction.core, region.space)] += [(start, region.size), (end, -region.size)]
-    for (_, buffer), events in held.items():
+                held[(instruction.core, region.space, region.offset, region.size)].append((start, end))
+    occupancy: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # (core, buffer) -> (time, +/- bytes)
+    for (core, buffer, _, size), spans in held.items():
+        # one region written again while still held (an accumulator's successive mmads) is held once
+        for begin, end in _merged(spans):
+            occupancy[(core, buffer)] += [(begin, size), (end, -size)]
+    for (_, buffer), events in occupancy.items():
         level = peak = 0
         for _, change in sorted(events, key=lambda e: (e[0], e[1])):
             level += change

@@ -55,6 +55,8 @@ SIZES = (16, 32, 64, 128, 256)
 #: cores (a 3x3 conv's 25,088 output rows are 224 tiles of 112, seven a core of 32; tiles of 128 or 256
 #: left two cores a quarter more work than the other thirty)
 ROW_SIZES = tuple(range(16, 257, 16))
+#: ... and to 512 for a lone view's tiles that may take all of L0C (``tile_candidates``)
+LONE_ROW_SIZES = tuple(range(16, 513, 16))
 #: L1 steps a tile's depth step may span (in L0 steps)
 L1_STEPS = (1, 2, 4, 8)
 #: bytes of the cube's operand and accumulator elements
@@ -143,12 +145,19 @@ def _bound_bytes(view: GemmView, gather: Gather, rows: int, depth: int) -> int:
 
 
 def tile_candidates(
-    view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int, ub_point_bytes: int = 0
+    view: GemmView,
+    machine: Machine,
+    gathers: tuple[Gather, Gather],
+    cores: int,
+    ub_point_bytes: int = 0,
+    lone: bool = False,
 ) -> list[CubeTiles]:
     """The tiles that fit the buffers (each half of a ping-pong pair), best first by a pipelined
     estimate (the slowest of cube, MTE1 and MTE2 per step, tiles spread over ``cores``);
     ``ub_point_bytes``: an on-chip epilogue's UB bytes per output point (16 rows of a tile and
-    their epilogue must fit a half of UB: FIXPIPE drains a tile in chunks of rows)."""
+    their epilogue must fit a half of UB: FIXPIPE drains a tile in chunks of rows).  ``lone``: the
+    view is its program's only one, so a tiling that gives every core one tile at most may take all
+    of L0C for it (no second tile to drain behind: larger tiles, fewer re-reads of the operands)."""
     batch, m_size, n_size, k_size = view.sizes
     l1 = machine.buffer("L1").capacity
     l0a, l0b, l0c = (machine.buffer(name).capacity for name in ("L0A", "L0B", "L0C"))
@@ -157,10 +166,14 @@ def tile_candidates(
     mte1 = machine.mover("L1", "L0A")
     rate = min(mte2.bytes_per_cycle, machine.memory.l2_bytes_per_cycle / max(1, cores))
     found: list[tuple[float, int, CubeTiles]] = []
-    for m in (s for s in ROW_SIZES if s <= _pad16(m_size)):
-        for n in (s for s in ROW_SIZES if s <= _pad16(n_size)):
-            if 2 * m * n * ACCUMULATOR_BYTES > l0c or (
-                ub_half is not None and 16 * n * ub_point_bytes + 1024 > ub_half
+    sizes = LONE_ROW_SIZES if lone else ROW_SIZES
+    for m in (s for s in sizes if s <= _pad16(m_size)):
+        for n in (s for s in sizes if s <= _pad16(n_size)):
+            whole = 2 * m * n * ACCUMULATOR_BYTES > l0c  # too large for a half: one tile a core only
+            if (
+                (whole and not lone)
+                or m * n * ACCUMULATOR_BYTES > l0c
+                or (ub_half is not None and 16 * n * ub_point_bytes + 1024 > ub_half)
             ):
                 continue
             tiles = batch * math.ceil(m_size / m) * math.ceil(n_size / n)
@@ -177,6 +190,8 @@ def tile_candidates(
                     for splits in SPLITS:
                         if splits > 1 and (tiles * splits > 2 * cores or splits > math.ceil(k_size / k1)):
                             break
+                        if whole and tiles * splits > cores:
+                            continue
                         l0_steps = math.ceil(k_size / k0 / splits)
                         l1_steps = math.ceil(k_size / k1 / splits)
                         cube = l0_steps * (m // 16) * (n // 16) * (k0 // 16)
@@ -198,6 +213,11 @@ def tile_candidates(
             op=view.op.name,
         )
     return [tiles for *_, tiles in sorted(found, key=lambda f: f[:2])]
+
+
+def whole_l0c(tiles: CubeTiles, machine: Machine) -> bool:
+    """Whether ``tiles``' output tile takes more than half of L0C (so all of it: ``tile_candidates``)."""
+    return 2 * tiles.m * tiles.n * ACCUMULATOR_BYTES > machine.buffer("L0C").capacity
 
 
 def choose_tiles(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int) -> CubeTiles:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -432,3 +433,33 @@ def test_split_depth_ranges_are_even_whole_steps_covering_the_depth(k_size: int,
     steps = [-(-len(r) // k1) for r in ranges]
     assert max(steps) - min(steps) <= 1  # 196 steps in 16 splits: 12 or 13 each, not 13 and a last of 1
     assert len(ranges) == min(splits, -(-k_size // k1))
+
+
+def test_a_lone_view_may_take_all_of_l0c_for_one_tile_a_core(monkeypatch) -> None:
+    """Tiles of more than half of L0C are offered only for a program's lone view and only where every core
+    gets one tile at most; such a tiling computes right and its replay lands on its schedule."""
+    from neoflow.codegen.hardware import NPU_CUBE
+    from neoflow.codegen.implicit_gemm import gemm_views
+    from neoflow.targets.npu import compile as npu_compile
+    from neoflow.targets.npu import cube
+
+    base = machine("npu")
+    small = dataclasses.replace(
+        base,
+        cube_cores=4,
+        vector_cores=4,
+        buffers=tuple(dataclasses.replace(b, capacity=64 * 1024) if b.name == "L0C" else b for b in base.buffers),
+    )
+    op = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (256, 512), "B": (512, 256)})
+    view = gemm_views(op, NPU_CUBE)[0]
+    gathers = cube.cube_operands(view)
+    shared = cube.tile_candidates(view, small, gathers, 4)
+    lone = cube.tile_candidates(view, small, gathers, 4, lone=True)
+    assert not any(cube.whole_l0c(t, small) for t in shared)
+    whole = [t for t in lone if cube.whole_l0c(t, small)]
+    assert whole and all(math.ceil(256 / t.m) * math.ceil(256 / t.n) * t.splits <= 4 for t in whole)
+    monkeypatch.setattr(cube, "tile_candidates", lambda *a, **k: whole[:1])
+    monkeypatch.setattr(npu_compile, "TRIALS", 1)
+    got, (compiled, want) = _simulate(op, small)
+    assert _relative(got, want) < 2e-3
+    assert count(compiled.phases[0][1], compiled.schedules[0]).peak["L0C"] > small.buffer("L0C").capacity // 2
