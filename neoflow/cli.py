@@ -19,7 +19,6 @@ import neoflow
 from neoflow.errors import InputError, NeoflowError
 from neoflow.ir import Graph, Op
 from neoflow.ir.interpreter import evaluate_graph
-from neoflow.runtime.build_dir import open_build
 
 
 def _shape_arg(text: str) -> tuple[str, tuple[int, ...]]:
@@ -157,10 +156,7 @@ def _report_outputs(outputs: dict[str, np.ndarray], out_dir: Path | None) -> Non
 
 def _run_build(args: argparse.Namespace) -> int:
     out_dir = _output_dir(args.output)
-    shapes = None
-    if args.shape:  # the saved shapes with those given replaced
-        shapes = {**open_build(Path(args.program)).manifest.get("shapes", {}), **dict(args.shape)}
-    model = neoflow.load(args.program, shapes=shapes)
+    model = neoflow.load(args.program, shapes=dict(args.shape))  # the saved shapes, those given replaced
     tensors = [(model.public_name(t.name), t) for t in model.inference.free_inputs]
     inputs = _random_or_given(tensors, dict(args.input), args.random, args.seed)
     start = time.perf_counter()
@@ -386,7 +382,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.batch is not None and args.batch != model.training.data_inputs[0].shape[0]:
         source = model.public_name(model.training.data_inputs[0].name)
         shape = (args.batch, *model.training.data_inputs[0].shape[1:])
-        model = neoflow.load(args.build, shapes={**model.shapes, source: shape})
+        model = neoflow.load(args.build, shapes={source: shape})
     if args.lr is not None:
         model.lr = args.lr
     data = load_dataset(args.data, seed=args.seed)

@@ -295,8 +295,7 @@ def check_inputs(
     """``inputs`` for ``tensors``: each present, of the right shape, converted to its dtype;
     values ``as_is(value)`` holds for (a GPU target's device arrays) pass unconverted, their
     shape checked."""
-    if not isinstance(inputs, Mapping):
-        raise InputError(f"inputs must be a mapping of input names to arrays, got {type(inputs).__name__}", op=owner)
+    require_mapping(inputs, "inputs", owner)
     arrays = {}
     for tensor in tensors:
         if tensor.name not in inputs:
@@ -311,6 +310,12 @@ def check_inputs(
             continue
         arrays[tensor.name] = input_array(value, tensor, f"input '{tensor.name}'", owner)
     return arrays
+
+
+def require_mapping(given: object, what: str, owner: str | None = None) -> None:
+    """An ``InputError`` unless ``given`` (a caller's ``what``: inputs, a batch) maps names to arrays."""
+    if not isinstance(given, Mapping):
+        raise InputError(f"{what} must be a mapping of input names to arrays, got {type(given).__name__}", op=owner)
 
 
 def input_array(value: object, tensor: Tensor, what: str, owner: str | None = None) -> np.ndarray:

@@ -91,7 +91,12 @@ def _listed(manifest: Path) -> list[str]:
         files = json.loads(manifest.read_text()).get("files", {})
     except (OSError, ValueError, AttributeError):
         return []
-    return [name for name in files if isinstance(name, str) and "/" not in name and not name.startswith(".")]
+    return [name for name in files if _file_name(name)]
+
+
+def _file_name(name: object) -> bool:
+    """Whether ``name`` may name a file of a build: a plain name in the directory, not a hidden one."""
+    return isinstance(name, str) and "/" not in name and not name.startswith(".")
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def open_build(directory: Path) -> Build:
         raise InputError(f"'{manifest_path}' is not a valid neoflow manifest ({err})") from None
     locations = {MANIFEST: manifest_path}
     for name, recorded in files.items():
-        if not isinstance(name, str) or "/" in name or name.startswith(".") or not isinstance(recorded, dict):
+        if not _file_name(name) or not isinstance(recorded, dict):
             raise InputError(f"'{manifest_path}' is not a valid neoflow manifest (its entry {name!r})")
         location = pending / name if (pending / name).is_file() else directory / name
         if not location.is_file():

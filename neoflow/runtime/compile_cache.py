@@ -74,7 +74,6 @@ def store(name: str, compiled: object) -> bool:
     except Exception:  # executors holding device state: not cached
         return False
     path = _path(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with entry_lock(path):
         store_sealed(path, data)
     return True

@@ -24,7 +24,7 @@ from neoflow.frontend import load_onnx, read_model
 from neoflow.fusion.policies import FusionPolicy, load_policy
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
-from neoflow.ir.interpreter import input_array
+from neoflow.ir.interpreter import input_array, require_mapping
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.printer import print_graph
 from neoflow.ir.text import parse_graph
@@ -293,8 +293,7 @@ class CompiledModel:
 
     def _feed(self, graph: Graph, given: Mapping[str, np.ndarray], extra: Mapping[str, np.ndarray]) -> dict:
         """Every input of ``graph``: the caller's (checked), parameters, state, ``extra``."""
-        if not isinstance(given, Mapping):
-            raise InputError(f"inputs must be a mapping of input names to arrays, got {type(given).__name__}")
+        require_mapping(given, "inputs")
         table = self._input_table(graph, tuple(extra))
         unknown = sorted(set(given) - set(table))
         if unknown:
@@ -324,8 +323,7 @@ class CompiledModel:
 
     def _training_feed(self, batch: Mapping[str, np.ndarray]) -> dict:
         training = self._require_training()
-        if not isinstance(batch, Mapping):
-            raise InputError(f"a batch is a mapping of input names to arrays, got {type(batch).__name__}")
+        require_mapping(batch, "a batch")
         batch = dict(batch)
         if training.labels is not None:
             batch[self.spec.labels] = self._check_labels(training, batch)
@@ -538,7 +536,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def load(directory: str | os.PathLike, target: str | None = None, shapes: Mapping[str, Sequence[int]] | None = None):
     """Load a model ``CompiledModel.save`` wrote (recompiling it for ``target``,
-    default the saved one, and ``shapes``, default the saved ones); every file is
+    default the saved one, with the saved input shapes, those named in ``shapes``
+    replaced); every file is
     checked against the manifest's SHA-256 and the saved tensors' shapes against
     the model's (an ``InputError`` naming the damaged file)."""
     build = open_build(Path(directory))
@@ -558,7 +557,7 @@ def load(directory: str | os.PathLike, target: str | None = None, shapes: Mappin
             )
         model_path = build.path(manifest["model"])
         saved_target = manifest["target"]
-        saved_shapes = manifest["shapes"]
+        saved_shapes = dict(manifest["shapes"])
         step, lr = int(manifest.get("step", 0)), manifest.get("lr")
     except (ValueError, KeyError, TypeError) as err:
         raise InputError(f"'{manifest_path}' is not a valid neoflow manifest ({err})") from None
@@ -570,7 +569,7 @@ def load(directory: str | os.PathLike, target: str | None = None, shapes: Mappin
         model_path,
         target or saved_target,
         spec,
-        shapes if shapes is not None else saved_shapes,
+        {**saved_shapes, **(shapes or {})},
         parameters,
         fusion=manifest.get("fusion", DEFAULT_POLICY),
         precision=manifest.get("precision"),

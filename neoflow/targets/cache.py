@@ -23,10 +23,10 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file renamed into place, so a reader
-    (another process sharing the cache) never sees half a file; its permissions as the umask
-    gives a new file."""
+@contextmanager
+def _written(path: Path, data: bytes) -> Iterator[str]:
+    """A temporary file beside ``path`` holding ``data`` (the permissions the umask gives a new file),
+    removed afterwards unless the caller renamed it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -35,10 +35,16 @@ def write_atomically(path: Path, data: bytes) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
-    except BaseException:
+        yield temporary
+    finally:
         Path(temporary).unlink(missing_ok=True)
-        raise
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed into place, so a reader
+    (another process sharing the cache) never sees half a file."""
+    with _written(path, data) as temporary:
+        os.replace(temporary, path)
 
 
 #: the suffix of the file beside each cache entry holding the SHA-256 of its bytes
@@ -68,14 +74,8 @@ def seal(temporary: Path | str, path: Path) -> None:
 
 def store_sealed(path: Path, data: bytes) -> None:
     """Write ``data`` into the cache at ``path`` as ``seal`` does (under ``entry_lock(path)``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
+    with _written(path, data) as temporary:
         seal(temporary, path)
-    finally:
-        Path(temporary).unlink(missing_ok=True)
 
 
 def intact(path: Path) -> bool:

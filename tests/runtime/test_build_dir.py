@@ -40,7 +40,7 @@ def _signature(model) -> tuple[int, float]:
 
 
 class _Interrupted(Exception):
-    pass
+    """A save stopped at one of its renames."""
 
 
 def test_a_save_interrupted_at_any_point_leaves_a_whole_save(model, tmp_path, monkeypatch) -> None:
@@ -193,3 +193,10 @@ def test_a_malformed_manifest_is_an_input_error(tmp_path, manifest) -> None:
     (tmp_path / "manifest.json").write_text(manifest)
     with pytest.raises(InputError, match="is not a valid neoflow manifest"):
         neoflow.load(tmp_path)
+
+
+def test_shapes_given_to_load_replace_the_saved_ones_by_name(model, tmp_path) -> None:
+    build = _saved(model, tmp_path)
+    smaller = neoflow.load(build, shapes={"x": (16, 64)})
+    assert smaller.shapes["x"] == (16, 64) and smaller.example_batch(training=True)["x"].shape == (16, 64)
+    assert neoflow.load(build).example_batch(training=True)["x"].shape == (32, 64)

@@ -110,12 +110,10 @@ def _best_tiles(
     ``on_chip`` (``cube.vector_epilogue``), the vector unit beside the cube can, for an undivided
     depth — tried against the tilings that split the depth and meet in the workspace."""
     itemsize = dt.numpy_dtype(op.dtype).itemsize
-    found = cube.tile_candidates(view, machine, gathers, len(cores))[:TRIALS]
-    if lone:  # and the estimate's best tilings that take all of L0C (one tile a core), which it underrates
-        whole = [
-            t for t in cube.tile_candidates(view, machine, gathers, len(cores), lone=True) if cube.whole_l0c(t, machine)
-        ]
-        found += whole[: TRIALS // 2]
+    candidates = cube.tile_candidates(view, machine, gathers, len(cores), lone=lone)
+    # the usual eight best, and (a lone view) the best tilings that take all of L0C, which the estimate underrates
+    found = [t for t in candidates if not cube.whole_l0c(t, machine)][:TRIALS]
+    found += [t for t in candidates if cube.whole_l0c(t, machine)][: TRIALS // 2]
     if on_chip:
         point = cube.epilogue_point_bytes(view, itemsize)
         undivided = [t for t in cube.tile_candidates(view, machine, gathers, len(cores), point) if t.splits == 1]

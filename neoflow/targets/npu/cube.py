@@ -55,7 +55,7 @@ SIZES = (16, 32, 64, 128, 256)
 #: cores (a 3x3 conv's 25,088 output rows are 224 tiles of 112, seven a core of 32; tiles of 128 or 256
 #: left two cores a quarter more work than the other thirty)
 ROW_SIZES = tuple(range(16, 257, 16))
-#: ... and to 512 for a lone view's tiles that may take all of L0C (``tile_candidates``)
+#: ... and to 512 for a lone view's tiles that take all of L0C (``tile_candidates``)
 LONE_ROW_SIZES = tuple(range(16, 513, 16))
 #: L1 steps a tile's depth step may span (in L0 steps)
 L1_STEPS = (1, 2, 4, 8)
@@ -169,9 +169,10 @@ def tile_candidates(
     sizes = LONE_ROW_SIZES if lone else ROW_SIZES
     for m in (s for s in sizes if s <= _pad16(m_size)):
         for n in (s for s in sizes if s <= _pad16(n_size)):
-            whole = 2 * m * n * ACCUMULATOR_BYTES > l0c  # too large for a half: one tile a core only
+            whole = _over_half_l0c(m, n, l0c)  # one tile a core only
             if (
                 (whole and not lone)
+                or (not whole and max(m, n) > ROW_SIZES[-1])  # sizes past 256 only for whole tiles
                 or m * n * ACCUMULATOR_BYTES > l0c
                 or (ub_half is not None and 16 * n * ub_point_bytes + 1024 > ub_half)
             ):
@@ -217,7 +218,11 @@ def tile_candidates(
 
 def whole_l0c(tiles: CubeTiles, machine: Machine) -> bool:
     """Whether ``tiles``' output tile takes more than half of L0C (so all of it: ``tile_candidates``)."""
-    return 2 * tiles.m * tiles.n * ACCUMULATOR_BYTES > machine.buffer("L0C").capacity
+    return _over_half_l0c(tiles.m, tiles.n, machine.buffer("L0C").capacity)
+
+
+def _over_half_l0c(m: int, n: int, l0c: int) -> bool:
+    return 2 * m * n * ACCUMULATOR_BYTES > l0c
 
 
 def choose_tiles(view: GemmView, machine: Machine, gathers: tuple[Gather, Gather], cores: int) -> CubeTiles:

@@ -459,7 +459,7 @@ def test_a_lone_view_may_take_all_of_l0c_for_one_tile_a_core(monkeypatch) -> Non
     whole = [t for t in lone if cube.whole_l0c(t, small)]
     assert whole and all(math.ceil(256 / t.m) * math.ceil(256 / t.n) * t.splits <= 4 for t in whole)
     monkeypatch.setattr(cube, "tile_candidates", lambda *a, **k: whole[:1])
-    monkeypatch.setattr(npu_compile, "TRIALS", 1)
+    monkeypatch.setattr(npu_compile, "TRIALS", 2)  # the one whole tiling offered is the one tried
     got, (compiled, want) = _simulate(op, small)
     assert _relative(got, want) < 2e-3
     assert count(compiled.phases[0][1], compiled.schedules[0]).peak["L0C"] > small.buffer("L0C").capacity // 2
