@@ -89,7 +89,7 @@ def capsule_network(name: str, batch: int, size: int, channels: int, poses: tupl
     ]
     out = (size - 2 - 3) // 2 + 1  # after the 3x3 stride-1 and the 3x3 stride-2 layers
     inits = [
-        numpy_helper.from_array(np.array([batch, 1, size, size, 1, 1], np.int64), "caps_shape"),
+        numpy_helper.from_array(np.array([-1, 1, size, size, 1, 1], np.int64), "caps_shape"),  # any batch
         weight("k1", channels, 1, 3, 3, 1, first),
         weight("k2", channels, channels, 3, 3, first, second),
         weight("w", 10, channels * out * out * second),

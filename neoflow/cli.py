@@ -369,6 +369,26 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from neoflow.runtime import distributed
+
+    if args.nproc is not None and args.nproc < 1:
+        raise InputError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.nproc is not None and args.nproc > 1 and not distributed.launched():
+        # the same command on N local workers, through torchrun's launcher; each joins the group
+        distributed.launch(args.nproc, ["-m", "neoflow.cli", *_without_option(args.argv, "--nproc")])
+        return 0
+    if not distributed.launched():
+        return _train(args, None)
+    try:
+        return _train(args, distributed)
+    finally:
+        distributed.leave()
+
+
+def _train(args: argparse.Namespace, distributed) -> int:
+    """``neoflow train`` in this process: alone (``distributed`` None) or as one rank of a
+    data-parallel run (the ``runtime.distributed`` module), where ``--batch`` is the global batch
+    and rank 0 alone prints and writes."""
     from neoflow.runtime.datasets import load_dataset
     from neoflow.runtime.trainer import Trainer
 
@@ -379,20 +399,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     model = neoflow.load(args.build)
     if model.training is None:
         raise InputError(f"'{args.build}' holds an inference build; compile it with --train")
-    if args.batch is not None and args.batch != model.training.data_inputs[0].shape[0]:
+    world = distributed.join(model.target) if distributed is not None else None
+    ranks = world.size if world is not None else 1
+    if args.batch is not None and args.batch % ranks:
+        raise InputError(f"--batch {args.batch} (the global batch) is not a multiple of the {ranks} ranks")
+    batch = args.batch // ranks if args.batch is not None else None
+    if batch is not None and batch != model.training.data_inputs[0].shape[0]:
         source = model.public_name(model.training.data_inputs[0].name)
-        shape = (args.batch, *model.training.data_inputs[0].shape[1:])
+        shape = (batch, *model.training.data_inputs[0].shape[1:])
         model = neoflow.load(args.build, shapes={source: shape})
     if args.lr is not None:
         model.lr = args.lr
+    runner = distributed.DataParallel(model, world, sync_bn=args.sync_bn) if world is not None else None
+    lead = world is None or world.rank == 0
+    say = print if lead else _silent
     data = load_dataset(args.data, seed=args.seed)
-    trainer = Trainer(model, data, seed=args.seed)
-    print(
+    trainer = Trainer(model, data, seed=args.seed, runner=runner)
+    per_rank = f" ({trainer.batch} on each of {ranks} ranks, {world.backend})" if world is not None else ""
+    say(
         f"training on {data.name}: {len(trainer.x_train)} samples, {len(trainer.x_test)} test samples, "
-        f"batch {trainer.batch}, {args.epochs} epochs, target {model.target}"
+        f"batch {trainer.global_batch}{per_rank}, {args.epochs} epochs, target {model.target}"
     )
-    checkpoint = (lambda: model.save(args.build)) if args.checkpoint else None
-    results = _train_epochs(trainer, args.epochs, not args.no_progress and sys.stderr.isatty(), checkpoint)
+    checkpoint = (lambda: model.save(args.build)) if args.checkpoint and lead else None
+    show_bar = lead and not args.no_progress and sys.stderr.isatty()
+    results = _train_epochs(trainer, args.epochs, show_bar, checkpoint, say)
+    if not lead:
+        return 0
     out = model.export_onnx(args.output or Path(args.build) / "trained.onnx")
     total = sum(r.seconds for r in results)
     final = results[-1].test_accuracy
@@ -401,9 +433,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_epochs(trainer: object, epochs: int, show_bar: bool, checkpoint: Callable[[], object] | None) -> list:
-    """Run the epochs with a progress bar (on a terminal) and one line per epoch, calling ``checkpoint``
-    (where given) after each."""
+def _silent(*_: object, **__: object) -> None:
+    """What a rank other than 0 prints: nothing."""
+
+
+def _without_option(argv: Sequence[str], option: str) -> list[str]:
+    """``argv`` without ``option`` and its value (``--opt V`` or ``--opt=V``)."""
+    kept, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == option:
+            skip = True
+        elif not word.startswith(option + "="):
+            kept.append(word)
+    return kept
+
+
+def _train_epochs(
+    trainer: object,
+    epochs: int,
+    show_bar: bool,
+    checkpoint: Callable[[], object] | None,
+    say: Callable[[str], object] = print,
+) -> list:
+    """Run the epochs with a progress bar (on a terminal) and one line per epoch (through ``say``),
+    calling ``checkpoint`` (where given) after each."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -436,7 +491,7 @@ def _train_epochs(trainer: object, epochs: int, show_bar: bool, checkpoint: Call
             if checkpoint is not None:
                 checkpoint()
                 parts.append("saved")
-            print("  ".join(parts), flush=True)
+            say("  ".join(parts))
     return results
 
 
@@ -615,6 +670,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the model (parameters, optimizer state, step) back into BUILD after every epoch, atomically, "
         "so that a later 'neoflow train BUILD' goes on from there",
     )
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train data-parallel on N local worker processes started through torchrun's launcher (gloo for "
+        "the cpu target, NCCL and one GPU each for cuda); --batch is then the global batch (default: the "
+        "build's batch on each rank). Under torchrun itself neoflow joins the launch's process group",
+    )
+    train.add_argument(
+        "--sync-bn",
+        action="store_true",
+        help="data-parallel: average BatchNorm's batch statistics across ranks (default: each rank's own, as DDP)",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
     return parser
@@ -624,22 +693,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
         return args.func(args)
     except NeoflowError as err:
-        print(f"neoflow: {err}", file=sys.stderr)
+        _fail(f"neoflow: {err}")
         return 1
     except Exception as err:  # a bug: still one line unless debugging
         if os.environ.get("NEOFLOW_DEBUG"):
             raise
-        print(
-            f"neoflow: internal error: {type(err).__name__}: {err} (set NEOFLOW_DEBUG=1 for a traceback)",
-            file=sys.stderr,
-        )
+        _fail(f"neoflow: internal error: {type(err).__name__}: {err} (set NEOFLOW_DEBUG=1 for a traceback)")
         return 70
+
+
+def _fail(line: str) -> None:
+    """Print the one-line error; a data-parallel worker leaves it for its launcher instead (which
+    prints it once, naming the rank) where ``neoflow train --nproc`` started it."""
+    from neoflow.runtime.distributed import record_failure
+
+    if not record_failure(line):
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,14 @@ class Backward:
     as early as possible; ``gradients`` maps each differentiated tensor to the
     name of its gradient tensor; ``saved`` lists the forward tensors the
     backward ops read; ``unreached`` the requested tensors the loss does not
-    depend on (they get no gradient)."""
+    depend on (they get no gradient); ``adjoints`` maps every tensor the gradients
+    flow through (not only the requested ones) to its adjoint tensor."""
 
     ops: tuple[Op, ...]
     gradients: dict[str, str]
     saved: tuple[str, ...]
     unreached: tuple[str, ...]
+    adjoints: dict[str, str]
 
 
 def _is_float(tensor: Tensor) -> bool:
@@ -103,6 +105,7 @@ def backward(graph: Graph, loss: str, wrt: Sequence[str], stop: Collection[str] 
         {name: grad_name[name] for name in reached},
         tuple(saved),
         tuple(name for name in wrt if name not in active),
+        grad_name,
     )
 
 

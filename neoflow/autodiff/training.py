@@ -86,7 +86,9 @@ class TrainingGraph:
     needs them), the scalar ``learning_rate``, the ``noise`` inputs, and the
     parameters and ``state`` (whose initial values it holds).  ``gradients``
     maps each trainable parameter to its gradient tensor; ``saved`` are the
-    forward tensors the reverse pass reads."""
+    forward tensors the reverse pass reads; ``batch_statistics`` maps each mean over the batch a
+    layer normalises with (``Graph.batch_statistics``) to its adjoint (None where no gradient flows
+    through it): the tensors data-parallel training averages across ranks to synchronise BatchNorm."""
 
     graph: Graph
     loss: str
@@ -102,6 +104,7 @@ class TrainingGraph:
     saved: tuple[str, ...]
     data_inputs: tuple[Tensor, ...] = field(default=())
     stages: Mapping[str, int] = field(default_factory=dict)  # ops per stage: forward, loss, backward, optimizer
+    batch_statistics: Mapping[str, str | None] = field(default_factory=dict)
 
 
 def internal_names(graph: Graph) -> dict[str, str]:
@@ -196,6 +199,7 @@ def build_training_graph(forward: Graph, spec: TrainSpec, constants: Collection[
             "backward": len(reverse.ops),
             "optimizer": len(optimizer.shared) + sum(len(v) for v in optimizer.per_parameter.values()),
         },
+        batch_statistics={name: reverse.adjoints.get(name) for name in forward.batch_statistics},
     )
 
 

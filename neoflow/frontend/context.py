@@ -48,6 +48,7 @@ class Model:
     state_updates: dict[str, str] = field(default_factory=dict)  # parameter -> tensor with its next value
     noise_inputs: list[str] = field(default_factory=list)  # inputs filled with uniform noise per run
     stop_gradients: list[str] = field(default_factory=list)  # tensors autodiff treats as constants
+    batch_statistics: list[str] = field(default_factory=list)  # means over the batch (BatchNorm's in training)
     consumers: set[str] = field(default_factory=set)  # ONNX names some node or the graph's outputs read
     pytorch: bool = False  # written by PyTorch's exporter (producer_name "pytorch"): its layers' conventions
     unfolded: set[str] = field(default_factory=set)  # ONNX initializers whose values no node is folded from

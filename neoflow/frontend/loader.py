@@ -166,6 +166,7 @@ def load_onnx(
         state_updates=dict(model.state_updates),
         noise_inputs=tuple(model.noise_inputs),
         stop_gradients=tuple(model.stop_gradients),
+        batch_statistics=tuple(model.batch_statistics),
     )
 
 

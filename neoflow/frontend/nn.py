@@ -202,6 +202,7 @@ def _batch_statistics(
     batch_var = ctx.define(
         f"ReduceAdd({{{axes}}}, {centered} * {centered}) / {count}", (shape[1],), name=ctx.model.fresh(f"{out}_var")
     )
+    ctx.model.batch_statistics.extend([batch_mean, batch_var])
     # PyTorch's BatchNorm, which its exporter writes as this node, keeps the unbiased variance as running
     correction = count / (count - 1) if ctx.model.pytorch and count > 1 else 1.0
     for k, (running, batch, factor) in enumerate(

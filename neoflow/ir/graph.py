@@ -26,7 +26,10 @@ class Graph:
     uniform [0, 1) noise on every run (dropout masks in training mode);
     ``stop_gradients`` are tensors autodiff treats as constants (an import's copy of a
     mean that a variance reads: the variance's gradient through the mean is zero in exact
-    arithmetic, and computed it is rounding noise of a sum of deviations).
+    arithmetic, and computed it is rounding noise of a sum of deviations);
+    ``batch_statistics`` are means over the batch a training-mode layer normalises with (a
+    BatchNormalization's mean and variance): what data-parallel training averages across ranks
+    to synchronise them.
     """
 
     ops: tuple[Op, ...]
@@ -37,6 +40,7 @@ class Graph:
     state_updates: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     noise_inputs: tuple[str, ...] = field(default=(), compare=False, repr=False)
     stop_gradients: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    batch_statistics: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @staticmethod
     def from_ops(

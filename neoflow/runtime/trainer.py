@@ -5,12 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from neoflow.errors import InputError
 from neoflow.runtime.compiled import CompiledModel
 from neoflow.runtime.datasets import Dataset, fit_samples
+
+if TYPE_CHECKING:
+    from neoflow.runtime.distributed import DataParallel
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,13 @@ class Trainer:
     The model's one data input takes the samples (reshaped to its per-sample
     shape); its labels input the labels (integer labels become one-hot for an
     MSE loss on a [batch, classes] output).  Batches have the size the model
-    was compiled for; a last partial batch of an epoch is dropped."""
+    was compiled for; a last partial batch of an epoch is dropped.
 
-    def __init__(self, model: CompiledModel, data: Dataset, seed: int = 0) -> None:
+    With a ``DataParallel`` ``runner`` every rank draws the same shuffled global batches (the
+    model's batch times the ranks) and steps on its own shard of each; the test accuracy is
+    counted on rank 0 only, the training accuracy from each rank's own shards."""
+
+    def __init__(self, model: CompiledModel, data: Dataset, seed: int = 0, runner: DataParallel | None = None) -> None:
         training = model.training
         if training is None:
             raise InputError("the model was compiled without a training step (neoflow compile --train)")
@@ -65,9 +73,12 @@ class Trainer:
         self.classify = len(model.training.graph.tensors[training.prediction].shape) == 2
         # the training accuracy is counted from the steps' predictions, when the model keeps them
         self.count_training = self.classify and model.spec.keep_prediction
-        if len(self.x_train) < self.batch:
+        self.runner = runner
+        self.ranks, self.rank = (runner.world.size, runner.world.rank) if runner is not None else (1, 0)
+        self.global_batch = self.batch * self.ranks
+        if len(self.x_train) < self.global_batch:
             raise InputError(
-                f"the data set has {len(self.x_train)} training samples, fewer than one batch ({self.batch})"
+                f"the data set has {len(self.x_train)} training samples, fewer than one batch ({self.global_batch})"
             )
         self.rng = np.random.default_rng(seed)
 
@@ -92,26 +103,27 @@ class Trainer:
 
     def test_accuracy(self) -> float | None:
         """Fraction of test samples whose arg-max prediction is their label."""
-        if not self.classify or len(self.x_test) == 0:
+        if not self.classify or len(self.x_test) == 0 or self.rank != 0:
             return None
         return float((self.predict(self.x_test).argmax(axis=1) == self.y_test).mean())
 
     def epoch(self, number: int, on_progress: Callable[[Progress], None] | None = None) -> EpochResult:
         """Train one epoch over shuffled batches."""
         order = self.rng.permutation(len(self.x_train))
-        batches = len(order) // self.batch
-        losses, correct, seen = [], 0, 0
+        batches = len(order) // self.global_batch
+        step = self.model.train_step if self.runner is None else self.runner.train_step
+        losses, correct, seen, counted = [], 0, 0, 0
         start = time.perf_counter()
         for b in range(batches):
-            pick = order[b * self.batch : (b + 1) * self.batch]
-            loss = self.model.train_step(
-                {self.input_name: self.x_train[pick], self.model.spec.labels: self.y_train[pick]}, check=True
-            )
+            shard = b * self.global_batch + self.rank * self.batch
+            pick = order[shard : shard + self.batch]
+            loss = step({self.input_name: self.x_train[pick], self.model.spec.labels: self.y_train[pick]}, check=True)
             losses.append(loss)
-            seen += len(pick)
+            seen += self.global_batch
             if self.count_training:
                 truth = self.y_train[pick] if self.y_train.ndim == 1 else self.y_train[pick].argmax(axis=1)
                 correct += int((self.model.last_prediction.argmax(axis=1) == truth).sum())
+                counted += len(pick)
             if on_progress is not None:
                 elapsed = time.perf_counter() - start
                 on_progress(
@@ -120,15 +132,17 @@ class Trainer:
                         b + 1,
                         batches,
                         float(np.mean(losses)),
-                        correct / seen if self.count_training else None,
+                        correct / counted if self.count_training else None,
                         seen / elapsed if elapsed else 0.0,
                     )
                 )
         seconds = time.perf_counter() - start
+        if self.runner is not None:
+            self.runner.synchronize()  # parameters kept on a GPU back into the model
         return EpochResult(
             number,
             float(np.mean(losses)),
-            correct / seen if self.count_training else None,
+            correct / counted if self.count_training else None,
             self.test_accuracy(),
             seconds,
             seen / seconds if seconds else 0.0,

@@ -1,0 +1,575 @@
+"""Data-parallel training of a compiled step on ``torch.distributed`` (gloo on CPUs, NCCL on GPUs).
+
+Each rank runs the training step on its shard of the global batch.  The step is split where the
+reverse pass completes a *bucket* of gradients (the reverse pass's order is known at compile
+time): each piece is compiled as its own executor, and after it the bucket's all-reduce (mean) is
+started without waiting, so communication overlaps the rest of the backward pass; the optimizer
+update runs after every bucket has arrived.  With ``sync_bn`` a BatchNorm's batch mean and variance
+(and, in the reverse pass, their adjoints) are averaged across ranks where they are computed, so
+the step normalises with the global batch's statistics.  ``split_step`` is the split (no torch);
+``DataParallel`` runs it; ``join`` joins the process group a ``torchrun`` launch describes and
+``launch`` starts N local workers through the same launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from neoflow.autodiff.training import TrainingGraph
+from neoflow.errors import CompileError, InputError, NeoflowError
+from neoflow.ir import dtypes as dt
+from neoflow.ir.graph import Graph
+from neoflow.ir.op import Op
+from neoflow.runtime.compiled import CompiledModel
+from neoflow.runtime.fusing import build_executor
+
+#: DDP's default bucket cap; a model whose gradients are smaller is split into ``MIN_BUCKETS``
+BUCKET_CAP_BYTES = 25 << 20
+MIN_BUCKETS = 4
+#: the smallest bucket worth a collective of its own
+MIN_BUCKET_BYTES = 64 << 10
+#: parameters are compared across ranks every this many steps
+CHECK_EVERY = 100
+#: set in the environment of the workers ``launch`` starts (their errors are printed by it)
+LAUNCHED_BY = "NEOFLOW_LAUNCHED"
+#: the targets whose tensors live on a GPU (reduced by NCCL); the others' live in host memory (gloo)
+DEVICE_TARGETS = ("cuda",)
+
+
+class DistributedError(NeoflowError):
+    """The ranks of a data-parallel run disagree, or one of them failed."""
+
+    kind = "distributed error"
+
+
+# --------------------------------------------------------------------------- the split
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of the training step: its ``ops`` (in order), the tensors it ``keep``s (read by a
+    later piece or among the step's results) and the tensors ``reduce``d (averaged across ranks)
+    after it.  ``overlap``: the reduction runs while the next pieces compute and only the update
+    waits for it (a gradient bucket); otherwise the next piece waits for it (a synchronised
+    batch statistic or its adjoint)."""
+
+    ops: tuple[Op, ...]
+    keep: tuple[str, ...]
+    reduce: tuple[str, ...] = ()
+    overlap: bool = True
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """A training step split for data-parallel runs: ``segments`` run in order, the last being the
+    optimizer update; ``buckets`` are the gradient buckets (gradient tensor names, in the order
+    the reverse pass completes them; the first also carries the loss and the running statistics)."""
+
+    segments: tuple[Segment, ...]
+    buckets: tuple[tuple[str, ...], ...]
+
+    @property
+    def update(self) -> Segment:
+        """The optimizer update (it reads the averaged gradients)."""
+        return self.segments[-1]
+
+
+def _nbytes(graph: Graph, name: str) -> int:
+    tensor = graph.tensors[name]
+    return int(np.prod(tensor.shape, dtype=np.int64)) * dt.numpy_dtype(tensor.dtype).itemsize
+
+
+def default_bucket_bytes(gradient_bytes: int) -> int:
+    """DDP's 25 MiB cap, but a smaller model's gradients still come in ``MIN_BUCKETS`` buckets (of
+    at least ``MIN_BUCKET_BYTES``), so its communication overlaps the reverse pass too."""
+    return min(BUCKET_CAP_BYTES, max(MIN_BUCKET_BYTES, -(-gradient_bytes // MIN_BUCKETS)))
+
+
+def split_step(
+    training: TrainingGraph, results: Sequence[str], bucket_bytes: int | None = None, sync_bn: bool = False
+) -> StepSplit:
+    """Split ``training``'s graph for a data-parallel step handing back ``results``.
+
+    Ops that read a gradient (directly or through another such op) form the update; the others
+    run in pieces cut after the op completing each gradient bucket (buckets of about
+    ``bucket_bytes``, gradients in the order the reverse pass produces them; None:
+    ``default_bucket_bytes``) and, with ``sync_bn``, after each batch statistic and each of their
+    adjoints.  The loss and the running statistics' next values travel in the first bucket."""
+    graph = training.graph
+    gradients = set(training.gradients.values())
+    if not gradients:
+        raise CompileError("the training step trains no parameter: there are no gradients to average")
+    late = set(gradients)
+    early_ops, update_ops = [], []
+    for op in graph.ops:
+        if late.intersection(op.input_names):
+            late.add(op.name)
+            update_ops.append(op)
+        else:
+            early_ops.append(op)
+    position = {op.name: k for k, op in enumerate(early_ops)}
+    ordered = sorted(gradients, key=position.__getitem__)
+    cap = bucket_bytes or default_bucket_bytes(sum(_nbytes(graph, g) for g in ordered))
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name in ordered:
+        if size >= cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += _nbytes(graph, name)
+    # the running statistics' next values (the optimizer's own early state, Adam's step count, is
+    # the same on every rank and not averaged: a sum divided by 3 need not give it back exactly)
+    extras = [training.loss] + [v for t, v in training.updates.items() if v in position and t not in training.state]
+    first = [*dict.fromkeys(extras), *buckets[0]]
+    buckets[0] = first
+    closing = {max(position[n] for n in bucket): tuple(bucket) for bucket in buckets}
+    synced: dict[int, tuple[str, ...]] = {}
+    if sync_bn:
+        for statistic, adjoint in training.batch_statistics.items():
+            for name in (statistic, adjoint):
+                if name is not None and name in position:
+                    synced[position[name]] = (name,)
+    pieces: list[tuple[list[Op], tuple[str, ...], bool]] = [([], (), True)]
+    for k, op in enumerate(early_ops):
+        pieces[-1][0].append(op)
+        for reduced, overlap in ((synced.get(k), False), (closing.get(k), True)):
+            if reduced:
+                pieces[-1] = (pieces[-1][0], reduced, overlap)
+                pieces.append(([], (), True))
+    if not pieces[-1][0]:
+        pieces.pop()
+    pieces.append((update_ops, (), True))
+    wanted = set(results)
+    segments = []
+    for k, (ops, reduced, overlap) in enumerate(pieces):
+        later = {name for other, _, _ in pieces[k + 1 :] for op in other for name in op.input_names}
+        keep = [op.name for op in ops if op.name in later or op.name in wanted or op.name in reduced]
+        segments.append(Segment(tuple(ops), tuple(keep), reduced, overlap))
+    return StepSplit(tuple(segments), tuple(tuple(b) for b in buckets))
+
+
+# --------------------------------------------------------------------------- joining
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in a data-parallel run: ``rank`` of ``size``, ``local_rank`` on its
+    host, and the ``backend`` (``gloo`` or ``nccl``)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    backend: str
+
+
+def _torch_distributed():
+    try:
+        import torch.distributed as dist
+    except ImportError as err:
+        raise InputError("data-parallel training needs PyTorch (pip install 'neoflow[torch]')") from err
+    if not dist.is_available():
+        raise InputError("this PyTorch was built without torch.distributed")
+    return dist
+
+
+def launched() -> bool:
+    """Whether this process is a worker of a ``torchrun`` launch (``WORLD_SIZE`` and ``RANK`` set)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def join(target: str = "cpu") -> World:
+    """Join the process group ``torchrun`` describes in the environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; its rendezvous, single- or multi-node): NCCL for the ``cuda``
+    target, each rank on GPU ``LOCAL_RANK``; gloo otherwise.  A group already joined is reused."""
+    dist = _torch_distributed()
+    backend = "nccl" if target in DEVICE_TARGETS else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not dist.is_initialized():
+        if not launched():
+            raise InputError("not started by torchrun: RANK and WORLD_SIZE are not set (use neoflow train --nproc N)")
+        if backend == "nccl":
+            import torch
+
+            os.environ.setdefault("NEOFLOW_CUDA_DEVICE", str(local_rank))
+            torch.cuda.set_device(int(os.environ["NEOFLOW_CUDA_DEVICE"]))
+            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            dist.init_process_group("gloo")
+    elif dist.get_backend() != backend:
+        raise InputError(f"the process group uses {dist.get_backend()}; the {target} target needs {backend}")
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, backend)
+
+
+def leave() -> None:
+    """Leave the process group (a process that exits without leaving it may abort)."""
+    dist = _torch_distributed()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+class _HostArrays:
+    """Tensors in host memory (numpy arrays), reduced by gloo through torch tensors sharing their
+    memory; each bucket is averaged in a flat buffer of its own, reused every step."""
+
+    def __init__(self, runner: DataParallel) -> None:
+        self.runner = runner
+        self.torch = runner.torch
+        self.scale = 1.0 / runner.world.size
+        self.buffers: dict[tuple, np.ndarray] = {}
+
+    def feed(self, feed: dict) -> dict:
+        return feed
+
+    def run(self, number: int, values: dict) -> dict:
+        runner = self.runner
+        inputs = {t.name: values[t.name] for t in runner.graphs[number].inputs}
+        return runner.executors[number].run(inputs, recycle=True)
+
+    def flat(self, names: tuple[str, ...], arrays: Sequence[np.ndarray]) -> np.ndarray:
+        size = sum(a.size for a in arrays)
+        key = (names, arrays[0].dtype.str)
+        if key not in self.buffers:
+            self.buffers[key] = np.empty(size, arrays[0].dtype)
+        return np.concatenate([np.ravel(a) for a in arrays], out=self.buffers[key])
+
+    def shared(self, flat: np.ndarray):
+        return self.torch.from_numpy(flat)
+
+    def averaged(self, flat: np.ndarray) -> np.ndarray:
+        flat *= flat.dtype.type(self.scale)  # gloo sums; NCCL averages itself
+        return flat
+
+    def views(self, flat: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        return [part.reshape(s) for part, s in zip(np.split(flat, np.cumsum(sizes)[:-1]), shapes, strict=True)]
+
+    def to_host(self, value) -> np.ndarray:
+        return np.asarray(value)
+
+    def keep_updates(self, outputs: Mapping[str, object]) -> None:
+        model = self.runner.model
+        for target, next_value in model.training.updates.items():
+            model._values[target] = outputs[next_value]
+
+    def current(self, name: str):
+        return self.torch.from_numpy(np.ascontiguousarray(self.runner.model._values[name]))
+
+    def write_back(self) -> None:
+        """Nothing to copy: the model's own arrays are the current values."""
+
+
+class _DeviceArrays(_HostArrays):
+    """Tensors on this rank's GPU as torch CUDA tensors: parameters and state stay there between
+    steps; every piece of the step is queued on torch's current stream, so a bucket's all-reduce
+    (on NCCL's stream, after the work queued before it) overlaps the pieces queued after it.
+    Every tensor a piece reads or writes has a buffer of its own, reused every step (the update's
+    results and the values they replace taken in turn), so each piece's captured CUDA graphs are
+    replayed, never captured again."""
+
+    def __init__(self, runner: DataParallel) -> None:
+        super().__init__(runner)
+        torch = self.torch
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        model = runner.model
+        self.values = {name: self.upload(model._values[name]) for name in runner.state_names}
+        self.outputs = [
+            {name: self.empty(graph.tensors[name]) for name in segment.keep}
+            for graph, segment in zip(runner.graphs, runner.split.segments, strict=True)
+        ]
+        self.inputs: dict[str, object] = {}
+
+    def empty(self, tensor):
+        return self.torch.empty(tensor.shape, dtype=_torch_dtype(self.torch, tensor.dtype), device=self.device)
+
+    def upload(self, array: np.ndarray):
+        return self.torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def feed(self, feed: dict) -> dict:
+        values = dict(self.values)
+        for name, value in feed.items():
+            if name in values:
+                continue
+            host = self.torch.from_numpy(np.ascontiguousarray(value))
+            if name not in self.inputs:
+                self.inputs[name] = self.torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            values[name] = self.inputs[name].copy_(host, non_blocking=False)
+        return values
+
+    def run(self, number: int, values: dict) -> dict:
+        runner = self.runner
+        inputs = {t.name: values[t.name] for t in runner.graphs[number].inputs}
+        stream = self.torch.cuda.current_stream(self.device).cuda_stream
+        return runner.executors[number].run(inputs, out=self.outputs[number], stream=stream)
+
+    def flat(self, names: tuple[str, ...], arrays: Sequence) -> object:
+        key = (names, str(arrays[0].dtype))
+        if key not in self.buffers:
+            size = sum(a.numel() for a in arrays)
+            self.buffers[key] = self.torch.empty(size, dtype=arrays[0].dtype, device=self.device)
+        return self.torch.cat([a.reshape(-1) for a in arrays], out=self.buffers[key])
+
+    def shared(self, flat):
+        return flat
+
+    def views(self, flat, shapes: Sequence[tuple[int, ...]]) -> list:
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        return [part.view(s) for part, s in zip(self.torch.split(flat, sizes), shapes, strict=True)]
+
+    def to_host(self, value) -> np.ndarray:
+        return value.detach().cpu().numpy()
+
+    def keep_updates(self, outputs: Mapping[str, object]) -> None:
+        last = self.outputs[-1]
+        for target, next_value in self.runner.model.training.updates.items():
+            if next_value in last:
+                last[next_value], self.values[target] = self.values[target], last[next_value]
+            else:  # a running statistic, computed (and averaged) before the update
+                self.values[target].copy_(outputs[next_value])
+
+    def current(self, name: str):
+        return self.values[name]
+
+    def write_back(self) -> None:
+        for name, value in self.values.items():
+            self.runner.model._values[name] = self.to_host(value).copy()
+
+
+def _torch_dtype(torch, dtype: str):
+    """The torch dtype of a graph dtype."""
+    return torch.bfloat16 if dtype == "bfloat16" else getattr(torch, dt.numpy_dtype(dtype).name)
+
+
+def _digests(torch, tensors: Sequence) -> object:
+    """Per tensor, the sum of its 32-bit words and of the words weighted by their position modulo
+    a prime: equal tensors have equal digests, and a tensor changed anywhere almost surely not."""
+    rows = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).contiguous()
+        if flat.element_size() != 4:
+            flat = flat.to(torch.float32)
+        words = flat.view(torch.int32).to(torch.int64)
+        weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+        rows.append(torch.stack([words.sum(), (words * weights).sum()]))
+    return torch.stack(rows) if rows else torch.zeros((0, 2), dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+@dataclass
+class _Pending:
+    """A reduction started: the names averaged per dtype, their flat buffers, the work handles."""
+
+    names: dict[str, tuple[str, ...]]
+    flats: dict[str, object]
+    works: list
+
+
+class DataParallel:
+    """Runs a ``CompiledModel``'s training step data-parallel over the process group.
+
+    ``train_step(batch)`` takes this rank's shard of the global batch (numpy arrays; the model is
+    compiled for the shard's shape) and returns the loss averaged over the ranks.  Gradients are
+    averaged in buckets (``bucket_bytes``; None: ``default_bucket_bytes``) whose all-reduce
+    overlaps the rest of the reverse pass.  BatchNorm uses each rank's own batch statistics, as
+    PyTorch's DDP does; ``sync_bn=True`` averages them (forward and backward).  The running
+    statistics are averaged with the first bucket.  Every ``check_every`` steps (and at the start)
+    the parameters and optimizer state are compared across ranks (a digest of each, gathered): a
+    difference is a ``DistributedError`` naming the tensor.  ``reduce=False`` skips every
+    collective (for timing the step without them: the ranks then drift apart).  On the ``cuda``
+    target the parameters stay on the GPU between steps: ``synchronize()`` copies them back into
+    the model."""
+
+    def __init__(
+        self,
+        model: CompiledModel,
+        world: World | None = None,
+        bucket_bytes: int | None = None,
+        sync_bn: bool = False,
+        check_every: int = CHECK_EVERY,
+        reduce: bool = True,
+    ) -> None:
+        training = model._require_training()
+        self.dist = _torch_distributed()
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.world = world or join(model.target)
+        self.check_every = check_every
+        self.reduce_enabled = reduce
+        self.results = [training.loss, *training.updates.values()]
+        if model.spec.keep_prediction:
+            self.results.append(training.prediction)
+        self.split = split_step(training, self.results, bucket_bytes, sync_bn)
+        self.graphs = [Graph.from_ops(list(s.ops), outputs=list(s.keep)) for s in self.split.segments]
+        self.executors = [
+            build_executor(model.target, graph, segment.keep, model.fusion, model.precision)
+            for graph, segment in zip(self.graphs, self.split.segments, strict=True)
+        ]
+        self.state_names = [*model._parameter_names, *training.state]
+        self.average = self.dist.ReduceOp.AVG if self.world.backend == "nccl" else self.dist.ReduceOp.SUM
+        self.arrays = _DeviceArrays(self) if model.target in DEVICE_TARGETS else _HostArrays(self)
+        self.check_consistent()
+
+    def train_step(self, batch: Mapping[str, np.ndarray], check: bool = False) -> float:
+        """One data-parallel optimizer step on this rank's shard ``batch``; the loss before the
+        step, averaged over the ranks.  ``check``: a loss or update that is not finite is a
+        ``NumericError`` (as ``CompiledModel.train_step`` checks)."""
+        model, training = self.model, self.model.training
+        values = self.arrays.feed(model._training_feed(batch))
+        pending: list[_Pending] = []
+        last = len(self.split.segments) - 1
+        for number, segment in enumerate(self.split.segments):
+            if number == last:
+                for started in pending:
+                    self._finish(started, values)
+            values.update(self.arrays.run(number, values))
+            if segment.reduce and self.reduce_enabled:
+                started = self._start(segment.reduce, values)
+                if segment.overlap:
+                    pending.append(started)
+                else:
+                    self._finish(started, values)
+        outputs = {name: values[name] for name in self.results}
+        if check:
+            model._check_finite(training, {name: self.arrays.to_host(v) for name, v in outputs.items()})
+        self.arrays.keep_updates(outputs)
+        model.step += 1
+        if training.prediction in outputs and model.spec.keep_prediction:
+            model.last_prediction = np.array(self.arrays.to_host(outputs[training.prediction]))
+        if self.check_every and model.step % self.check_every == 0:
+            self.check_consistent()
+        return float(self.arrays.to_host(outputs[training.loss]))
+
+    def _start(self, names: Sequence[str], values: dict) -> _Pending:
+        """Start averaging ``names`` across ranks (one flat buffer per dtype), not waiting."""
+        by_dtype: dict[str, list[str]] = {}
+        for name in names:
+            by_dtype.setdefault(str(values[name].dtype), []).append(name)
+        groups = {kind: tuple(group) for kind, group in by_dtype.items()}
+        flats, works = {}, []
+        for kind, group in groups.items():
+            flats[kind] = self.arrays.flat(group, [values[n] for n in group])
+            works.append(self.dist.all_reduce(self.arrays.shared(flats[kind]), op=self.average, async_op=True))
+        return _Pending(groups, flats, works)
+
+    def _finish(self, pending: _Pending, values: dict) -> None:
+        """Wait for ``pending``'s reduction; its averages replace the tensors in ``values``."""
+        for work in pending.works:
+            work.wait()
+        for kind, group in pending.names.items():
+            flat = pending.flats[kind]
+            if self.world.backend != "nccl":
+                flat = self.arrays.averaged(flat)
+            shapes = [tuple(values[n].shape) for n in group]
+            values.update(zip(group, self.arrays.views(flat, shapes), strict=True))
+
+    def check_consistent(self) -> None:
+        """Compare every parameter and optimizer state tensor across ranks (a digest of each's
+        bits, gathered); a ``DistributedError`` names the first that differs."""
+        if not self.reduce_enabled or self.world.size == 1:
+            return
+        digests = _digests(self.torch, [self.arrays.current(n) for n in self.state_names])
+        if self.world.backend == "nccl":
+            digests = digests.to(self.arrays.device)
+        gathered = [self.torch.zeros_like(digests) for _ in range(self.world.size)]
+        self.dist.all_gather(gathered, digests)
+        table = np.stack([g.cpu().numpy() for g in gathered])
+        differs = np.flatnonzero((table != table[0]).any(axis=(0, 2)))
+        if differs.size:
+            k = int(differs[0])
+            rank = next(r for r in range(self.world.size) if (table[r, k] != table[0, k]).any())
+            raise DistributedError(
+                f"'{self.model.public_name(self.state_names[k])}' differs between rank 0 and rank {rank} "
+                f"after step {self.model.step}: the ranks' parameters diverged"
+            )
+
+    def synchronize(self) -> None:
+        """Copy the parameters and optimizer state held on the GPU back into the model (what its
+        ``parameters``, ``save`` and ``export_onnx`` read); a host-memory run keeps them there."""
+        self.arrays.write_back()
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def launch(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Run ``python argv...`` as ``nproc`` local workers through torchrun's own launcher (its
+    elastic agent and c10d rendezvous on a free local port), in this environment plus ``env``,
+    each with ``NEOFLOW_NUM_THREADS`` (unless set) a share of this machine's cores.  Returns when
+    every worker has finished; a failed worker stops the others and is a ``DistributedError``
+    naming its rank and its error line (``record_failure`` leaves it)."""
+    if nproc < 1:
+        raise InputError(f"--nproc must be at least 1, got {nproc}")
+    _torch_distributed()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    share = str(max(1, (os.cpu_count() or 1) // nproc))
+    workers = {"NEOFLOW_NUM_THREADS": share, "OMP_NUM_THREADS": share}
+    workers = {k: v for k, v in workers.items() if k not in os.environ} | dict(env or {}) | {LAUNCHED_BY: "1"}
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"neoflow-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        with _environment(workers):  # the workers inherit it; this process gets its own back
+            elastic_launch(config, sys.executable)(*argv)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        message = failure.message if isinstance(failure.message, str) else ""
+        message = message.removeprefix("neoflow: ")
+        if not message or message.startswith("To enable traceback"):
+            message = "see its output above" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
+        raise DistributedError(
+            f"rank {rank} failed (exit code {failure.exitcode}): {message}; the other ranks were stopped"
+        ) from None
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]):
+    """``values`` set in ``os.environ`` for the block, the previous environment restored after it."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def record_failure(line: str) -> bool:
+    """In a worker ``launch`` started, leave ``line`` (its one-line error) where the launcher reads
+    a failed worker's cause (torchelastic's error file), and say so (the launcher prints it); a
+    worker of another launch (a user's own ``torchrun``) also leaves it there but prints it too."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": line, "timestamp": int(time.time())}, file)
+    except OSError:
+        return False
+    return os.environ.get(LAUNCHED_BY) == "1"

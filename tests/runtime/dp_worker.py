@@ -1,0 +1,108 @@
+"""A worker of the data-parallel tests, started on N ranks by ``neoflow.runtime.distributed.launch``:
+``python -m tests.runtime.dp_worker OUT CASE...``.  Each case trains a model K steps on this rank's
+shard of fixed global batches and writes the losses and every parameter and optimizer state
+tensor to ``OUT/<case>_<rank>.npz``; ``diverge`` changes a parameter on rank 1 alone and writes
+the error the consistency check raised to ``OUT/diverge_<rank>.txt``; ``fail`` makes rank 1 fail
+while rank 0 waits in an all-reduce."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import neoflow
+from neoflow.runtime.distributed import DataParallel, DistributedError, join, leave
+
+STEPS = 3
+#: case -> (model, global input shape, optimizer, sync_bn, bucket bytes)
+CASES = {
+    "mlp_sgd": ("mlp", (32, 64), "sgd", False, 4096),
+    "mlp_adam": ("mlp", (32, 64), "adam", False, None),
+    "cnn_momentum": ("cnn", (32, 1, 8, 8), "momentum", False, 1024),
+    "cnn_adam": ("cnn", (32, 1, 8, 8), "adam", False, None),
+    "capsule_sgd": ("capsule", (32, 1, 8, 8), "sgd", False, 1024),
+    "capsule_adam": ("capsule", (32, 1, 8, 8), "adam", False, None),
+    "bn_sync": ("bn", (6, 2, 5, 5), "sgd", True, None),
+    "bn_local": ("bn", (6, 2, 5, 5), "sgd", False, None),
+}
+LABELS = {"bn": ("y", 3)}
+
+
+def model_source(name: str):
+    """The model file (or, for ``bn``, the BatchNorm test model) of ``name``."""
+    if name == "bn":
+        from tests.runtime.test_batchnorm_dropout import _model
+
+        return _model(0.0)
+    return str(Path(__file__).resolve().parents[2] / "models" / f"{name}.onnx")
+
+
+def spec(case: str, lr: float = 0.05) -> neoflow.TrainSpec:
+    """The training spec of ``case``."""
+    name, _, optimizer, _, _ = CASES[case]
+    return neoflow.TrainSpec(optimizer=optimizer, lr=lr, labels=LABELS.get(name, ("labels", 10))[0])
+
+
+def batches(case: str) -> list[dict[str, np.ndarray]]:
+    """The global batches of ``case``, the same on every rank."""
+    name, shape, _, _, _ = CASES[case]
+    labels, classes = LABELS.get(name, ("labels", 10))
+    rng = np.random.default_rng(7)
+    return [
+        {"x": rng.standard_normal(shape).astype(np.float32), labels: rng.integers(0, classes, shape[0])}
+        for _ in range(STEPS)
+    ]
+
+
+def state(model) -> dict[str, np.ndarray]:
+    """Every parameter and optimizer state tensor of ``model``, by name."""
+    values = model.parameters()
+    values.update({f"state:{k}": model._values[k] for k in model.training.state})
+    return values
+
+
+def run(case: str, out: Path, world) -> DataParallel:
+    name, shape, _, sync_bn, bucket = CASES[case]
+    local = shape[0] // world.size
+    model = neoflow.compile(model_source(name), target="cpu", train=spec(case), shapes={"x": (local, *shape[1:])})
+    runner = DataParallel(model, world, bucket_bytes=bucket, sync_bn=sync_bn)
+    losses = []
+    for batch in batches(case):
+        shard = {k: v[world.rank * local : (world.rank + 1) * local] for k, v in batch.items()}
+        losses.append(runner.train_step(shard))
+    np.savez(out / f"{case}_{world.rank}.npz", losses=np.array(losses), **state(model))
+    (out / f"{case}_{world.rank}.segments").write_text(str(len(runner.split.segments)))
+    return runner
+
+
+def main(argv: list[str]) -> None:
+    out = Path(argv[0])
+    world = join("cpu")
+    try:
+        for case in argv[1:]:
+            if case == "fail":
+                if world.rank == 1:
+                    raise SystemExit("rank 1 gives up")
+                import torch.distributed as dist
+
+                dist.all_reduce(__import__("torch").zeros(1))  # waits for rank 1, which never comes
+            elif case == "diverge":
+                runner = run("mlp_sgd", out, world)
+                if world.rank == 1:
+                    runner.model.set_parameters({"w1": runner.model.parameters()["w1"] + 1e-3})
+                try:
+                    runner.check_consistent()
+                    message = "no error"
+                except DistributedError as err:
+                    message = str(err)
+                (out / f"diverge_{world.rank}.txt").write_text(message)
+            else:
+                run(case, out, world)
+    finally:
+        leave()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
