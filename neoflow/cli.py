@@ -379,6 +379,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if not distributed.launched():
         return _train(args, None)
+    distributed.claim_device()  # each rank its own GPU, before the build is loaded
     try:
         return _train(args, distributed)
     finally:

@@ -188,6 +188,14 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def claim_device() -> int:
+    """The GPU of this rank: ``NEOFLOW_CUDA_DEVICE`` where set, else ``LOCAL_RANK`` (then set as
+    ``NEOFLOW_CUDA_DEVICE``, which the cuda target's driver opens).  Call it before anything
+    touches the GPU (a cuda compile asks the GPU's architecture)."""
+    os.environ.setdefault("NEOFLOW_CUDA_DEVICE", os.environ.get("LOCAL_RANK", "0"))
+    return int(os.environ["NEOFLOW_CUDA_DEVICE"])
+
+
 def join(target: str = "cpu") -> World:
     """Join the process group ``torchrun`` describes in the environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``; its rendezvous, single- or multi-node): NCCL for the ``cuda``
@@ -201,8 +209,7 @@ def join(target: str = "cpu") -> World:
         if backend == "nccl":
             import torch
 
-            os.environ.setdefault("NEOFLOW_CUDA_DEVICE", str(local_rank))
-            torch.cuda.set_device(int(os.environ["NEOFLOW_CUDA_DEVICE"]))
+            torch.cuda.set_device(claim_device())
             dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         else:
             dist.init_process_group("gloo")
@@ -230,6 +237,10 @@ class _HostArrays:
         self.torch = runner.torch
         self.scale = 1.0 / runner.world.size
         self.buffers: dict[tuple, np.ndarray] = {}
+
+    def on_stream(self):
+        """A context the step's work is queued in (none here: host work runs as it is called)."""
+        return contextlib.nullcontext()
 
     def feed(self, feed: dict) -> dict:
         return feed
@@ -291,6 +302,11 @@ class _DeviceArrays(_HostArrays):
             for graph, segment in zip(runner.graphs, runner.split.segments, strict=True)
         ]
         self.inputs: dict[str, object] = {}
+        self.stream = torch.cuda.Stream(self.device)
+
+    def on_stream(self):
+        """The step's own stream (NCCL's all-reduce waits on it, and the update waits on NCCL)."""
+        return self.torch.cuda.stream(self.stream)
 
     def empty(self, tensor):
         return self.torch.empty(tensor.shape, dtype=_torch_dtype(self.torch, tensor.dtype), device=self.device)
@@ -303,7 +319,8 @@ class _DeviceArrays(_HostArrays):
         for name, value in feed.items():
             if name in values:
                 continue
-            host = self.torch.from_numpy(np.ascontiguousarray(value))
+            array = np.asarray(value)  # a scalar (the learning rate) stays 0-d
+            host = self.torch.from_numpy(array if array.flags.c_contiguous else array.copy())
             if name not in self.inputs:
                 self.inputs[name] = self.torch.empty(host.shape, dtype=host.dtype, device=self.device)
             values[name] = self.inputs[name].copy_(host, non_blocking=False)
@@ -344,6 +361,7 @@ class _DeviceArrays(_HostArrays):
         return self.values[name]
 
     def write_back(self) -> None:
+        self.stream.synchronize()
         for name, value in self.values.items():
             self.runner.model._values[name] = self.to_host(value).copy()
 
@@ -411,7 +429,7 @@ class DataParallel:
         self.model = model
         self.world = world or join(model.target)
         self.check_every = check_every
-        self.reduce_enabled = reduce
+        self.reduce_enabled = reduce and self.world.size > 1  # an average over one rank is its value
         self.results = [training.loss, *training.updates.values()]
         if model.spec.keep_prediction:
             self.results.append(training.prediction)
@@ -430,6 +448,10 @@ class DataParallel:
         """One data-parallel optimizer step on this rank's shard ``batch``; the loss before the
         step, averaged over the ranks.  ``check``: a loss or update that is not finite is a
         ``NumericError`` (as ``CompiledModel.train_step`` checks)."""
+        with self.arrays.on_stream():
+            return self._step(batch, check)
+
+    def _step(self, batch: Mapping[str, np.ndarray], check: bool) -> float:
         model, training = self.model, self.model.training
         values = self.arrays.feed(model._training_feed(batch))
         pending: list[_Pending] = []
@@ -453,7 +475,7 @@ class DataParallel:
         if training.prediction in outputs and model.spec.keep_prediction:
             model.last_prediction = np.array(self.arrays.to_host(outputs[training.prediction]))
         if self.check_every and model.step % self.check_every == 0:
-            self.check_consistent()
+            self._check_consistent()
         return float(self.arrays.to_host(outputs[training.loss]))
 
     def _start(self, names: Sequence[str], values: dict) -> _Pending:
@@ -482,7 +504,11 @@ class DataParallel:
     def check_consistent(self) -> None:
         """Compare every parameter and optimizer state tensor across ranks (a digest of each's
         bits, gathered); a ``DistributedError`` names the first that differs."""
-        if not self.reduce_enabled or self.world.size == 1:
+        with self.arrays.on_stream():
+            self._check_consistent()
+
+    def _check_consistent(self) -> None:
+        if not self.reduce_enabled:
             return
         digests = _digests(self.torch, [self.arrays.current(n) for n in self.state_names])
         if self.world.backend == "nccl":
@@ -538,7 +564,7 @@ def launch(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None
         with _environment(workers):  # the workers inherit it; this process gets its own back
             elastic_launch(config, sys.executable)(*argv)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = min(err.failures.items(), key=_first_cause)
         message = failure.message if isinstance(failure.message, str) else ""
         message = message.removeprefix("neoflow: ")
         if not message or message.startswith("To enable traceback"):
@@ -546,6 +572,16 @@ def launch(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None
         raise DistributedError(
             f"rank {rank} failed (exit code {failure.exitcode}): {message}; the other ranks were stopped"
         ) from None
+
+
+def _first_cause(item: tuple[int, object]) -> tuple:
+    """How early a worker's failure was: the ones that left their error line first (to the
+    microsecond: a rank that failed because its peer had gone fails within the same second),
+    then the others by the launcher's timestamps."""
+    rank, failure = item
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    recorded = data.get("neoflow_time")
+    return (recorded is None, recorded or 0.0, failure.timestamp, rank)
 
 
 @contextlib.contextmanager
@@ -569,7 +605,8 @@ def record_failure(line: str) -> bool:
         return False
     try:
         with open(path, "w") as file:
-            json.dump({"message": line, "timestamp": int(time.time())}, file)
+            now = time.time()
+            json.dump({"message": line, "timestamp": int(now), "neoflow_time": now}, file)
     except OSError:
         return False
     return os.environ.get(LAUNCHED_BY) == "1"

@@ -1,5 +1,5 @@
 """A worker of the data-parallel tests, started on N ranks by ``neoflow.runtime.distributed.launch``:
-``python -m tests.runtime.dp_worker OUT CASE...``.  Each case trains a model K steps on this rank's
+``python -m tests.runtime.dp_worker OUT TARGET CASE...``.  Each case trains a model K steps on this rank's
 shard of fixed global batches and writes the losses and every parameter and optimizer state
 tensor to ``OUT/<case>_<rank>.npz``; ``diverge`` changes a parameter on rank 1 alone and writes
 the error the consistency check raised to ``OUT/diverge_<rank>.txt``; ``fail`` makes rank 1 fail
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import neoflow
-from neoflow.runtime.distributed import DataParallel, DistributedError, join, leave
+from neoflow.runtime.distributed import DataParallel, DistributedError, join, leave, record_failure
 
 STEPS = 3
 #: case -> (model, global input shape, optimizer, sync_bn, bucket bytes)
@@ -26,6 +26,7 @@ CASES = {
     "capsule_adam": ("capsule", (32, 1, 8, 8), "adam", False, None),
     "bn_sync": ("bn", (6, 2, 5, 5), "sgd", True, None),
     "bn_local": ("bn", (6, 2, 5, 5), "sgd", False, None),
+    "capsule28_momentum": ("capsule28", (128, 1, 28, 28), "momentum", False, None),  # a GPU's size
 }
 LABELS = {"bn": ("y", 3)}
 
@@ -63,10 +64,20 @@ def state(model) -> dict[str, np.ndarray]:
     return values
 
 
-def run(case: str, out: Path, world) -> DataParallel:
-    name, shape, _, sync_bn, bucket = CASES[case]
+def compile_case(case: str, target: str, batch: int):
+    """``case``'s model compiled for ``target`` at ``batch`` (contractions exact on a GPU, so that
+    the ranks and one process differ only in the order of their sums)."""
+    name, shape, *_ = CASES[case]
+    precision = "fp32" if target == "cuda" else None
+    return neoflow.compile(
+        model_source(name), target=target, train=spec(case), shapes={"x": (batch, *shape[1:])}, precision=precision
+    )
+
+
+def run(case: str, out: Path, world, target: str) -> DataParallel:
+    _, shape, _, sync_bn, bucket = CASES[case]
     local = shape[0] // world.size
-    model = neoflow.compile(model_source(name), target="cpu", train=spec(case), shapes={"x": (local, *shape[1:])})
+    model = compile_case(case, target, local)
     runner = DataParallel(model, world, bucket_bytes=bucket, sync_bn=sync_bn)
     losses = []
     for batch in batches(case):
@@ -78,18 +89,19 @@ def run(case: str, out: Path, world) -> DataParallel:
 
 
 def main(argv: list[str]) -> None:
-    out = Path(argv[0])
-    world = join("cpu")
+    out, target = Path(argv[0]), argv[1]
+    world = join(target)
     try:
-        for case in argv[1:]:
+        for case in argv[2:]:
             if case == "fail":
                 if world.rank == 1:
-                    raise SystemExit("rank 1 gives up")
+                    record_failure("neoflow: input error: rank 1 gives up")  # as the CLI does
+                    raise SystemExit(1)
                 import torch.distributed as dist
 
                 dist.all_reduce(__import__("torch").zeros(1))  # waits for rank 1, which never comes
             elif case == "diverge":
-                runner = run("mlp_sgd", out, world)
+                runner = run("mlp_sgd", out, world, target)
                 if world.rank == 1:
                     runner.model.set_parameters({"w1": runner.model.parameters()["w1"] + 1e-3})
                 try:
@@ -99,7 +111,7 @@ def main(argv: list[str]) -> None:
                     message = str(err)
                 (out / f"diverge_{world.rank}.txt").write_text(message)
             else:
-                run(case, out, world)
+                run(case, out, world, target)
     finally:
         leave()
 

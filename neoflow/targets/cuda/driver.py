@@ -43,7 +43,8 @@ def check(result, call: str):
 
 @dataclass
 class Device:
-    """GPU 0 with its primary context current, its architecture (``sm_90``) and name."""
+    """The GPU (``NEOFLOW_CUDA_DEVICE``, default 0) with its primary context current, its
+    architecture (``sm_90``) and name."""
 
     handle: object
     context: object
@@ -64,9 +65,13 @@ def device() -> Device:
         raise DeviceError(
             "no NVIDIA driver is installed (libcuda was not found); the cuda target runs on a GPU"
         ) from err
-    if check(driver.cuDeviceGetCount(), "cuDeviceGetCount") == 0:
+    count = check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
+    if count == 0:
         raise DeviceError("no NVIDIA GPU is present")
-    handle = check(driver.cuDeviceGet(0), "cuDeviceGet")
+    ordinal = os.environ.get("NEOFLOW_CUDA_DEVICE", "0")
+    if not ordinal.isdigit() or int(ordinal) >= count:
+        raise DeviceError(f"NEOFLOW_CUDA_DEVICE={ordinal} names no GPU of the {count} present")
+    handle = check(driver.cuDeviceGet(int(ordinal)), "cuDeviceGet")
     context = check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
     check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     attribute = driver.CUdevice_attribute
