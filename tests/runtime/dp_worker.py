@@ -83,6 +83,7 @@ def run(case: str, out: Path, world, target: str) -> DataParallel:
     for batch in batches(case):
         shard = {k: v[world.rank * local : (world.rank + 1) * local] for k, v in batch.items()}
         losses.append(runner.train_step(shard))
+    runner.synchronize()  # parameters kept on a GPU back into the model
     np.savez(out / f"{case}_{world.rank}.npz", losses=np.array(losses), **state(model))
     (out / f"{case}_{world.rank}.segments").write_text(str(len(runner.split.segments)))
     return runner

@@ -198,8 +198,8 @@ class Lanes:
         check(_driver().cuStreamWaitEvent(self.streams[lane], self.events[event], 0), "cuStreamWaitEvent")
 
     def __del__(self) -> None:
-        driver = _driver()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # at interpreter exit the bindings may be gone already
+            driver = _driver()
             for event in (self.start, *self.events):
                 driver.cuEventDestroy(event)
             for stream in self.streams[1:]:

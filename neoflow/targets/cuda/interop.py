@@ -31,10 +31,19 @@ class DeviceArray:
     owner: object
 
 
+def _torch_tensor(value: object) -> bool:
+    """Whether ``value`` is a PyTorch tensor (read through its own attributes: its
+    ``__cuda_array_interface__`` builds a dictionary on every call, tens of microseconds that a
+    training step reading dozens of tensors through the protocol spends again every step)."""
+    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr") and hasattr(value, "is_cuda")
+
+
 def is_device_array(value: object) -> bool:
     """Whether ``value`` lies in GPU memory by either protocol (a numpy array or a CPU tensor does not)."""
     if isinstance(value, np.ndarray):
         return False
+    if _torch_tensor(value):
+        return bool(value.is_cuda)
     # a tensor that requires grad refuses the interface (RuntimeError): its DLPack device still counts
     with contextlib.suppress(RuntimeError):
         if hasattr(value, "__cuda_array_interface__"):
@@ -51,6 +60,15 @@ def is_device_array(value: object) -> bool:
 def device_array(value: object, name: str) -> DeviceArray:
     """The ``DeviceArray`` of GPU array ``value`` (input or output ``name``); an ``InputError``
     where it is not contiguous (row-major) or its type has no neoflow dtype."""
+    if _torch_tensor(value) and not value.requires_grad:  # one that does goes through the protocol, which refuses it
+        if not value.is_contiguous():
+            raise InputError(
+                f"'{name}' is not contiguous on the GPU (strides {value.stride()}); pass a contiguous copy"
+            )
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype != "bfloat16":
+            dtype = _dtype_name(np.dtype(dtype), name)
+        return DeviceArray(int(value.data_ptr()), tuple(value.shape), dtype, value)
     try:
         interface = getattr(value, "__cuda_array_interface__", None)
     except RuntimeError as err:  # PyTorch: a tensor that requires grad
