@@ -245,6 +245,10 @@ class _HostArrays:
     def feed(self, feed: dict) -> dict:
         return feed
 
+    def step(self, values: dict, body) -> dict:
+        """The step's results: ``body(values)``."""
+        return body(values)
+
     def run(self, number: int, values: dict) -> dict:
         runner = self.runner
         inputs = {t.name: values[t.name] for t in runner.graphs[number].inputs}
@@ -284,15 +288,20 @@ class _HostArrays:
 
 
 class _DeviceArrays(_HostArrays):
-    """Tensors on this rank's GPU as torch CUDA tensors: parameters and state stay there between
-    steps; every piece of the step is queued on torch's current stream, so a bucket's all-reduce
-    (on NCCL's stream, after the work queued before it) overlaps the pieces queued after it.
-    Every tensor a piece reads or writes has a buffer of its own, reused every step (the update's
-    results and the values they replace taken in turn), so each piece's captured CUDA graphs are
-    replayed, never captured again."""
+    """Tensors on this rank's GPU as torch CUDA tensors, in buffers of their own reused every step
+    (parameters and state stay there between steps; the update's results are copied over them).
+    Every piece of the step and the buckets' all-reduces (NCCL's stream, forked from the step's and
+    joined back where the update waits) are queued on the stream the cuda target's kernels run on,
+    so a bucket's all-reduce overlaps the pieces queued after it.  After ``EAGER_STEPS`` steps run
+    as they are queued, the whole step is captured as one CUDA graph (NCCL's kernels included) and
+    replayed: a step then costs the host one launch instead of hundreds of calls."""
+
+    EAGER_STEPS = 2
 
     def __init__(self, runner: DataParallel) -> None:
         super().__init__(runner)
+        from neoflow.targets.cuda import driver
+
         torch = self.torch
         self.device = torch.device("cuda", torch.cuda.current_device())
         model = runner.model
@@ -302,10 +311,13 @@ class _DeviceArrays(_HostArrays):
             for graph, segment in zip(runner.graphs, runner.split.segments, strict=True)
         ]
         self.inputs: dict[str, object] = {}
-        self.stream = torch.cuda.Stream(self.device)
+        # the kernels' own stream: a capture on it records them, the all-reduces and the copies alike
+        self.stream = torch.cuda.ExternalStream(int(driver.device().stream), device=self.device)
+        self.steps = 0
+        self.graph = None
+        self.captured: dict[str, object] = {}
 
     def on_stream(self):
-        """The step's own stream (NCCL's all-reduce waits on it, and the update waits on NCCL)."""
         return self.torch.cuda.stream(self.stream)
 
     def empty(self, tensor):
@@ -323,14 +335,28 @@ class _DeviceArrays(_HostArrays):
             host = self.torch.from_numpy(array if array.flags.c_contiguous else array.copy())
             if name not in self.inputs:
                 self.inputs[name] = self.torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            values[name] = self.inputs[name].copy_(host, non_blocking=False)
+            values[name] = self.inputs[name].copy_(host)
         return values
+
+    def step(self, values: dict, body) -> dict:
+        """The step's results: ``body(values)`` run as queued for the first steps, then captured
+        once as a CUDA graph and replayed (its inputs' buffers hold this step's values)."""
+        self.steps += 1
+        if self.steps <= self.EAGER_STEPS:
+            return body(values)
+        if self.graph is None:
+            self.stream.synchronize()
+            self.graph = self.torch.cuda.CUDAGraph()
+            with self.torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
+                self.captured = body(values)
+        self.graph.replay()
+        return self.captured
 
     def run(self, number: int, values: dict) -> dict:
         runner = self.runner
-        inputs = {t.name: values[t.name] for t in runner.graphs[number].inputs}
-        stream = self.torch.cuda.current_stream(self.device).cuda_stream
-        return runner.executors[number].run(inputs, out=self.outputs[number], stream=stream)
+        outputs = self.outputs[number]
+        runner.executors[number].enqueue({t.name: values[t.name] for t in runner.graphs[number].inputs}, outputs)
+        return outputs
 
     def flat(self, names: tuple[str, ...], arrays: Sequence) -> object:
         key = (names, str(arrays[0].dtype))
@@ -350,12 +376,10 @@ class _DeviceArrays(_HostArrays):
         return value.detach().cpu().numpy()
 
     def keep_updates(self, outputs: Mapping[str, object]) -> None:
-        last = self.outputs[-1]
-        for target, next_value in self.runner.model.training.updates.items():
-            if next_value in last:
-                last[next_value], self.values[target] = self.values[target], last[next_value]
-            else:  # a running statistic, computed (and averaged) before the update
-                self.values[target].copy_(outputs[next_value])
+        """The update's results copied over the current values (on the step's stream: captured
+        with it)."""
+        updates = self.runner.model.training.updates
+        self.torch._foreach_copy_([self.values[t] for t in updates], [outputs[n] for n in updates.values()])
 
     def current(self, name: str):
         return self.values[name]
@@ -453,7 +477,20 @@ class DataParallel:
 
     def _step(self, batch: Mapping[str, np.ndarray], check: bool) -> float:
         model, training = self.model, self.model.training
-        values = self.arrays.feed(model._training_feed(batch))
+        outputs = self.arrays.step(self.arrays.feed(model._training_feed(batch)), self._pieces)
+        if check:
+            model._check_finite(training, {name: self.arrays.to_host(v) for name, v in outputs.items()})
+        self.arrays.keep_updates(outputs)
+        model.step += 1
+        if training.prediction in outputs and model.spec.keep_prediction:
+            model.last_prediction = np.array(self.arrays.to_host(outputs[training.prediction]))
+        if self.check_every and model.step % self.check_every == 0:
+            self._check_consistent()
+        return float(self.arrays.to_host(outputs[training.loss]))
+
+    def _pieces(self, values: dict) -> dict:
+        """Run the step's pieces on ``values`` (every input), averaging each piece's reductions;
+        the step's results by name."""
         pending: list[_Pending] = []
         last = len(self.split.segments) - 1
         for number, segment in enumerate(self.split.segments):
@@ -467,16 +504,7 @@ class DataParallel:
                     pending.append(started)
                 else:
                     self._finish(started, values)
-        outputs = {name: values[name] for name in self.results}
-        if check:
-            model._check_finite(training, {name: self.arrays.to_host(v) for name, v in outputs.items()})
-        self.arrays.keep_updates(outputs)
-        model.step += 1
-        if training.prediction in outputs and model.spec.keep_prediction:
-            model.last_prediction = np.array(self.arrays.to_host(outputs[training.prediction]))
-        if self.check_every and model.step % self.check_every == 0:
-            self._check_consistent()
-        return float(self.arrays.to_host(outputs[training.loss]))
+        return {name: values[name] for name in self.results}
 
     def _start(self, names: Sequence[str], values: dict) -> _Pending:
         """Start averaging ``names`` across ranks (one flat buffer per dtype), not waiting."""

@@ -316,6 +316,24 @@ class CudaExecutor(PlannedExecutor):
                 results[name] = self.buffers[name].download(tensor.shape, dt.numpy_dtype(tensor.dtype))
         return results
 
+    def enqueue(self, inputs: Mapping[str, object], out: Mapping[str, object]) -> None:
+        """Launch every kernel of a run on the GPU's own stream (``driver.device().stream``),
+        reading the GPU arrays ``inputs`` (every graph input) and writing the kept tensors into
+        the GPU arrays ``out`` (every one), without waiting and without a CUDA graph of its own:
+        for a caller capturing its own graph on that stream (a data-parallel step with its
+        all-reduces), where a graph launched inside a capture would not be recorded."""
+        from neoflow.targets.cuda import driver
+
+        if self.device is None:
+            self._attach()
+        else:
+            driver.make_current(self.device)
+        bound = self._bind({t.name: inputs[t.name] for t in self.graph.inputs}, "input") | self._bind(out, "out")
+        host = [t.name for t in self.graph.inputs if t.name not in bound] + [k for k in self.keep if k not in out]
+        if host:
+            raise InputError(f"an enqueued run reads and writes GPU arrays only ('{host[0]}' is not one)")
+        self._launch_all(bound)
+
     @property
     def replay_graph(self):
         """The captured CUDA graph of a run (after the first run), for timing its replays."""
