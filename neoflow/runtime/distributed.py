@@ -20,6 +20,7 @@ import os
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -218,8 +219,15 @@ def join(target: str = "cpu") -> World:
     return World(dist.get_rank(), dist.get_world_size(), local_rank, backend)
 
 
+#: the runners of this process, closed before it leaves the group
+_RUNNERS: weakref.WeakSet = weakref.WeakSet()
+
+
 def leave() -> None:
-    """Leave the process group (a process that exits without leaving it may abort)."""
+    """Close this process's runners and leave the process group (a process that exits without
+    leaving it may abort; NCCL's leave waits forever while a CUDA graph holding its kernels lives)."""
+    for runner in list(_RUNNERS):
+        runner.close()
     dist = _torch_distributed()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -285,6 +293,9 @@ class _HostArrays:
 
     def write_back(self) -> None:
         """Nothing to copy: the model's own arrays are the current values."""
+
+    def close(self) -> None:
+        """Nothing held: host work is done when it returns."""
 
 
 class _DeviceArrays(_HostArrays):
@@ -384,6 +395,12 @@ class _DeviceArrays(_HostArrays):
     def current(self, name: str):
         return self.values[name]
 
+    def close(self) -> None:
+        self.stream.synchronize()
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph, self.captured, self.steps = None, {}, 0
+
     def write_back(self) -> None:
         self.stream.synchronize()
         for name, value in self.values.items():
@@ -466,6 +483,7 @@ class DataParallel:
         self.state_names = [*model._parameter_names, *training.state]
         self.average = self.dist.ReduceOp.AVG if self.world.backend == "nccl" else self.dist.ReduceOp.SUM
         self.arrays = _DeviceArrays(self) if model.target in DEVICE_TARGETS else _HostArrays(self)
+        _RUNNERS.add(self)
         self.check_consistent()
 
     def train_step(self, batch: Mapping[str, np.ndarray], check: bool = False) -> float:
@@ -552,6 +570,11 @@ class DataParallel:
                 f"'{self.model.public_name(self.state_names[k])}' differs between rank 0 and rank {rank} "
                 f"after step {self.model.step}: the ranks' parameters diverged"
             )
+
+    def close(self) -> None:
+        """Wait for the step's work and drop the captured CUDA graph (steps after it run as they
+        are queued until it is captured again)."""
+        self.arrays.close()
 
     def synchronize(self) -> None:
         """Copy the parameters and optimizer state held on the GPU back into the model (what its
