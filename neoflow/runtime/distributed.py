@@ -33,6 +33,7 @@ from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 from neoflow.runtime.compiled import CompiledModel
 from neoflow.runtime.fusing import build_executor
+from neoflow.targets.memory import nbytes
 
 #: DDP's default bucket cap; a model whose gradients are smaller is split into ``MIN_BUCKETS``
 BUCKET_CAP_BYTES = 25 << 20
@@ -85,11 +86,6 @@ class StepSplit:
         return self.segments[-1]
 
 
-def _nbytes(graph: Graph, name: str) -> int:
-    tensor = graph.tensors[name]
-    return int(np.prod(tensor.shape, dtype=np.int64)) * dt.numpy_dtype(tensor.dtype).itemsize
-
-
 def default_bucket_bytes(gradient_bytes: int) -> int:
     """DDP's 25 MiB cap, but a smaller model's gradients still come in ``MIN_BUCKETS`` buckets (of
     at least ``MIN_BUCKET_BYTES``), so its communication overlaps the reverse pass too."""
@@ -120,7 +116,7 @@ def split_step(
             early_ops.append(op)
     position = {op.name: k for k, op in enumerate(early_ops)}
     ordered = sorted(gradients, key=position.__getitem__)
-    cap = bucket_bytes or default_bucket_bytes(sum(_nbytes(graph, g) for g in ordered))
+    cap = bucket_bytes or default_bucket_bytes(sum(nbytes(graph.tensors[g]) for g in ordered))
     buckets: list[list[str]] = [[]]
     size = 0
     for name in ordered:
@@ -128,7 +124,7 @@ def split_step(
             buckets.append([])
             size = 0
         buckets[-1].append(name)
-        size += _nbytes(graph, name)
+        size += nbytes(graph.tensors[name])
     # the running statistics' next values (the optimizer's own early state, Adam's step count, is
     # the same on every rank and not averaged: a sum divided by 3 need not give it back exactly)
     extras = [training.loss] + [v for t, v in training.updates.items() if v in position and t not in training.state]
