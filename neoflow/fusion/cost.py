@@ -88,17 +88,24 @@ def _itemsize(dtype: str) -> int:
 
 
 class CostModel:
-    """Predicts kernel times for fusion policies (see the module docstring)."""
+    """Predicts kernel times for fusion policies (see the module docstring).  ``target`` names the
+    target a plan is made for and ``hardware`` is its hardware description (a
+    ``codegen.hardware.Hardware``: intrinsics, memory scopes; None where the target has none), so a
+    policy can plan per target; both are set by ``runtime.fusing.cost_model``."""
 
     def __init__(
         self,
         machine: Machine | Callable[[], Machine] | None = None,
         schedule: Schedule | None = None,
         nests: Nests | None = None,
+        target: str = "",
+        hardware: object | None = None,
     ) -> None:
         self._machine = machine or Machine()
         self.schedule = schedule
         self.nests = nests
+        self.target = target
+        self.hardware = hardware
         self._ops: dict[Op, Cost] = {}
         self._kernels: dict[Kernel, Cost] = {}
         # the substituted forms of the last graph's ops, by the inlined ops each reaches (``inline_all``'s

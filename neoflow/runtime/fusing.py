@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from neoflow import targets
+from neoflow.codegen.hardware import hardware
 from neoflow.fusion.cost import CostModel
 from neoflow.fusion.plan import FusionPlan, apply_plan, validate
 from neoflow.fusion.policies import FusionPolicy, load_policy
@@ -21,8 +22,13 @@ DEFAULT_POLICY = "none"
 
 
 def cost_model(target: str) -> CostModel:
-    """The cost model ``target`` plans with (its own estimates, handed to fusion)."""
-    return targets.target(target).cost_model()
+    """The cost model ``target`` plans with (its own estimates, handed to fusion), knowing the
+    target's name and hardware description (``CostModel.target``, ``CostModel.hardware``)."""
+    found = targets.target(target)
+    model = found.cost_model()
+    model.target = found.name
+    model.hardware = hardware(found.hardware) if found.hardware is not None else None
+    return model
 
 
 def planning_graph(graph: Graph, keep: Collection[str]) -> Graph:

@@ -95,13 +95,15 @@ ExecutorFactory = Callable[..., object]
 @dataclass(frozen=True)
 class Target:
     """A code-generation target: ``name``, a one-line ``description``, its
-    ``executor`` factory and the fusion ``cost_model`` it plans with (a function
-    making one)."""
+    ``executor`` factory, the fusion ``cost_model`` it plans with (a function
+    making one) and the name of its ``hardware`` description in
+    ``codegen.hardware.TARGETS`` (None: it has none, as the interpreter)."""
 
     name: str
     description: str
     executor: ExecutorFactory
     cost_model: Callable[[], CostModel]
+    hardware: str | None = None
 
 
 def nominal_cost_model() -> CostModel:

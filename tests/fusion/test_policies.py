@@ -14,7 +14,7 @@ from neoflow.errors import CompileError
 from neoflow.fusion import BUILT_IN, load_policy
 from neoflow.fusion.cost import CostModel, Machine
 from neoflow.fusion.patterns import is_epilogue, kind, recompute_factor
-from neoflow.runtime.fusing import build_executor, plan_for
+from neoflow.runtime.fusing import build_executor, cost_model, plan_for
 from neoflow.targets.cpu.estimate import schedule
 from neoflow.targets.cpu.nest import nest_buffers
 from tests.on_targets import NEEDS_CC, TARGETS
@@ -238,3 +238,19 @@ def test_the_search_sums_a_moves_kernel_costs_in_a_fixed_order() -> None:
         keys = [policies._kernel_key(kernel) for kernel in asked]
         # the kernels the move makes, then those it unmakes: two runs in order, one descent at most
         assert sum(a > b for a, b in itertools.pairwise(keys)) <= 1, move
+
+
+@pytest.mark.parametrize(
+    ("target", "hardware"), [("interp", None), ("cpu", "avx2"), ("tensorcore", "tensorcore"), ("npu", "npu")]
+)
+def test_a_policy_sees_the_target_it_plans_for(target: str, hardware: str | None) -> None:
+    from tests.fusion.user_policy import seen_targets
+
+    graph = neoflow.compile(MODELS / "mlp.onnx", target="interp").inference
+    model = cost_model(target)
+    assert model.target == target and getattr(model.hardware, "name", None) == hardware
+    seen_targets.clear()
+    plan = plan_for(graph, "tests.fusion.user_policy:MatrixUnitChains", model)
+    assert seen_targets == [(target, hardware)]
+    expected = "chimera" if target in ("tensorcore", "npu") else "elementwise"
+    assert plan.kernels == plan_for(graph, expected, model).kernels

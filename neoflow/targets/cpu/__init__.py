@@ -29,4 +29,4 @@ def _measured_machine():
     return measure_machine(threads())
 
 
-TARGET = Target("cpu", "C + OpenMP for this CPU (AVX2/FMA, AVX-512 where present)", _executor, _cost_model)
+TARGET = Target("cpu", "C + OpenMP for this CPU (AVX2/FMA, AVX-512 where present)", _executor, _cost_model, "cpu")

@@ -56,7 +56,13 @@ def _cost_model() -> CostModel:
     return CostModel(machine, gpu_schedule)
 
 
-CUDA = Target("cuda", "CUDA C++ for NVIDIA tensor cores (mma.sync), NVRTC + the driver API", _cuda, _cost_model)
+CUDA = Target(
+    "cuda", "CUDA C++ for NVIDIA tensor cores (mma.sync), NVRTC + the driver API", _cuda, _cost_model, "tensorcore"
+)
 TENSORCORE = Target(
-    "tensorcore", "the tensor-core model: the cuda kernel plans run in numpy, with predicted times", _model, _cost_model
+    "tensorcore",
+    "the tensor-core model: the cuda kernel plans run in numpy, with predicted times",
+    _model,
+    _cost_model,
+    "tensorcore",
 )

@@ -60,13 +60,14 @@ def _cost_model(preset):
 
 
 NPU = Target(
-    "npu", "the NPU model (coupled Ascend-like cores): programs simulated", _executor("npu"), _cost_model("npu")
+    "npu", "the NPU model (coupled Ascend-like cores): programs simulated", _executor("npu"), _cost_model("npu"), "npu"
 )
 NPU_SPLIT = Target(
     "npu-split",
     "the NPU model with separate cube and vector cores (Ascend A2-like)",
     _executor("npu-split"),
     _cost_model("npu-split"),
+    "npu",
 )
 
 
@@ -77,4 +78,4 @@ def machine_target(path: str) -> Target:
 
     npu = machine(path)
     described = f"the NPU model of the machine in {path} ({npu.layout}, {npu.cube_cores} cube cores)"
-    return Target(f"npu:{path}", described, _executor(npu), _cost_model(npu))
+    return Target(f"npu:{path}", described, _executor(npu), _cost_model(npu), "npu")
