@@ -136,12 +136,12 @@ def ranking(repeats: int) -> tuple[float, int]:
 
 
 def _training_section(title: str, measured: tuple[list, dict[str, float], list[float]]) -> list[str]:
-    from neoflow.runtime.fusion_report import COMPARE_COLUMNS, compare_table, markdown
+    from neoflow.runtime.fusion_report import compare_columns, compare_table, markdown
 
     reports, single, ratios = measured
     by_policy = {r.policy: r for r in reports}
     base, ours = by_policy["elementwise"], by_policy["neoflow"]
-    lines = [f"## {title}", "", markdown(COMPARE_COLUMNS, compare_table(reports)), ""]
+    lines = [f"## {title}", "", markdown(compare_columns(reports), compare_table(reports)), ""]
     lines.append(
         f"neoflow against elementwise: {1 - ours.bytes / base.bytes:.0%} fewer bytes "
         f"({ours.bytes / 1e6:.2f} MB against {base.bytes / 1e6:.2f} MB), step time "

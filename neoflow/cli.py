@@ -274,26 +274,40 @@ def cmd_fuse(args: argparse.Namespace) -> int:
         raise InputError("--plot draws a comparison: give --compare POLICY,POLICY,...")
     if args.repeats < 1:
         raise InputError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.rounds < 2:
+        raise InputError(f"--rounds must be at least 2 (an interval needs rounds), got {args.rounds}")
+    if args.seconds is not None and not 0 < args.seconds < float("inf"):
+        raise InputError(f"--seconds must be a positive number, got {args.seconds}")
     for path in (args.report, args.plot):
         if path is not None and not Path(path).parent.is_dir():
             raise InputError(f"no such directory for '{path}'")
     _require_file(args.model)
     spec = _train_spec(args)
     step = "training step" if args.train else "inference"
-    reports = []
+    reports, models = [], {}
+    comparing = len(policies) > 1
     for policy in policies:
         print(f"policy {policy}: compiling and timing the {step} ...", file=sys.stderr, flush=True)
         model = neoflow.compile(args.model, target=args.target, train=spec, shapes=dict(args.shape), fusion=policy)
-        reports.append(fr.fusion_report(model, args.train, repeats=args.repeats, seed=args.seed))
+        models[policy if policy not in models else f"{policy} #{len(models) + 1}"] = model  # a policy twice: noise
+        reports.append(fr.fusion_report(model, args.train, args.repeats, args.seed, whole_step=not comparing))
+    comparison = None
+    if comparing:
+        budget = f"{args.seconds:g} s" if args.seconds else f"{args.rounds} rounds"
+        print(f"timing the policies' steps against each other ({budget}) ...", file=sys.stderr, flush=True)
+        comparison = fr.compare_steps(models, args.train, args.rounds, args.seconds, args.seed)
+        reports = fr.with_step_times(reports, comparison)
     sections = []
     for report in reports:
         title = f"{Path(args.model).name}, {report.step}, policy {report.policy} (target {report.target})"
         table = fr.markdown(fr.KERNEL_COLUMNS, fr.kernel_table(report))
         notes = "".join(f"\n- {kernel}: {note}" for kernel, note in report.notes.items())
         sections.append(f"## {title}\n\n{table}\n\nmeasured step: {report.step_seconds * 1e3:.3f} ms (median){notes}")
-    if len(reports) > 1:
-        table = fr.markdown(fr.COMPARE_COLUMNS, fr.compare_table(reports))
-        sections.append(f"## {Path(args.model).name}, {step}: policies compared\n\n{table}")
+    if comparison is not None:
+        table = fr.markdown(fr.compare_columns(reports, comparison), fr.compare_table(reports, comparison))
+        sections.append(
+            f"## {Path(args.model).name}, {step}: policies compared\n\n{_how_compared(comparison)}\n\n{table}"
+        )
     text = "\n\n".join(sections) + "\n"
     print(text, end="")
     if args.report:
@@ -303,6 +317,18 @@ def cmd_fuse(args: argparse.Namespace) -> int:
         fr.plot_comparison(reports, args.plot, f"{Path(args.model).name}: {step} per fusion policy")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _how_compared(comparison) -> str:
+    """The line above a comparison's table: the machine and how the steps were timed."""
+    if not comparison.rounds:
+        return f"Machine: {comparison.machine}; step times are the target's predicted times (exact)."
+    return (
+        f"Machine: {comparison.machine}; {comparison.rounds} rounds of {comparison.block} consecutive steps per "
+        "policy, the policies taking turns (the order rotating round by round); medians, 95 % bootstrap intervals "
+        "of the rounds' medians and of the round-by-round ratios to the first policy; a verdict says faster or "
+        "slower only where the interval excludes 1 and the ratio is off it by 2 % or more."
+    )
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -621,6 +647,18 @@ def build_parser() -> argparse.ArgumentParser:
         "npu, npu-split or npu:FILE.json (by simulated NPU cycles) (cpu)",
     )
     fuse.add_argument("--repeats", type=int, default=5, help="timed runs per kernel and per step; medians (5)")
+    fuse.add_argument(
+        "--rounds",
+        type=int,
+        default=11,
+        help="with --compare: rounds in which every policy runs a block of steps, taking turns (11)",
+    )
+    fuse.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="with --compare: keep timing rounds until this many seconds have passed (at least --rounds)",
+    )
     fuse.add_argument(
         "--shape", action="append", type=_shape_arg, default=[], metavar="NAME=D1,D2,...", help="input shape"
     )

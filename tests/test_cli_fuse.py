@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from neoflow.cli import main
+from tests.on_targets import NEEDS_CC
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 MLP = str(MODELS / "mlp.onnx")
@@ -36,12 +37,15 @@ def test_report_has_one_row_per_kernel_with_measured_times(tmp_path: Path, capsy
 def test_compare_draws_every_policy_including_a_user_policy(tmp_path: Path, capsys) -> None:
     plot, report = tmp_path / "cmp.png", tmp_path / "cmp.md"
     policies = "none,elementwise,neoflow,tests.fusion.user_policy:FirstReader"
-    args = ["fuse", MLP, "--compare", policies, "--plot", str(plot), "--report", str(report), *QUICK]
+    args = ["fuse", MLP, "--compare", policies, "--plot", str(plot), "--report", str(report), *QUICK, "--rounds", "3"]
     assert main(args) == 0
     out = capsys.readouterr().out
     compared = _rows(out.split("policies compared")[1])
     assert [row[0] for row in compared[1:]] == ["none", "elementwise", "neoflow", "first-reader"]
-    assert compared[1][-1] == "1.00x"
+    assert compared[0][-3:] == ["vs first", "its 95 % interval", "verdict"]
+    assert compared[1][-3:] == ["1.00x", "", "baseline"]
+    assert all(row[-1] in ("faster", "slower", "within noise") for row in compared[2:])
+    assert "Machine: " in out and "3 rounds of" in out
     kernels = {row[0]: int(row[1]) for row in compared[1:]}
     assert kernels["none"] > kernels["elementwise"] >= kernels["neoflow"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
@@ -55,6 +59,8 @@ def test_compare_draws_every_policy_including_a_user_policy(tmp_path: Path, caps
         (["--compare", "none,tests.fusion.user_policy:NotAPolicy"], "has no plan(graph, cost_model) method"),
         (["--plot", "x.png"], "--plot draws a comparison"),
         (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--compare", "none,neoflow", "--rounds", "1"], "--rounds must be at least 2"),
+        (["--compare", "none,neoflow", "--seconds", "-1"], "--seconds must be a positive number"),
         (["--report", "no/such/dir/r.md"], "no such directory"),
     ],
 )
@@ -79,3 +85,22 @@ def test_a_training_step_whose_output_is_no_logits_names_the_other_losses(capsys
     err = capsys.readouterr().err.strip().splitlines()  # a progress line, then the error
     assert "'F' has shape [1, 19, 224, 224] (another loss: mse, or the name of a scalar output)" in err[-1]
     assert len(err) == 2 and err[0].startswith("policy neoflow:")
+
+
+@NEEDS_CC
+def test_two_identical_plans_come_out_within_noise(capsys) -> None:
+    # same-as-none returns exactly none's plan: whatever their times, the comparison must not call one faster
+    policies = "none,tests.fusion.user_policy:SameAsNone"
+    assert main(["fuse", MLP, "--train", "--compare", policies, "--target", "cpu", "--rounds", "15"]) == 0
+    compared = _rows(capsys.readouterr().out.split("policies compared")[1])
+    assert [row[0] for row in compared[1:]] == ["none", "same-as-none"]
+    assert compared[1][1] == compared[2][1]  # the same kernels
+    assert compared[2][-1] == "within noise"
+
+
+def test_a_model_target_compares_its_predicted_times_exactly(capsys) -> None:
+    assert main(["fuse", MLP, "--compare", "none,none", "--target", "tensorcore", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    compared = _rows(out.split("policies compared")[1])
+    assert compared[2][-3:] == ["1.00x", "exact", "same"]
+    assert "predicted times (exact)" in out

@@ -4,6 +4,9 @@ against another.  ``neoflow fuse`` prints these."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -12,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from neoflow.runtime.timing import Timed, Versus, interleaved_rounds, timed, versus
 
 if TYPE_CHECKING:
     from neoflow.runtime.compiled import CompiledModel
@@ -94,9 +99,12 @@ def _median_seconds(run: Callable[[], object], repeats: int) -> tuple[float, obj
     return statistics.median(times), result
 
 
-def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5, seed: int = 0) -> PolicyReport:
+def fusion_report(
+    model: CompiledModel, training: bool = False, repeats: int = 5, seed: int = 0, whole_step: bool = True
+) -> PolicyReport:
     """Plan, predict and measure ``model``'s inference (or training step) under
-    the policy it was compiled with."""
+    the policy it was compiled with (``whole_step``: the step's median too; a comparison times
+    the steps of its policies itself, taking turns, ``compare_steps``)."""
     executor, feed = model.executor_and_feed(model.example_batch(training, seed), training)
     plan = executor.fusion_plan
     costs = executor.cost_model
@@ -122,9 +130,102 @@ def fusion_report(model: CompiledModel, training: bool = False, repeats: int = 5
                 kernel.buffered,
             )
         )
-    step = sum(measured) if predicting else time_step(executor, feed, repeats)
+    step = float("nan")
+    if predicting:
+        step = sum(measured)
+    elif whole_step:
+        step = time_step(executor, feed, repeats)
     step_name = "training step" if training else "inference"
     return PolicyReport(plan.policy, step_name, tuple(rows), step, model.target, dict(plan.notes))
+
+
+#: a block of steps lasts at least this long (a sub-millisecond step timed alone is timer noise)
+BLOCK_SECONDS = 0.02
+MAX_BLOCK = 200
+
+
+@dataclass(frozen=True)
+class StepComparison:
+    """Policies' steps measured against each other: per policy its ``Timed`` median and interval,
+    per policy after the first its ``Versus`` the first, and how: ``rounds`` of ``block`` steps
+    each (0 rounds: a model target's predicted times, exact), on ``machine``."""
+
+    timed: Mapping[str, Timed]
+    versus: Mapping[str, Versus]
+    rounds: int
+    block: int
+    machine: str
+
+
+def machine_line(target: str) -> str:
+    """The machine a comparison ran on: the CPU, its cores and the threads kernels use; the GPU
+    for the cuda target; a model target's own description."""
+    from neoflow import targets
+    from neoflow.codegen.hardware import cpu_model
+
+    line = f"{cpu_model()}, {os.cpu_count()} cores"
+    if target == "cpu":
+        from neoflow.targets.cpu.executor import threads
+
+        line += f", {threads()} threads"
+    elif target == "cuda":
+        from neoflow.targets.cuda import driver
+
+        line = f"{driver.device().name} (host: {line})"
+    elif target != "interp":
+        line = targets.target(target).description
+    return line
+
+
+def compare_steps(
+    models: Mapping[str, CompiledModel],
+    training: bool = False,
+    rounds: int = 11,
+    seconds: float | None = None,
+    seed: int = 0,
+) -> StepComparison:
+    """Each model's step (inference or training) against the first's: measured in ``rounds``
+    interleaved rounds (with ``seconds``, until that much time has passed), each a block of
+    consecutive steps per model, the order rotating round by round; medians with bootstrap
+    intervals, and per model the paired ratio to the first with its verdict (``runtime.timing``).
+    A model target's steps are its predicted times: compared exactly."""
+    names = list(models)
+    first = models[names[0]]
+    steps = {}
+    for name, model in models.items():
+        executor, feed = model.executor_and_feed(model.example_batch(training, seed), training)
+        if hasattr(executor, "model_seconds"):
+            steps[name] = sum(executor.model_seconds(group) for group in executor.kernel_groups)
+        else:
+            steps[name] = lambda executor=executor, feed=feed: executor.run(feed)
+    machine = machine_line(first.target)
+    if all(isinstance(step, float) for step in steps.values()):
+        found = {name: Timed(name, step, step, step, 0) for name, step in steps.items()}
+        base = found[names[0]].seconds
+        against = {}
+        for name in names[1:]:
+            ratio = base / found[name].seconds
+            exact = "same" if math.isclose(ratio, 1.0, rel_tol=1e-9) else "faster" if ratio > 1 else "slower"
+            against[name] = Versus(names[0], name, ratio, ratio, ratio, exact)
+        return StepComparison(found, against, 0, 0, machine)
+    for step in steps.values():
+        step()  # once untimed: threads started, pages touched
+    start = time.perf_counter()
+    for step in steps.values():
+        step()
+    each = (time.perf_counter() - start) / len(steps)
+    block = max(1, min(MAX_BLOCK, math.ceil(BLOCK_SECONDS / max(each, 1e-9))))
+    times = interleaved_rounds(steps, rounds, warmup=1, block=block, seconds=seconds, rotate=True)
+    against = {name: versus(times, names[0], name) for name in names[1:]}
+    return StepComparison(timed(times), against, len(times[names[0]]), block, machine)
+
+
+def with_step_times(reports: Sequence[PolicyReport], comparison: StepComparison) -> list[PolicyReport]:
+    """``reports`` (in the comparison's order) with the comparison's median step times."""
+    return [
+        dataclasses.replace(report, step_seconds=found.seconds)
+        for report, found in zip(reports, comparison.timed.values(), strict=True)
+    ]
 
 
 # ----------------------------------------------------------------- rendering
@@ -210,24 +311,43 @@ def kernel_table(report: PolicyReport) -> list[list[str]]:
     return rows
 
 
-COMPARE_COLUMNS = ("policy", "kernels", "MB moved", "predicted ms", "step ms (median)", "vs first")
+def compare_table(reports: Sequence[PolicyReport], comparison: StepComparison | None = None) -> list[list[str]]:
+    """One row per policy (``compare_columns``): kernels, bytes, predicted and measured step time
+    (with the comparison's interval), the first policy's step time over this one's (above 1:
+    faster) with its interval and verdict; with ``optimal`` among the policies, each one's
+    predicted time over the optimum's."""
+    optimum = next((r.predicted for r in reports if r.policy == "optimal"), None)
+    rows = []
+    for k, r in enumerate(reports):
+        row = [r.policy, str(len(r.rows)), _megabytes(r.bytes), _milliseconds(r.predicted)]
+        if optimum is not None:
+            row.append(f"{r.predicted / optimum:.3f}x")
+        row.append(_milliseconds(r.step_seconds))
+        if comparison is None:
+            row.append(f"{reports[0].step_seconds / r.step_seconds:.2f}x")
+            rows.append(row)
+            continue
+        found = list(comparison.timed.values())[k]
+        row.append(f"{_milliseconds(found.low)}-{_milliseconds(found.high)}" if comparison.rounds else "exact")
+        against = comparison.versus.get(list(comparison.timed)[k])
+        if against is None:
+            row += ["1.00x", "", "baseline"]
+        else:
+            interval = f"{against.low:.2f}-{against.high:.2f}" if comparison.rounds else "exact"
+            row += [f"{against.ratio:.2f}x", interval, against.verdict]
+        rows.append(row)
+    return rows
 
 
-def compare_table(reports: Sequence[PolicyReport]) -> list[list[str]]:
-    """One row per policy (``COMPARE_COLUMNS``); the ratio is the first policy's
-    step time over this one's (above 1: faster)."""
-    first = reports[0].step_seconds
-    return [
-        [
-            r.policy,
-            str(len(r.rows)),
-            _megabytes(r.bytes),
-            _milliseconds(r.predicted),
-            _milliseconds(r.step_seconds),
-            f"{first / r.step_seconds:.2f}x",
-        ]
-        for r in reports
-    ]
+def compare_columns(reports: Sequence[PolicyReport], comparison: StepComparison | None = None) -> list[str]:
+    """The columns of ``compare_table`` for these reports."""
+    columns = ["policy", "kernels", "MB moved", "predicted ms"]
+    if any(r.policy == "optimal" for r in reports):
+        columns.append("predicted / optimal")
+    columns.append("step ms (median)")
+    if comparison is None:
+        return [*columns, "vs first"]
+    return [*columns, "95 % interval", "vs first", "its 95 % interval", "verdict"]
 
 
 def markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
