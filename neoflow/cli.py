@@ -314,7 +314,7 @@ def cmd_fuse(args: argparse.Namespace) -> int:
         Path(args.report).write_text(text)
         print(f"wrote {args.report}")
     if args.plot:
-        fr.plot_comparison(reports, args.plot, f"{Path(args.model).name}: {step} per fusion policy")
+        fr.plot_comparison(reports, args.plot, f"{Path(args.model).name}: {step} per fusion policy", comparison)
         print(f"wrote {args.plot}")
     return 0
 

@@ -357,8 +357,11 @@ def markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def plot_comparison(reports: Sequence[PolicyReport], path: str | Path, title: str) -> Path:
-    """Bar charts of kernels, bytes moved and measured step time per policy (a PNG)."""
+def plot_comparison(
+    reports: Sequence[PolicyReport], path: str | Path, title: str, comparison: StepComparison | None = None
+) -> Path:
+    """Bar charts of kernels, bytes moved and measured step time per policy (a PNG); with the
+    ``comparison`` the step times carry their 95 % intervals as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -373,7 +376,12 @@ def plot_comparison(reports: Sequence[PolicyReport], path: str | Path, title: st
     figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
     for axis, (label, value) in zip(axes, panels, strict=True):
         heights = [value(r) for r in reports]
-        bars = axis.bar(names, heights, color=[f"C{k}" for k in range(len(names))])
+        errors = None
+        if label.startswith("step time") and comparison is not None and comparison.rounds:
+            found = list(comparison.timed.values())
+            errors = [[(t.seconds - t.low) * 1e3 for t in found], [(t.high - t.seconds) * 1e3 for t in found]]
+            errors = np.clip(errors, 0, None)
+        bars = axis.bar(names, heights, yerr=errors, capsize=3, color=[f"C{k}" for k in range(len(names))])
         axis.bar_label(bars, fmt="%.3g", fontsize=8)
         axis.set_title(label, fontsize=10)
         axis.tick_params(axis="x", rotation=30, labelsize=8)
