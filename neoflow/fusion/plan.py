@@ -218,6 +218,18 @@ class Grouping:
                 result.append(self._with_buffers(kernel))
         return result
 
+    def kernel_alone(self, group: frozenset[str]) -> Kernel | None:
+        """The kernel ``group`` makes in a partition of the ops (each op in one group): an op is
+        materialised where it must be kept, a reader cannot inline it or a reader lies outside
+        the group (that reader's kernel reads it from memory); the same rules as ``kernels``, with
+        no other group to look at (what an exact search prices each candidate group by)."""
+        materialized = {
+            name for name in group if name in self.always or any(r not in group for r in self.readers.get(name, ()))
+        }
+        materialized |= self._too_big(group, materialized, group)
+        kernel = self._kernel(group, materialized)
+        return None if kernel is None else self._with_buffers(kernel)
+
     def _kernel(self, group: frozenset[str], materialized: Collection[str]) -> Kernel | None:
         """The kernel of ``group`` materialising ``materialized``, less the
         recomputed ops nothing left in it reads; None where nothing is left."""

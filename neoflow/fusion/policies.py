@@ -156,11 +156,16 @@ class NeoFlow(FusionPolicy):
             # leaves the group, so later merges see the kernels the plan really has
             groups = [frozenset(kernel.ops) for kernel in search.grouping.kernels(_apply(groups, taken))]
         plan = plan_from_groups(graph, groups, policy=self.name, nests=cost_model.nests)
-        sliced = _sliced(graph, plan, search.grouping, cost_model)
-        if sliced is None:
-            return plan
-        faster = cost_model.plan_cost(graph, sliced).seconds < cost_model.plan_cost(graph, plan).seconds
-        return sliced if faster else plan
+        return faster_sliced(graph, plan, search.grouping, cost_model)
+
+
+def faster_sliced(graph: Graph, plan: FusionPlan, grouping: Grouping, cost_model: CostModel) -> FusionPlan:
+    """``plan``, or its ``sliced`` variant where the cost model predicts that faster."""
+    sliced = _sliced(graph, plan, grouping, cost_model)
+    if sliced is None:
+        return plan
+    faster = cost_model.plan_cost(graph, sliced).seconds < cost_model.plan_cost(graph, plan).seconds
+    return sliced if faster else plan
 
 
 def _sliced(graph: Graph, plan: FusionPlan, grouping: Grouping, cost_model: CostModel) -> FusionPlan | None:
@@ -363,7 +368,7 @@ BUILT_IN: dict[str, type[FusionPolicy]] = {policy.name: policy for policy in (No
 
 def load_policy(spec: str | FusionPolicy) -> FusionPolicy:
     """A policy by built-in name (``none``, ``elementwise``, ``neoflow``,
-    ``chimera``) or as ``package.module:Class``; an instance is returned as it
+    ``chimera``, and ``optimal``, the exact baseline) or as ``package.module:Class``; an instance is returned as it
     is.  Raises ``CompileError`` naming what could not be found."""
     if not isinstance(spec, str):
         if not callable(getattr(spec, "plan", None)):
@@ -371,8 +376,14 @@ def load_policy(spec: str | FusionPolicy) -> FusionPolicy:
         return spec
     if spec in BUILT_IN:
         return BUILT_IN[spec]()
+    if spec == "optimal":  # the exact baseline (``fusion.optimal``, built on these policies)
+        from neoflow.fusion.optimal import Optimal
+
+        return Optimal()
     if ":" not in spec:
-        raise CompileError(f"unknown fusion policy '{spec}' (built in: {', '.join(BUILT_IN)}; or give module:Class)")
+        raise CompileError(
+            f"unknown fusion policy '{spec}' (built in: {', '.join(BUILT_IN)}, optimal; or give module:Class)"
+        )
     module_name, _, class_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
