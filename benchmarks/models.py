@@ -4,7 +4,7 @@ ONNX Runtime and torch.compile, and onnx's ``light_*`` models against ONNX Runti
     python -m benchmarks.models [--quick] [--only resnet18,vit] [--out benchmarks/models_results]
     python -m benchmarks.models --tune 240 --only resnet18,vit --skip-light --out benchmarks/models_tuned
 
-The networks are built in PyTorch (``benchmarks/architectures.py``) and exported to ONNX the way users do
+The networks are built in PyTorch (``neoflow/architectures.py``) and exported to ONNX the way users do
 (TorchScript exporter; training mode without constant folding for training, eval mode for inference).
 Before any timing counts, neoflow's losses over the first steps (cross-entropy, SGD with momentum 0.9,
 BatchNorm in training mode) must match PyTorch's, and its inference outputs PyTorch's or ONNX Runtime's;
@@ -79,7 +79,7 @@ def training_row(name: str, batch: int, tune: float = 0.0) -> Row:
     import torch.nn.functional as F
 
     import neoflow
-    from benchmarks.architectures import build, export
+    from neoflow.architectures import build, export
 
     model = build(name)
     proto = onnx.load_from_string(export(model, batch, train=True))
@@ -130,7 +130,7 @@ def inference_row(name: str, batch: int, threads: int, tune: float = 0.0) -> Row
     import torch
 
     import neoflow
-    from benchmarks.architectures import build, export
+    from neoflow.architectures import build, export
 
     model = build(name).eval()
     data = export(model, batch, train=False)
@@ -241,7 +241,7 @@ def _table(title: str, rows: list[Row], peers: list[str], goal: str) -> list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.architectures import ARCHITECTURES
+    from neoflow.architectures import ARCHITECTURES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, batch 8, no light_* models")

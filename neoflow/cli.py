@@ -270,6 +270,10 @@ def cmd_fuse(args: argparse.Namespace) -> int:
         raise InputError("--compare needs at least one policy")
     for policy in policies:
         load_policy(policy)  # a bad name fails before anything is compiled
+    if (args.model is None) == (args.corpus is None):
+        raise InputError("give a model or --corpus (not both)")
+    if args.corpus is not None:
+        return _fuse_corpus(args, policies)
     if args.plot and not args.compare:
         raise InputError("--plot draws a comparison: give --compare POLICY,POLICY,...")
     if args.repeats < 1:
@@ -315,6 +319,47 @@ def cmd_fuse(args: argparse.Namespace) -> int:
         print(f"wrote {args.report}")
     if args.plot:
         fr.plot_comparison(reports, args.plot, f"{Path(args.model).name}: {step} per fusion policy", comparison)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _fuse_corpus(args: argparse.Namespace, policies: list[str]) -> int:
+    """``neoflow fuse --corpus``: every policy on every corpus model and target, one table, one plot."""
+    from neoflow import corpus
+    from neoflow.targets import check_target
+
+    targets = [t.strip() for t in args.target.split(",") if t.strip()]
+    for target in targets:
+        check_target(target)
+    for path in (args.report, args.plot):
+        if path is not None and not Path(path).parent.is_dir():
+            raise InputError(f"no such directory for '{path}'")
+    rows = corpus.run(
+        policies,
+        targets,
+        args.train,
+        Path(args.corpus) if args.corpus else None,
+        architectures=not args.no_architectures,
+        measure=not args.no_measure,
+        rounds=args.rounds,
+        seconds=args.seconds,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    step = "training steps" if args.train else "inference"
+    ranking = corpus.ranking(rows)
+    lines = [f"## Fusion corpus: {step}, policies {', '.join(policies)}", "", corpus.table(rows), ""]
+    lines.append("Ranking per target (geometric mean over the models of each policy's predicted time over the best's):")
+    lines += [
+        f"- {target}: " + ", ".join(f"{p} {v:.3f}x" for p, v in sorted(found.items(), key=lambda kv: kv[1]))
+        for target, found in ranking.items()
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.report:
+        Path(args.report).write_text(text)
+        print(f"wrote {args.report}")
+    if args.plot:
+        corpus.plot(rows, args.plot, f"fusion corpus: {step}, predicted time over the best policy's")
         print(f"wrote {args.plot}")
     return 0
 
@@ -633,7 +678,18 @@ def build_parser() -> argparse.ArgumentParser:
         "arithmetic, bytes, predicted and measured time; --compare runs several policies."
     )
     fuse = commands.add_parser("fuse", help=fuse_help, description=fuse_help)
-    fuse.add_argument("model", help="an .onnx model or an .nf program")
+    fuse.add_argument("model", nargs="?", default=None, help="an .onnx model or an .nf program")
+    fuse.add_argument(
+        "--corpus",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="instead of one model: every .onnx model of DIR (default: the repository's models/) and the CPU "
+        "benchmark's architectures (with PyTorch); --target may list several targets",
+    )
+    fuse.add_argument("--no-architectures", action="store_true", help="with --corpus: the directory's models only")
+    fuse.add_argument("--no-measure", action="store_true", help="with --corpus: predicted times only (no timing)")
     fuse.add_argument(
         "--policy", default="neoflow", help="none, elementwise, neoflow, chimera, or module:Class (neoflow)"
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import neoflow
-from benchmarks.architectures import build, export
+from neoflow.architectures import build, export
 from tests.runtime.torch_models import assert_trains_like
 
 BATCH = 4

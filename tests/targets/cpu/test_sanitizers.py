@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 import neoflow
-from benchmarks.architectures import build, export
+from neoflow.architectures import build, export
 from neoflow.fusion import apply_plan
 from neoflow.runtime.fusing import slice_runs
 from neoflow.targets.cpu.compiler import build_sanitized

@@ -7,7 +7,8 @@ for 3x32x32 (CIFAR) images, and their ONNX export the way users make it.
     vit           — a small ViT: 4x4 patches, pre-LN blocks of multi-head attention (softmax) and a GELU MLP
 
 ``width`` scales the channels (tests use small widths; the benchmark the published ones).  The
-benchmark (``benchmarks/models.py``), the PyTorch-export tests and the fusion corpus share them.
+CPU benchmark (``benchmarks/models.py``), the PyTorch-export tests and the fusion corpus
+(``neoflow.corpus``, ``neoflow fuse --corpus``) share them.  Importing this module needs PyTorch.
 """
 
 from __future__ import annotations
