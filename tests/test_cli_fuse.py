@@ -104,3 +104,59 @@ def test_a_model_target_compares_its_predicted_times_exactly(capsys) -> None:
     compared = _rows(out.split("policies compared")[1])
     assert compared[2][-3:] == ["1.00x", "exact", "same"]
     assert "predicted times (exact)" in out
+
+
+def _corpus_dir(tmp_path: Path, *names: str) -> Path:
+    directory = tmp_path / "corpus"
+    directory.mkdir()
+    for name in names:
+        (directory / name).write_bytes((MODELS / name).read_bytes())
+    return directory
+
+
+def test_the_corpus_plans_every_model_with_every_policy_and_ranks_them(tmp_path: Path, capsys) -> None:
+    directory = _corpus_dir(tmp_path, "mlp.onnx", "cnn.onnx")
+    plot = tmp_path / "corpus.png"
+    args = ["fuse", "--corpus", str(directory), "--no-architectures", "--no-measure", "--plot", str(plot)]
+    assert main([*args, "--target", "tensorcore,npu", "--compare", "none,neoflow,optimal"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows[0] == ["model", "target", "policy", "kernels", "MB moved", "predicted ms", "predicted / optimal"]
+    assert len(rows) == 1 + 2 * 2 * 3  # models x targets x policies
+    assert {(r[0], r[1]) for r in rows[1:]} == {(m, t) for m in ("mlp.onnx", "cnn.onnx") for t in ("tensorcore", "npu")}
+    assert all(r[6] == "1.000x" for r in rows[1:] if r[2] == "optimal")
+    assert all(float(r[6].rstrip("x")) >= 1.0 for r in rows[1:])  # nothing beats the optimum
+    assert "- tensorcore: optimal 1.000x" in out and "- npu: optimal 1.000x" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@NEEDS_CC
+def test_the_corpus_measures_the_steps_on_the_cpu(tmp_path: Path, capsys) -> None:
+    directory = _corpus_dir(tmp_path, "mlp.onnx")
+    args = ["fuse", "--corpus", str(directory), "--no-architectures", "--target", "cpu", "--rounds", "3"]
+    assert main([*args, "--train", "--compare", "none,neoflow"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows[0][-2:] == ["measured ms", "verdict"]
+    assert rows[1][-1] == "baseline" and rows[2][-1] in ("faster", "slower", "within noise")
+    assert all(float(r[-2]) > 0 for r in rows[1:])
+
+
+def test_the_corpus_holds_the_benchmark_architectures() -> None:
+    from neoflow import corpus
+
+    names = [entry.name for entry in corpus.entries()]
+    assert {"mlp.onnx", "capsule.onnx", "resnet18", "mobilenet_v2", "shufflenet_v2", "vit"} <= set(names)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fuse", MLP, "--corpus"], "give a model or --corpus (not both)"),
+        (["fuse"], "give a model or --corpus (not both)"),
+        (["fuse", "--corpus", "no/such/dir"], "no such corpus directory"),
+    ],
+)
+def test_bad_corpus_requests_are_one_line_errors(args: list[str], message: str, capsys) -> None:
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
