@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,6 +18,7 @@ import onnx
 
 from neoflow.autodiff.training import TrainSpec
 from neoflow.errors import InputError
+from neoflow.fusion.optimal import Optimal
 from neoflow.fusion.policies import load_policy
 from neoflow.runtime.compiled import compile as compile_model
 from neoflow.runtime.fusing import cost_model, plan_for, planning_graph
@@ -37,7 +40,11 @@ class Entry:
 class Row:
     """One policy's plan of one model's step on one target: kernels, bytes moved, predicted
     seconds, that over the optimum's (None without ``optimal`` among the policies), and the
-    measured median step with its verdict against the first policy (None where not measured)."""
+    measured median step with its verdict against the first policy (None where not measured);
+    ``planning`` is the seconds the policy took to plan; for ``optimal``, ``source`` says where its
+    plan came from (``partition``: the integer program's; ``sliced``: that with neoflow's batch
+    slicing; a heuristic's name: that heuristic's plan, which recomputes or slices below the best
+    partition, ``partition_over`` times cheaper than it)."""
 
     model: str
     target: str
@@ -45,9 +52,12 @@ class Row:
     kernels: int
     bytes: float
     predicted: float
+    planning: float = 0.0
     over_optimal: float | None = None
     measured: float | None = None
     verdict: str | None = None
+    source: str = ""
+    partition_over: float | None = None
 
 
 def default_directory() -> Path:
@@ -84,7 +94,10 @@ class _Export:
 
     def model(self, train: bool) -> onnx.ModelProto:
         if train not in self.models:
-            self.models[train] = onnx.load_from_string(self.export(self.build(self.name), ARCHITECTURE_BATCH, train))
+            with warnings.catch_warnings():  # the exporter's notes on in-place ops, not the user's business
+                warnings.simplefilter("ignore")
+                data = self.export(self.build(self.name), ARCHITECTURE_BATCH, train)
+            self.models[train] = onnx.load_from_string(data)
         return self.models[train]
 
 
@@ -112,9 +125,15 @@ def plan_rows(entry: Entry, policies: Sequence[str], target: str, train: bool) -
     costs = cost_model(target)
     rows = []
     for policy in policies:
-        plan = plan_for(graph, load_policy(policy), costs)
+        chosen = load_policy(policy)
+        started = time.perf_counter()
+        plan = plan_for(graph, chosen, costs)
+        planning = time.perf_counter() - started
         cost = costs.plan_cost(graph, plan)
-        rows.append(Row(entry.name, target, policy, len(plan.kernels), cost.bytes, cost.seconds))
+        row = Row(entry.name, target, policy, len(plan.kernels), cost.bytes, cost.seconds, planning)
+        if isinstance(chosen, Optimal):
+            row = replace(row, source=chosen.source, partition_over=chosen.partition_seconds / cost.seconds)
+        rows.append(row)
     optimum = next((r.predicted for r in rows if r.policy == "optimal"), None)
     if optimum:
         rows = [replace(r, over_optimal=r.predicted / optimum) for r in rows]
@@ -170,17 +189,28 @@ def table(rows: Sequence[Row]) -> str:
     """The corpus as one markdown table."""
     measured = any(r.measured is not None for r in rows)
     optimal = any(r.over_optimal is not None for r in rows)
-    columns = ["model", "target", "policy", "kernels", "MB moved", "predicted ms"]
-    columns += ["predicted / optimal"] * optimal + ["measured ms", "verdict"] * measured
+    columns = ["model", "target", "policy", "kernels", "MB moved", "predicted ms", "planning s"]
+    columns += ["predicted / optimal", "optimal's plan"] * optimal + ["measured ms", "verdict"] * measured
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         cells = [r.model, r.target, r.policy, str(r.kernels), f"{r.bytes / 1e6:.2f}", f"{r.predicted * 1e3:.3f}"]
+        cells.append(f"{r.planning:.1f}")
         if optimal:
             cells.append("-" if r.over_optimal is None else f"{r.over_optimal:.3f}x")
+            cells.append(_plan_source(r))
         if measured:
             cells += ["-", "-"] if r.measured is None else [f"{r.measured * 1e3:.3f}", r.verdict or ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _plan_source(row: Row) -> str:
+    """Where the ``optimal`` row's plan came from, for the table."""
+    if not row.source:
+        return ""
+    if row.source in ("partition", "sliced"):
+        return "best partition" + (", sliced" if row.source == "sliced" else "")
+    return f"{row.source}'s (best partition {row.partition_over:.3f}x)"
 
 
 def ranking(rows: Sequence[Row]) -> dict[str, dict[str, float]]:

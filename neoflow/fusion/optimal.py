@@ -265,7 +265,9 @@ def solve(
 class Optimal(FusionPolicy):
     """The cheapest plan under the cost model (module docstring): the partition the integer
     program proves optimal, or a built-in heuristic's plan where that recomputes or slices its way
-    below it.  ``time_limit`` seconds for the solver; the last ``solution`` is kept for reports."""
+    below it.  ``time_limit`` seconds for the solver.  The last plan's ``solution``, the predicted
+    seconds of the partition it proves optimal (``partition_seconds``) and ``source`` (``partition``,
+    ``sliced`` or the heuristic whose plan was kept) are kept for reports."""
 
     name = "optimal"
 
@@ -273,6 +275,8 @@ class Optimal(FusionPolicy):
         self.time_limit = time_limit
         self.max_size = max_size
         self.solution: Solution | None = None
+        self.partition_seconds = float("nan")
+        self.source = ""
 
     def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
         heuristics = {name: policy().plan(graph, cost_model) for name, policy in BUILT_IN.items()}
@@ -293,11 +297,13 @@ class Optimal(FusionPolicy):
             f"{proof} over {scope}: {partition_cost * 1e3:.4f} ms predicted "
             f"({solution.cuts} cycle cuts, {solution.solve_seconds:.1f} s)"
         )
+        self.partition_seconds, self.source = partition_cost, "partition"
         if plan is not partition:
             note += f"; its ops that slice along the batch in one sliced kernel: {cost * 1e3:.4f} ms"
+            self.source = "sliced"
         for name, other in heuristics.items():
             other_cost = cost_model.plan_cost(graph, other).seconds
             if other_cost < cost * (1 - 1e-9):
                 note += f"; {name}'s plan (it recomputes or slices) costs {other_cost * 1e3:.4f} ms: kept"
-                plan, cost = replace(other, policy=self.name), other_cost
+                plan, cost, self.source = replace(other, policy=self.name), other_cost, name
         return replace(plan, notes={**plan.notes, "optimal": note})
