@@ -312,15 +312,22 @@ def cmd_fuse(args: argparse.Namespace) -> int:
         sections.append(
             f"## {Path(args.model).name}, {step}: policies compared\n\n{_how_compared(comparison)}\n\n{table}"
         )
-    text = "\n\n".join(sections) + "\n"
+    title = f"{Path(args.model).name}: {step} per fusion policy"
+    _write_outputs(
+        "\n\n".join(sections) + "\n", args, lambda: fr.plot_comparison(reports, args.plot, title, comparison)
+    )
+    return 0
+
+
+def _write_outputs(text: str, args: argparse.Namespace, plot: Callable[[], object]) -> None:
+    """Print ``text``; write it to ``--report`` and the figure (``plot()``) to ``--plot`` where given."""
     print(text, end="")
     if args.report:
         Path(args.report).write_text(text)
         print(f"wrote {args.report}")
     if args.plot:
-        fr.plot_comparison(reports, args.plot, f"{Path(args.model).name}: {step} per fusion policy", comparison)
+        plot()
         print(f"wrote {args.plot}")
-    return 0
 
 
 def _fuse_corpus(args: argparse.Namespace, policies: list[str]) -> int:
@@ -353,14 +360,8 @@ def _fuse_corpus(args: argparse.Namespace, policies: list[str]) -> int:
         f"- {target}: " + ", ".join(f"{p} {v:.3f}x" for p, v in sorted(found.items(), key=lambda kv: kv[1]))
         for target, found in ranking.items()
     ]
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.report:
-        Path(args.report).write_text(text)
-        print(f"wrote {args.report}")
-    if args.plot:
-        corpus.plot(rows, args.plot, f"fusion corpus: {step}, predicted time over the best policy's")
-        print(f"wrote {args.plot}")
+    title = f"fusion corpus: {step}, predicted time over the best policy's"
+    _write_outputs("\n".join(lines) + "\n", args, lambda: corpus.plot(rows, args.plot, title))
     return 0
 
 

@@ -236,6 +236,8 @@ def plot(rows: Sequence[Row], path: str | os.PathLike, title: str) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from neoflow.runtime.fusion_report import save_figure
+
     targets = list(dict.fromkeys(r.target for r in rows))
     policies = list(dict.fromkeys(r.policy for r in rows))
     models = list(dict.fromkeys(r.model for r in rows))
@@ -258,9 +260,4 @@ def plot(rows: Sequence[Row], path: str | os.PathLike, title: str) -> Path:
         axis.set_title(f"target {target}", fontsize=10)
         axis.axhline(1.0, color="k", linewidth=0.6)
         axis.legend(fontsize=7, ncol=min(len(policies), 5))
-    figure.suptitle(title, fontsize=11)
-    figure.tight_layout()
-    out = Path(path)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return save_figure(figure, title, path)

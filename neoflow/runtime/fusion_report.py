@@ -385,6 +385,13 @@ def plot_comparison(
         axis.bar_label(bars, fmt="%.3g", fontsize=8)
         axis.set_title(label, fontsize=10)
         axis.tick_params(axis="x", rotation=30, labelsize=8)
+    return save_figure(figure, title, path)
+
+
+def save_figure(figure, title: str, path: str | Path) -> Path:
+    """Title, lay out and write a matplotlib ``figure`` as a PNG at ``path``, then close it."""
+    import matplotlib.pyplot as plt
+
     figure.suptitle(title, fontsize=11)
     figure.tight_layout()
     out = Path(path)
