@@ -44,7 +44,7 @@ class Row:
     ``planning`` is the seconds the policy took to plan; for ``optimal``, ``source`` says where its
     plan came from (``partition``: the integer program's; ``sliced``: that with neoflow's batch
     slicing; a heuristic's name: that heuristic's plan, which recomputes or slices below the best
-    partition, ``partition_over`` times cheaper than it)."""
+    partition, ``partition_over`` times cheaper than it; with the gap where the solver's time ran out)."""
 
     model: str
     target: str
@@ -132,7 +132,9 @@ def plan_rows(entry: Entry, policies: Sequence[str], target: str, train: bool) -
         cost = costs.plan_cost(graph, plan)
         row = Row(entry.name, target, policy, len(plan.kernels), cost.bytes, cost.seconds, planning)
         if isinstance(chosen, Optimal):
-            row = replace(row, source=chosen.source, partition_over=chosen.partition_seconds / cost.seconds)
+            gap = chosen.solution.gap
+            source = chosen.source if gap == 0 else f"{chosen.source}, time limit: within {gap:.1%}"
+            row = replace(row, source=source, partition_over=chosen.partition_seconds / cost.seconds)
         rows.append(row)
     optimum = next((r.predicted for r in rows if r.policy == "optimal"), None)
     if optimum:
@@ -208,9 +210,12 @@ def _plan_source(row: Row) -> str:
     """Where the ``optimal`` row's plan came from, for the table."""
     if not row.source:
         return ""
-    if row.source in ("partition", "sliced"):
-        return "best partition" + (", sliced" if row.source == "sliced" else "")
-    return f"{row.source}'s (best partition {row.partition_over:.3f}x)"
+    source, _, limit = row.source.partition(", ")
+    if source in ("partition", "sliced"):
+        text = "best partition" + (", sliced" if source == "sliced" else "")
+    else:
+        text = f"{source}'s (best partition {row.partition_over:.3f}x)"
+    return f"{text}, {limit}" if limit else text
 
 
 def ranking(rows: Sequence[Row]) -> dict[str, dict[str, float]]:
