@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import neoflow
 from benchmarks.timing import interleaved_rounds
+from neoflow.codegen.hardware import cpu_model
 from neoflow.runtime import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# Data-parallel training: {args.model}, batch {args.batch} per rank, target {args.target}",
         "",
-        f"Machine: {widest['gpu'] or platform.processor() or platform.machine()} ({os.cpu_count()} cores); "
+        f"Machine: {widest['gpu'] or cpu_model()} ({os.cpu_count()} cores); "
         f"backend {widest['backend']}; {widest['pieces']} pieces, {len(widest['buckets'])} gradient "
         f"buckets ({', '.join(f'{b / 1024:.0f} KiB' for b in widest['bucket_bytes'])}); medians of "
         f"{args.rounds} rounds of {args.block} steps, the three systems taking turns; "
