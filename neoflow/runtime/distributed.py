@@ -616,9 +616,9 @@ def launch(nproc: int, argv: Sequence[str], env: Mapping[str, str] | None = None
         message = message.removeprefix("neoflow: ")
         if not message or message.startswith("To enable traceback"):
             message = "see its output above" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
-        raise DistributedError(
-            f"rank {rank} failed (exit code {failure.exitcode}): {message}; the other ranks were stopped"
-        ) from None
+        # a rank that left its error and was then stopped with the others exits by a signal: not its cause
+        code = f" (exit code {failure.exitcode})" if failure.exitcode > 0 else ""
+        raise DistributedError(f"rank {rank} failed{code}: {message}; the other ranks were stopped") from None
 
 
 def _first_cause(item: tuple[int, object]) -> tuple:
