@@ -124,9 +124,11 @@ def test_a_rank_whose_parameters_diverge_is_named(two_ranks: Path) -> None:
 
 
 def test_a_failed_rank_stops_the_others_and_is_named(tmp_path: Path) -> None:
+    # rank 1 leaves its error and exits; whether it is gone before the launcher stops it with rank 0 (whose
+    # all-reduce then fails) is a race: its exit code is shown only where it exited on its own
     with pytest.raises(
         DistributedError,
-        match=r"rank 1 failed \(exit code 1\): input error: rank 1 gives up; the other ranks were stopped",
+        match=r"rank 1 failed( \(exit code 1\))?: input error: rank 1 gives up; the other ranks were stopped",
     ):
         launch(2, ["-m", "tests.runtime.dp_worker", str(tmp_path), "cpu", "fail"], env=WORKER_ENV)
 
