@@ -692,9 +692,17 @@ def build_parser() -> argparse.ArgumentParser:
     fuse.add_argument("--no-architectures", action="store_true", help="with --corpus: the directory's models only")
     fuse.add_argument("--no-measure", action="store_true", help="with --corpus: predicted times only (no timing)")
     fuse.add_argument(
-        "--policy", default="neoflow", help="none, elementwise, neoflow, chimera, or module:Class (neoflow)"
+        "--policy",
+        default="neoflow",
+        help="none, elementwise, neoflow, chimera, optimal (the cheapest partition; needs scipy) or module:Class "
+        "(neoflow)",
     )
-    fuse.add_argument("--compare", metavar="P1,P2,...", help="compare these policies (the first is the baseline)")
+    fuse.add_argument(
+        "--compare",
+        metavar="P1,P2,...",
+        help="compare these policies (the first is the baseline): steps timed in interleaved rounds, medians with "
+        "95%% intervals and a verdict per policy; with optimal, each one's predicted time over the optimum's",
+    )
     fuse.add_argument("--report", metavar="FILE.md", help="also write the tables as markdown")
     fuse.add_argument("--plot", metavar="FILE.png", help="with --compare: bar charts of kernels, bytes and step time")
     fuse.add_argument(
