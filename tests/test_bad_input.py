@@ -210,6 +210,12 @@ train {D}/build --data {D}/unlabelled.npz
 train {D}/build --data digits --epochs 0
 train {D}/build --data digits --batch 0
 train {D}/build --data digits --lr nan
+train {D}/build --data digits --nproc 0
+train {D}/build --data digits --nproc 2 --batch 33
+fuse --corpus {D}/missing
+fuse --corpus --compare none,nope
+fuse models/cnn.onnx --compare none,neoflow --rounds 1
+fuse models/cnn.onnx --compare none,neoflow --seconds nan
 """
 
 
