@@ -290,10 +290,10 @@ def cmd_fuse(args: argparse.Namespace) -> int:
     step = "training step" if args.train else "inference"
     reports, models = [], {}
     comparing = len(policies) > 1
-    for policy in policies:
+    for policy, key in zip(policies, fr.labels(policies), strict=True):
         print(f"policy {policy}: compiling and timing the {step} ...", file=sys.stderr, flush=True)
         model = neoflow.compile(args.model, target=args.target, train=spec, shapes=dict(args.shape), fusion=policy)
-        models[policy if policy not in models else f"{policy} #{len(models) + 1}"] = model  # a policy twice: noise
+        models[key] = model
         reports.append(fr.fusion_report(model, args.train, args.repeats, args.seed, whole_step=not comparing))
     comparison = None
     if comparing:

@@ -20,6 +20,7 @@ from neoflow.autodiff.training import TrainSpec
 from neoflow.errors import InputError
 from neoflow.fusion.optimal import Optimal
 from neoflow.fusion.policies import load_policy
+from neoflow.ir.graph import Graph
 from neoflow.runtime.compiled import compile as compile_model
 from neoflow.runtime.fusing import cost_model, plan_for, planning_graph
 
@@ -112,8 +113,19 @@ def training_spec(source) -> TrainSpec:
     return TrainSpec(loss="cross_entropy" if len(shape) == 2 else "mse", optimizer="momentum")
 
 
-def plan_rows(entry: Entry, policies: Sequence[str], target: str, train: bool) -> list[Row]:
-    """Each policy's plan of ``entry``'s step on ``target``, predicted (nothing compiled or run)."""
+@dataclass(frozen=True)
+class Step:
+    """A corpus model's step, made once for every target and policy: the model ``name``, its
+    ``source``, the training ``spec`` (None: inference) and the ``graph`` a plan is made for."""
+
+    name: str
+    source: object
+    spec: TrainSpec | None
+    graph: Graph
+
+
+def prepare(entry: Entry, train: bool) -> Step:
+    """``entry``'s training step (or inference) as the graph its executors plan."""
     source = _source(entry, train)
     spec = training_spec(source) if train else None
     model = compile_model(source, target="interp", train=spec)
@@ -122,15 +134,20 @@ def plan_rows(entry: Entry, policies: Sequence[str], target: str, train: bool) -
         graph = planning_graph(training.graph, [training.loss, *training.updates.values()])
     else:
         graph = planning_graph(model.inference, model.inference.outputs)
+    return Step(entry.name, source, spec, graph)
+
+
+def plan_rows(step: Step, policies: Sequence[str], target: str) -> list[Row]:
+    """Each policy's plan of ``step`` on ``target``, predicted (nothing compiled or run)."""
     costs = cost_model(target)
     rows = []
     for policy in policies:
         chosen = load_policy(policy)
         started = time.perf_counter()
-        plan = plan_for(graph, chosen, costs)
+        plan = plan_for(step.graph, chosen, costs)
         planning = time.perf_counter() - started
-        cost = costs.plan_cost(graph, plan)
-        row = Row(entry.name, target, policy, len(plan.kernels), cost.bytes, cost.seconds, planning)
+        cost = costs.plan_cost(step.graph, plan)
+        row = Row(step.name, target, policy, len(plan.kernels), cost.bytes, cost.seconds, planning)
         if isinstance(chosen, Optimal):
             gap = chosen.solution.gap
             source = chosen.source if gap == 0 else f"{chosen.source}, time limit: within {gap:.1%}"
@@ -142,20 +159,19 @@ def plan_rows(entry: Entry, policies: Sequence[str], target: str, train: bool) -
     return rows
 
 
-def measure_rows(entry: Entry, rows: list[Row], train: bool, rounds: int, seconds: float | None) -> list[Row]:
+def measure_rows(step: Step, rows: list[Row], rounds: int, seconds: float | None) -> list[Row]:
     """``rows`` (one target's) with each policy's step measured against the first's, taking turns
     (``fusion_report.compare_steps``)."""
-    from neoflow.runtime.fusion_report import compare_steps
+    from neoflow.runtime.fusion_report import compare_steps, labels
 
-    source = _source(entry, train)
-    spec = training_spec(source) if train else None
-    models = {}
-    for row in rows:
-        key = row.policy if row.policy not in models else f"{row.policy} #{len(models) + 1}"
-        models[key] = compile_model(source, target=row.target, train=spec, fusion=row.policy)
-    comparison = compare_steps(models, train, rounds, seconds)
+    keys = labels([row.policy for row in rows])
+    models = {
+        key: compile_model(step.source, target=row.target, train=step.spec, fusion=row.policy)
+        for key, row in zip(keys, rows, strict=True)
+    }
+    comparison = compare_steps(models, step.spec is not None, rounds, seconds)
     measured = []
-    for row, key in zip(rows, models, strict=True):
+    for row, key in zip(rows, keys, strict=True):
         against = comparison.versus.get(key)
         verdict = "baseline" if against is None else against.verdict
         measured.append(replace(row, measured=comparison.timed[key].seconds, verdict=verdict))
@@ -177,12 +193,13 @@ def run(
     targets that run here)."""
     rows: list[Row] = []
     for entry in entries(directory, architectures):
+        step = prepare(entry, train)
         for target in targets:
             progress(f"{entry.name} on {target}: planning")
-            found = plan_rows(entry, policies, target, train)
+            found = plan_rows(step, policies, target)
             if measure and target in MEASURED_TARGETS:
                 progress(f"{entry.name} on {target}: compiling and timing the steps")
-                found = measure_rows(entry, found, train, rounds, seconds)
+                found = measure_rows(step, found, rounds, seconds)
             rows += found
     return rows
 

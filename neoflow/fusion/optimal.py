@@ -191,17 +191,19 @@ def solve(
     max_size: int = MAX_SIZE,
     extra: Iterable[frozenset[str]] = (),
     limit: int = MAX_CANDIDATES,
+    grouping: Grouping | None = None,
 ) -> Solution:
     """The cheapest partition of ``graph``'s ops into candidate kernels (module docstring): every
     connected convex group (of at most ``max_size`` ops, all of them on a graph of at most
-    ``EXHAUSTIVE_OPS`` ops) and the ``extra`` groups, priced by ``cost_model``."""
+    ``EXHAUSTIVE_OPS`` ops) and the ``extra`` groups, priced by ``cost_model`` (``grouping``: the
+    graph's ``Grouping`` with the cost model's nests, where the caller has one)."""
     try:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_array
     except ImportError as err:
         raise CompileError("the optimal fusion policy needs scipy (pip install 'neoflow[research]')") from err
     started = time.perf_counter()
-    grouping = Grouping(graph, nests=cost_model.nests)
+    grouping = grouping or Grouping(graph, nests=cost_model.nests)
     largest = len(graph.ops) if len(graph.ops) <= EXHAUSTIVE_OPS else max_size
     groups, complete = connected_groups(graph, largest, limit)
     reach = _Reach(graph)
@@ -281,11 +283,12 @@ class Optimal(FusionPolicy):
     def plan(self, graph: Graph, cost_model: CostModel) -> FusionPlan:
         heuristics = {name: policy().plan(graph, cost_model) for name, policy in BUILT_IN.items()}
         extra = [frozenset(kernel.ops) for plan in heuristics.values() for kernel in plan.kernels]
-        solution = self.solution = solve(graph, cost_model, self.time_limit, self.max_size, extra)
+        grouping = Grouping(graph, nests=cost_model.nests)
+        solution = self.solution = solve(graph, cost_model, self.time_limit, self.max_size, extra, grouping=grouping)
         partition = plan_from_groups(graph, solution.groups, policy=self.name, nests=cost_model.nests)
         partition_cost = cost_model.plan_cost(graph, partition).seconds
         # the batch-sliced kernel neoflow's search ends with, tried on the optimum as on its plan
-        plan = faster_sliced(graph, partition, Grouping(graph, nests=cost_model.nests), cost_model)
+        plan = faster_sliced(graph, partition, grouping, cost_model)
         cost = cost_model.plan_cost(graph, plan).seconds
         scope = (
             "every partition into connected kernels"

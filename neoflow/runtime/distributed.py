@@ -259,10 +259,9 @@ class _HostArrays:
         return runner.executors[number].run(inputs, recycle=True)
 
     def flat(self, names: tuple[str, ...], arrays: Sequence[np.ndarray]) -> np.ndarray:
-        size = sum(a.size for a in arrays)
         key = (names, arrays[0].dtype.str)
         if key not in self.buffers:
-            self.buffers[key] = np.empty(size, arrays[0].dtype)
+            self.buffers[key] = np.empty(sum(a.size for a in arrays), arrays[0].dtype)
         return np.concatenate([np.ravel(a) for a in arrays], out=self.buffers[key])
 
     def shared(self, flat: np.ndarray):
@@ -496,7 +495,7 @@ class DataParallel:
             model._check_finite(training, {name: self.arrays.to_host(v) for name, v in outputs.items()})
         self.arrays.keep_updates(outputs)
         model.step += 1
-        if training.prediction in outputs and model.spec.keep_prediction:
+        if model.spec.keep_prediction:  # then the prediction is among the results
             model.last_prediction = np.array(self.arrays.to_host(outputs[training.prediction]))
         if self.check_every and model.step % self.check_every == 0:
             self._check_consistent()

@@ -200,7 +200,7 @@ def compare_steps(
             steps[name] = lambda executor=executor, feed=feed: executor.run(feed)
     machine = machine_line(first.target)
     if all(isinstance(step, float) for step in steps.values()):
-        found = {name: Timed(name, step, step, step, 0) for name, step in steps.items()}
+        found = {name: Timed(name, step, step, step) for name, step in steps.items()}
         base = found[names[0]].seconds
         against = {}
         for name in names[1:]:
@@ -215,9 +215,19 @@ def compare_steps(
         step()
     each = (time.perf_counter() - start) / len(steps)
     block = max(1, min(MAX_BLOCK, math.ceil(BLOCK_SECONDS / max(each, 1e-9))))
-    times = interleaved_rounds(steps, rounds, warmup=1, block=block, seconds=seconds, rotate=True)
+    # warmed up by the two calls above; every block also starts with an untimed call
+    times = interleaved_rounds(steps, rounds, warmup=0, block=block, seconds=seconds, rotate=True)
     against = {name: versus(times, names[0], name) for name in names[1:]}
     return StepComparison(timed(times), against, len(times[names[0]]), block, machine)
+
+
+def labels(policies: Sequence[str]) -> list[str]:
+    """A key per policy for ``compare_steps``: its name, and ``name #k`` where it comes again (a
+    policy against itself: what the noise looks like)."""
+    found: list[str] = []
+    for policy in policies:
+        found.append(policy if policy not in found else f"{policy} #{len(found) + 1}")
+    return found
 
 
 def with_step_times(reports: Sequence[PolicyReport], comparison: StepComparison) -> list[PolicyReport]:

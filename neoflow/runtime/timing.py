@@ -111,7 +111,6 @@ class Timed:
     seconds: float
     low: float
     high: float
-    rounds: int
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ def timed(rounds: Mapping[str, list[list[float]]]) -> dict[str, Timed]:
     for name, blocks in rounds.items():
         medians = [statistics.median(calls) for calls in blocks]
         low, high = bootstrap_interval(medians)
-        result[name] = Timed(name, statistics.median(t for calls in blocks for t in calls), low, high, len(blocks))
+        result[name] = Timed(name, statistics.median(t for calls in blocks for t in calls), low, high)
     return result
 
 

@@ -5,6 +5,7 @@ computes what ``none`` computes."""
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -98,8 +99,12 @@ def test_groups_depending_on_each_other_are_found() -> None:
     assert _cycles([frozenset({"a1"}), frozenset({"b1", "c"})], readers) == []
 
 
-def test_optimal_loads_by_name_and_says_what_it_needs() -> None:
+def test_optimal_loads_by_name_and_says_what_it_needs(monkeypatch) -> None:
+    from neoflow.errors import CompileError
     from neoflow.fusion import load_policy
 
     assert isinstance(load_policy("optimal"), Optimal)
     assert list(itertools.islice(_set_partitions(["a", "b"]), 3)) == [[["a"], ["b"]], [["a", "b"]]]
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # as where scipy is not installed
+    with pytest.raises(CompileError, match=r"needs scipy \(pip install 'neoflow\[research\]'\)"):
+        solve(_graph("mlp", False), cost_model("interp"))
