@@ -10,7 +10,9 @@ training ``--model`` on a batch of ``--batch`` per rank (weak scaling: the globa
 the ranks).  Rank 0 reports, as medians over ``--rounds`` rounds of ``--block`` steps in a row with
 the systems taking turns:
 
-- ``step``: a data-parallel step (gradient buckets all-reduced, overlapping the reverse pass);
+- ``step``: a data-parallel step (gradient buckets all-reduced, overlapping the reverse pass); on the
+  cuda target steps are queued without waiting for each one's loss (``train_step(wait=False)``), as a
+  training loop that reads its loss now and then runs, so the median of a block is the steady rate;
 - ``no all-reduce``: the same pieces with every collective skipped;
 - ``all-reduce alone``: the step's bucket all-reduces one after another with nothing to hide them.
 
@@ -64,9 +66,9 @@ def worker(args: argparse.Namespace) -> None:
             if args.target in distributed.DEVICE_TARGETS:
                 torch.cuda.synchronize()
 
-        systems = {
-            "step": lambda: step.train_step(batch),
-            "no all-reduce": lambda: alone.train_step(batch),
+        systems = {  # steps queued as a training loop does that reads its loss now and then (the cuda target)
+            "step": lambda: step.train_step(batch, wait=False),
+            "no all-reduce": lambda: alone.train_step(batch, wait=False),
             "all-reduce alone": all_reduces,
         }
         rounds = interleaved_rounds(systems, args.rounds, warmup=3, block=args.block)

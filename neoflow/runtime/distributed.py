@@ -317,6 +317,8 @@ class _DeviceArrays(_HostArrays):
             for graph, segment in zip(runner.graphs, runner.split.segments, strict=True)
         ]
         self.inputs: dict[str, object] = {}
+        self.staging: dict[tuple[str, int], object] = {}  # pinned host buffers of the inputs, two each
+        self.copied: dict[tuple[str, int], object] = {}  # the event after each one's last copy
         # the kernels' own stream: a capture on it records them, the all-reduces and the copies alike
         self.stream = torch.cuda.ExternalStream(int(driver.device().stream), device=self.device)
         self.steps = 0
@@ -333,15 +335,30 @@ class _DeviceArrays(_HostArrays):
         return self.torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     def feed(self, feed: dict) -> dict:
+        """The step's inputs: the parameters and state where they are, the batch (and the learning
+        rate) copied into buffers of their own through pinned host memory without waiting (two
+        staging buffers each, taken in turn: the copy queued two steps ago has read the one
+        written now), so the host prepares a step while the GPU runs the one before."""
+        torch = self.torch
         values = dict(self.values)
+        slot = self.steps % 2
         for name, value in feed.items():
             if name in values:
                 continue
             array = np.asarray(value)  # a scalar (the learning rate) stays 0-d
-            host = self.torch.from_numpy(array if array.flags.c_contiguous else array.copy())
+            key = (name, slot)
             if name not in self.inputs:
-                self.inputs[name] = self.torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            values[name] = self.inputs[name].copy_(host)
+                self.inputs[name] = torch.empty(
+                    array.shape, dtype=_torch_dtype(torch, str(array.dtype)), device=self.device
+                )
+            if key not in self.staging:
+                self.staging[key] = torch.empty(array.shape, dtype=self.inputs[name].dtype, pin_memory=True)
+            elif key in self.copied:
+                self.copied[key].synchronize()
+            self.staging[key].numpy()[...] = array
+            values[name] = self.inputs[name].copy_(self.staging[key], non_blocking=True)
+            self.copied[key] = torch.cuda.Event()
+            self.copied[key].record(self.stream)
         return values
 
     def step(self, values: dict, body) -> dict:
@@ -479,16 +496,27 @@ class DataParallel:
         self.average = self.dist.ReduceOp.AVG if self.world.backend == "nccl" else self.dist.ReduceOp.SUM
         self.arrays = _DeviceArrays(self) if model.target in DEVICE_TARGETS else _HostArrays(self)
         _RUNNERS.add(self)
+        self._loss = None
         self.check_consistent()
 
-    def train_step(self, batch: Mapping[str, np.ndarray], check: bool = False) -> float:
+    def train_step(self, batch: Mapping[str, np.ndarray], check: bool = False, wait: bool = True) -> float | None:
         """One data-parallel optimizer step on this rank's shard ``batch``; the loss before the
         step, averaged over the ranks.  ``check``: a loss or update that is not finite is a
-        ``NumericError`` (as ``CompiledModel.train_step`` checks)."""
+        ``NumericError`` (as ``CompiledModel.train_step`` checks).  ``wait=False`` (the cuda
+        target): the step is queued and None returned at once, so the host prepares the next step
+        while the GPU runs this one, as a training loop that reads its loss now and then does
+        (``last_loss()`` reads it); a host-memory run always waits."""
         with self.arrays.on_stream():
-            return self._step(batch, check)
+            return self._step(batch, check, wait)
 
-    def _step(self, batch: Mapping[str, np.ndarray], check: bool) -> float:
+    def last_loss(self) -> float:
+        """The loss of the last step (waiting for it), averaged over the ranks."""
+        if self._loss is None:
+            raise InputError("no training step has run yet")
+        with self.arrays.on_stream():
+            return float(self.arrays.to_host(self._loss))
+
+    def _step(self, batch: Mapping[str, np.ndarray], check: bool, wait: bool) -> float | None:
         model, training = self.model, self.model.training
         outputs = self.arrays.step(self.arrays.feed(model._training_feed(batch)), self._pieces)
         if check:
@@ -499,7 +527,10 @@ class DataParallel:
             model.last_prediction = np.array(self.arrays.to_host(outputs[training.prediction]))
         if self.check_every and model.step % self.check_every == 0:
             self._check_consistent()
-        return float(self.arrays.to_host(outputs[training.loss]))
+        self._loss = outputs[training.loss]
+        if not wait and isinstance(self.arrays, _DeviceArrays):
+            return None
+        return float(self.arrays.to_host(self._loss))
 
     def _pieces(self, values: dict) -> dict:
         """Run the step's pieces on ``values`` (every input), averaging each piece's reductions;
