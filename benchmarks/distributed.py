@@ -14,7 +14,10 @@ the systems taking turns:
   cuda target steps are queued without waiting for each one's loss (``train_step(wait=False)``), as a
   training loop that reads its loss now and then runs, so the median of a block is the steady rate;
 - ``no all-reduce``: the same pieces with every collective skipped;
-- ``all-reduce alone``: the step's bucket all-reduces one after another with nothing to hide them.
+- ``all-reduce alone``: the step's bucket all-reduces one after another with nothing to hide them,
+  timed from the host (each started, then all waited for): what a step that did not overlap them
+  would add, the cost of starting them included (a step captured as a CUDA graph does not pay that
+  cost, so ``hidden`` reads higher than a comparison of device times alone would).
 
 ``hidden`` is ``1 - (step - no all-reduce) / all-reduce alone``; ``speedup`` is the global batch's
 throughput against one rank's (``ranks x step(1) / step(N)``), ``efficiency`` that over the ranks.

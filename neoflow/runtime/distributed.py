@@ -22,7 +22,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -63,27 +63,30 @@ class Segment:
     later piece or among the step's results) and the tensors ``reduce``d (averaged across ranks)
     after it.  ``overlap``: the reduction runs while the next pieces compute and only the update
     waits for it (a gradient bucket); otherwise the next piece waits for it (a synchronised
-    batch statistic or its adjoint)."""
+    batch statistic or its adjoint).  ``after``: a piece of the optimizer update, which waits for
+    the averages of buckets ``0..after`` (and reads no later one)."""
 
     ops: tuple[Op, ...]
     keep: tuple[str, ...]
     reduce: tuple[str, ...] = ()
     overlap: bool = True
+    after: int | None = None
 
 
 @dataclass(frozen=True)
 class StepSplit:
-    """A training step split for data-parallel runs: ``segments`` run in order, the last being the
-    optimizer update; ``buckets`` are the gradient buckets (gradient tensor names, in the order
-    the reverse pass completes them; the first also carries the loss and the running statistics)."""
+    """A training step split for data-parallel runs: ``segments`` run in order, the last ones
+    being the optimizer update's pieces; ``buckets`` are the gradient buckets (gradient tensor
+    names, in the order the reverse pass completes them; the first also carries the loss and the
+    running statistics)."""
 
     segments: tuple[Segment, ...]
     buckets: tuple[tuple[str, ...], ...]
 
     @property
-    def update(self) -> Segment:
-        """The optimizer update (it reads the averaged gradients)."""
-        return self.segments[-1]
+    def updates(self) -> tuple[Segment, ...]:
+        """The optimizer update's pieces (they read the averaged gradients), in bucket order."""
+        return tuple(s for s in self.segments if s.after is not None)
 
 
 def default_bucket_bytes(gradient_bytes: int) -> int:
@@ -101,7 +104,9 @@ def split_step(
     run in pieces cut after the op completing each gradient bucket (buckets of about
     ``bucket_bytes``, gradients in the order the reverse pass produces them; None:
     ``default_bucket_bytes``) and, with ``sync_bn``, after each batch statistic and each of their
-    adjoints.  The loss and the running statistics' next values travel in the first bucket."""
+    adjoints.  The loss and the running statistics' next values travel in the first bucket.  The
+    update is split by the last bucket each op reads (through the update's own ops), so the
+    parameters of the first buckets are updated while the last bucket's average travels."""
     graph = training.graph
     gradients = set(training.gradients.values())
     if not gradients:
@@ -137,23 +142,34 @@ def split_step(
             for name in (statistic, adjoint):
                 if name is not None and name in position:
                     synced[position[name]] = (name,)
-    pieces: list[tuple[list[Op], tuple[str, ...], bool]] = [([], (), True)]
+    pieces = [Segment((), ())]
     for k, op in enumerate(early_ops):
-        pieces[-1][0].append(op)
+        pieces[-1] = replace(pieces[-1], ops=(*pieces[-1].ops, op))
         for reduced, overlap in ((synced.get(k), False), (closing.get(k), True)):
             if reduced:
-                pieces[-1] = (pieces[-1][0], reduced, overlap)
-                pieces.append(([], (), True))
-    if not pieces[-1][0]:
+                pieces[-1] = replace(pieces[-1], reduce=reduced, overlap=overlap)
+                pieces.append(Segment((), ()))
+    if not pieces[-1].ops:
         pieces.pop()
-    pieces.append((update_ops, (), True))
+    pieces += _update_pieces(update_ops, buckets)
     wanted = set(results)
     segments = []
-    for k, (ops, reduced, overlap) in enumerate(pieces):
-        later = {name for other, _, _ in pieces[k + 1 :] for op in other for name in op.input_names}
-        keep = [op.name for op in ops if op.name in later or op.name in wanted or op.name in reduced]
-        segments.append(Segment(tuple(ops), tuple(keep), reduced, overlap))
+    for k, piece in enumerate(pieces):
+        later = {name for other in pieces[k + 1 :] for op in other.ops for name in op.input_names}
+        keep = [op.name for op in piece.ops if op.name in later or op.name in wanted or op.name in piece.reduce]
+        segments.append(replace(piece, keep=tuple(keep)))
     return StepSplit(tuple(segments), tuple(tuple(b) for b in buckets))
+
+
+def _update_pieces(update_ops: Sequence[Op], buckets: Sequence[Sequence[str]]) -> list[Segment]:
+    """The update's ops (in graph order) in one piece per bucket: an op goes with the last bucket
+    among the averaged tensors it reads and the update ops it reads (an op reading none of them,
+    with the first)."""
+    bucket_of = {name: k for k, bucket in enumerate(buckets) for name in bucket}
+    for op in update_ops:
+        bucket_of[op.name] = max((bucket_of.get(name, 0) for name in op.input_names), default=0)
+    grouped = [[op for op in update_ops if bucket_of[op.name] == k] for k in range(len(buckets))]
+    return [Segment(tuple(ops), (), after=k) for k, ops in enumerate(grouped) if ops]
 
 
 # --------------------------------------------------------------------------- joining
@@ -207,7 +223,12 @@ def join(target: str = "cpu") -> World:
             import torch
 
             torch.cuda.set_device(claim_device())
-            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+            # NCCL on a high-priority stream: a bucket's all-reduce takes the first free SMs
+            # instead of queuing behind the reverse pass's next kernels
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+            device = torch.device("cuda", torch.cuda.current_device())
+            dist.init_process_group("nccl", device_id=device, pg_options=options)
         else:
             dist.init_process_group("gloo")
     elif dist.get_backend() != backend:
@@ -295,7 +316,8 @@ class _HostArrays:
 
 class _DeviceArrays(_HostArrays):
     """Tensors on this rank's GPU as torch CUDA tensors, in buffers of their own reused every step
-    (parameters and state stay there between steps; the update's results are copied over them).
+    (parameters and state stay there between steps, in two sets taken in turn: a step's update
+    writes the next values into the set the next step reads).
     Every piece of the step and the buckets' all-reduces (NCCL's stream, forked from the step's and
     joined back where the update waits) are queued on the stream the cuda target's kernels run on,
     so a bucket's all-reduce overlaps the pieces queued after it.  After ``EAGER_STEPS`` steps run
@@ -303,6 +325,8 @@ class _DeviceArrays(_HostArrays):
     replayed: a step then costs the host one launch instead of hundreds of calls."""
 
     EAGER_STEPS = 2
+    #: where each tensor placed in a bucket's flat buffer starts (bytes)
+    ALIGN = 256
 
     def __init__(self, runner: DataParallel) -> None:
         super().__init__(runner)
@@ -311,19 +335,61 @@ class _DeviceArrays(_HostArrays):
         torch = self.torch
         self.device = torch.device("cuda", torch.cuda.current_device())
         model = runner.model
-        self.values = {name: self.upload(model._values[name]) for name in runner.state_names}
-        self.outputs = [
-            {name: self.empty(graph.tensors[name]) for name in segment.keep}
+        current = {name: self.upload(model._values[name]) for name in runner.state_names}
+        # two sets of parameters and state, taken in turn: a step reads one and its update writes
+        # the next values straight into the other (no copy after the update)
+        self.sets = (current, {name: value.clone() for name, value in current.items()})
+        self.parity = 0
+        tensors = model.training.graph.tensors
+        self.layouts: dict[tuple, list] = {}  # a placed buffer's key -> its tensors' views
+        placed = self._place_reductions(tensors)
+        shared = [
+            {name: placed[name] if name in placed else self.empty(graph.tensors[name]) for name in segment.keep}
             for graph, segment in zip(runner.graphs, runner.split.segments, strict=True)
         ]
+        updated = {op.name for segment in runner.split.updates for op in segment.ops}
+        self.written = {n: t for t, n in reversed(model.training.updates.items()) if n in updated}
+        self.copied_over = {t: n for t, n in model.training.updates.items() if self.written.get(n) != t}
+        self.outputs = tuple(  # per parity: the update writes the next values into the other set
+            [{name: other.get(self.written.get(name), value) for name, value in outs.items()} for outs in shared]
+            for other in reversed(self.sets)
+        )
         self.inputs: dict[str, object] = {}
         self.staging: dict[tuple[str, int], object] = {}  # pinned host buffers of the inputs, two each
         self.copied: dict[tuple[str, int], object] = {}  # the event after each one's last copy
         # the kernels' own stream: a capture on it records them, the all-reduces and the copies alike
         self.stream = torch.cuda.ExternalStream(int(driver.device().stream), device=self.device)
         self.steps = 0
-        self.graph = None
-        self.captured: dict[str, object] = {}
+        self.graphs: dict[int, object] = {}  # per parity, its captured step
+        self.captured: dict[int, dict[str, object]] = {}
+
+    def _place_reductions(self, tensors: Mapping) -> dict[str, object]:
+        """A flat buffer for each reduction (per dtype) and its tensors' views into it, by name:
+        the pieces write those tensors straight into the buffer the all-reduce works on, so no
+        copy gathers a bucket before it travels.  Each view starts on an ``ALIGN``-byte boundary,
+        as an allocation would (the kernels load 16 bytes at a time); the gaps stay zero."""
+        torch = self.torch
+        placed: dict[str, object] = {}
+        for segment in self.runner.split.segments:
+            groups = _by_dtype(segment.reduce, lambda name: str(_torch_dtype(torch, tensors[name].dtype)))
+            for kind, group in groups.items():
+                dtype = _torch_dtype(torch, tensors[group[0]].dtype)
+                step = max(1, self.ALIGN // dtype.itemsize)
+                sizes = [int(np.prod(tensors[name].shape, dtype=np.int64)) for name in group]
+                starts = np.concatenate([[0], np.cumsum([-(-n // step) * step for n in sizes])])
+                flat = torch.zeros(int(starts[-1]), dtype=dtype, device=self.device)
+                views = [
+                    flat[int(a) : int(a) + n].view(tensors[name].shape)
+                    for a, n, name in zip(starts[:-1], sizes, group, strict=True)
+                ]
+                self.buffers[(group, kind)], self.layouts[(group, kind)] = flat, views
+                placed.update(zip(group, views, strict=True))
+        return placed
+
+    @property
+    def values(self) -> dict[str, object]:
+        """The current parameters and optimizer state by name."""
+        return self.sets[self.parity]
 
     def on_stream(self):
         return self.torch.cuda.stream(self.stream)
@@ -367,22 +433,28 @@ class _DeviceArrays(_HostArrays):
         self.steps += 1
         if self.steps <= self.EAGER_STEPS:
             return body(values)
-        if self.graph is None:
+        parity = self.parity
+        if parity not in self.graphs:
             self.stream.synchronize()
-            self.graph = self.torch.cuda.CUDAGraph()
-            with self.torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
-                self.captured = body(values)
-        self.graph.replay()
-        return self.captured
+            self.graphs[parity] = self.torch.cuda.CUDAGraph()
+            with self.torch.cuda.graph(self.graphs[parity], stream=self.stream, capture_error_mode="thread_local"):
+                self.captured[parity] = body(values)
+        self.graphs[parity].replay()
+        return self.captured[parity]
 
     def run(self, number: int, values: dict) -> dict:
         runner = self.runner
-        outputs = self.outputs[number]
+        outputs = self.outputs[self.parity][number]
         runner.executors[number].enqueue({t.name: values[t.name] for t in runner.graphs[number].inputs}, outputs)
         return outputs
 
     def flat(self, names: tuple[str, ...], arrays: Sequence) -> object:
         key = (names, str(arrays[0].dtype))
+        if key in self.layouts:  # the pieces wrote the tensors into it (any other is copied in)
+            moved = [(view, a) for view, a in zip(self.layouts[key], arrays, strict=True) if view is not a]
+            if moved:
+                self.torch._foreach_copy_(*map(list, zip(*moved, strict=True)))
+            return self.buffers[key]
         if key not in self.buffers:
             size = sum(a.numel() for a in arrays)
             self.buffers[key] = self.torch.empty(size, dtype=arrays[0].dtype, device=self.device)
@@ -392,6 +464,9 @@ class _DeviceArrays(_HostArrays):
         return flat
 
     def views(self, flat, shapes: Sequence[tuple[int, ...]]) -> list:
+        placed = next((self.layouts[key] for key, b in self.buffers.items() if b is flat and key in self.layouts), None)
+        if placed is not None:
+            return placed
         sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         return [part.view(s) for part, s in zip(self.torch.split(flat, sizes), shapes, strict=True)]
 
@@ -399,19 +474,22 @@ class _DeviceArrays(_HostArrays):
         return value.detach().cpu().numpy()
 
     def keep_updates(self, outputs: Mapping[str, object]) -> None:
-        """The update's results copied over the current values (on the step's stream: captured
-        with it)."""
-        updates = self.runner.model.training.updates
-        self.torch._foreach_copy_([self.values[t] for t in updates], [outputs[n] for n in updates.values()])
+        """The other set becomes the current one: the update wrote most next values there; the
+        others (the running statistics, computed before the update) are copied in (queued)."""
+        other = self.sets[1 - self.parity]
+        if self.copied_over:
+            targets, sources = zip(*self.copied_over.items(), strict=True)
+            self.torch._foreach_copy_([other[t] for t in targets], [outputs[n] for n in sources])
+        self.parity = 1 - self.parity
 
     def current(self, name: str):
         return self.values[name]
 
     def close(self) -> None:
         self.stream.synchronize()
-        if self.graph is not None:
-            self.graph.reset()
-            self.graph, self.captured, self.steps = None, {}, 0
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs, self.captured, self.steps = {}, {}, 0
 
     def write_back(self) -> None:
         self.stream.synchronize()
@@ -422,6 +500,14 @@ class _DeviceArrays(_HostArrays):
 def _torch_dtype(torch, dtype: str):
     """The torch dtype of a graph dtype."""
     return torch.bfloat16 if dtype == "bfloat16" else getattr(torch, dt.numpy_dtype(dtype).name)
+
+
+def _by_dtype(names: Sequence[str], dtype_of) -> dict[str, tuple[str, ...]]:
+    """``names`` grouped by ``dtype_of(name)`` (a string), each group in the order given."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(dtype_of(name), []).append(name)
+    return {kind: tuple(group) for kind, group in groups.items()}
 
 
 def _digests(torch, tensors: Sequence) -> object:
@@ -533,14 +619,15 @@ class DataParallel:
         return float(self.arrays.to_host(self._loss))
 
     def _pieces(self, values: dict) -> dict:
-        """Run the step's pieces on ``values`` (every input), averaging each piece's reductions;
-        the step's results by name."""
-        pending: list[_Pending] = []
-        last = len(self.split.segments) - 1
+        """Run the step's pieces on ``values`` (every input), averaging each piece's reductions
+        (an update piece waits for the buckets it reads); the step's results by name."""
+        pending: list[_Pending] = []  # the buckets' reductions, in bucket order
+        arrived = 0
         for number, segment in enumerate(self.split.segments):
-            if number == last:
-                for started in pending:
-                    self._finish(started, values)
+            if segment.after is not None:
+                while arrived <= segment.after and arrived < len(pending):
+                    self._finish(pending[arrived], values)
+                    arrived += 1
             values.update(self.arrays.run(number, values))
             if segment.reduce and self.reduce_enabled:
                 started = self._start(segment.reduce, values)
@@ -552,10 +639,7 @@ class DataParallel:
 
     def _start(self, names: Sequence[str], values: dict) -> _Pending:
         """Start averaging ``names`` across ranks (one flat buffer per dtype), not waiting."""
-        by_dtype: dict[str, list[str]] = {}
-        for name in names:
-            by_dtype.setdefault(str(values[name].dtype), []).append(name)
-        groups = {kind: tuple(group) for kind, group in by_dtype.items()}
+        groups = _by_dtype(names, lambda name: str(values[name].dtype))
         flats, works = {}, []
         for kind, group in groups.items():
             flats[kind] = self.arrays.flat(group, [values[n] for n in group])

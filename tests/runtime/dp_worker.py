@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 
 import neoflow
-from neoflow.runtime.distributed import DataParallel, DistributedError, join, leave, record_failure
+from neoflow.runtime.distributed import DEVICE_TARGETS, DataParallel, DistributedError, join, leave, record_failure
 
 STEPS = 3
+#: a GPU case's steps: 2 run as queued, then the step captured as a CUDA graph for each of the two
+#: sets of parameters taken in turn, and each graph replayed
+GPU_STEPS = 6
 #: case -> (model, global input shape, optimizer, sync_bn, bucket bytes)
 CASES = {
     "mlp_sgd": ("mlp", (32, 64), "sgd", False, 4096),
@@ -53,7 +56,7 @@ def batches(case: str) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(7)
     return [
         {"x": rng.standard_normal(shape).astype(np.float32), labels: rng.integers(0, classes, shape[0])}
-        for _ in range(STEPS)
+        for _ in range(GPU_STEPS if name == "capsule28" else STEPS)
     ]
 
 
@@ -82,8 +85,13 @@ def run(case: str, out: Path, world, target: str) -> DataParallel:
     losses = []
     for batch in batches(case):
         shard = {k: v[world.rank * local : (world.rank + 1) * local] for k, v in batch.items()}
-        losses.append(runner.train_step(shard))
+        returned = runner.train_step(shard, wait=False)  # a GPU run queues the step and returns
+        losses.append(runner.last_loss())
+        assert returned is None if target in DEVICE_TARGETS else returned == losses[-1], returned
     runner.synchronize()  # parameters kept on a GPU back into the model
+    if target in DEVICE_TARGETS:  # the pieces write a bucket's tensors into its buffer, each aligned
+        views = [view for layout in runner.arrays.layouts.values() for view in layout]
+        assert views and all(view.data_ptr() % runner.arrays.ALIGN == 0 for view in views)
     np.savez(out / f"{case}_{world.rank}.npz", losses=np.array(losses), **state(model))
     (out / f"{case}_{world.rank}.segments").write_text(str(len(runner.split.segments)))
     return runner

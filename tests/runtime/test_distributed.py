@@ -59,11 +59,21 @@ def test_split_runs_every_op_once_and_reads_only_what_came_before(case: str, buc
     assert gradients <= set(reduced) and len(reduced) == len(set(reduced))
     assert {n for b in split.buckets for n in b} >= gradients
     # the update reads the gradients; nothing before it does; each of its ops reads one, or a result of one
-    assert all(not gradients.intersection(op.input_names) for s in split.segments[:-1] for op in s.ops)
+    updates = split.updates
+    assert updates and split.segments[-len(updates) :] == updates
+    assert all(not gradients.intersection(op.input_names) for s in split.segments[: -len(updates)] for op in s.ops)
     late = set(gradients)
-    for op in split.update.ops:
+    for op in (op for piece in updates for op in piece.ops):
         assert late.intersection(op.input_names), op.name
         late.add(op.name)
+    # an update piece reads no bucket after the one it waits for, nor an update op of a later piece
+    bucket_of = {name: k for k, b in enumerate(split.buckets) for name in b}
+    assert [p.after for p in updates] == sorted({p.after for p in updates})
+    for piece in updates:
+        bucket_of |= {op.name: piece.after for op in piece.ops}
+        assert all(bucket_of.get(n, 0) <= piece.after for op in piece.ops for n in op.input_names), piece.after
+    if len(split.buckets) > 1 and case != "bn_sync":
+        assert len(updates) > 1  # the first buckets' parameters are updated while the last travels
     if bucket == 512 and case != "bn_sync":
         assert len(split.buckets) > 1  # small buckets: communication starts before the reverse pass ends
 
