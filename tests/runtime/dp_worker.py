@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import neoflow
+from neoflow.errors import InputError
 from neoflow.runtime.distributed import DEVICE_TARGETS, DataParallel, DistributedError, join, leave, record_failure
 
 STEPS = 3
@@ -82,6 +83,11 @@ def run(case: str, out: Path, world, target: str) -> DataParallel:
     local = shape[0] // world.size
     model = compile_case(case, target, local)
     runner = DataParallel(model, world, bucket_bytes=bucket, sync_bn=sync_bn)
+    try:
+        runner.last_loss()
+        raise AssertionError("last_loss() before any step answered")
+    except InputError as err:
+        assert "no training step has run yet" in str(err), err
     losses = []
     for batch in batches(case):
         shard = {k: v[world.rank * local : (world.rank + 1) * local] for k, v in batch.items()}
