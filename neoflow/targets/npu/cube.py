@@ -340,6 +340,7 @@ def emit_view(
         flags = _Flags(program, core)
         l1_step, l0_step, done, chunks = steps.setdefault(core, [0, 0, 0, 0])
         drained = [chunks]
+        resident = _resident_b(view, gathers[1], tiles, mine, sizes["b"], a_bound, slot_l1)
         for count, (z, mi, ni, depth) in enumerate(mine, start=done):
             rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
             env_z = batch_env(view, z)
@@ -353,6 +354,13 @@ def emit_view(
                     flags.wait("MTE1", "MTE2", half)
                 for side, rng, base in (("a", rows, 0), ("b", cols, a_bound)):
                     gather = gathers[0 if side == "a" else 1]
+                    if side == "b" and resident is not None:
+                        patches[side], footprint, fresh = resident.patch(cols, depth1, z)
+                        if fresh:
+                            touch.add(
+                                program, core, footprint, gm_load(machine, core, footprint, patches[side]), len(cores)
+                            )
+                        continue
                     tile = OperandTile(view, side, gather, rng, depth1, z)
                     footprint = Footprint(gather.tensor, patch_offsets(tile, env_z), sizes[side])
                     region = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32))
@@ -424,7 +432,70 @@ def emit_view(
                 )
             )
             flags.signal("FIXPIPE", "CUBE", acc_slot)
+        if resident is not None:
+            # the next view's loads may land where this view's resident patches lie: MTE2 waits
+            # until MTE1 has read the last two steps' (the earlier ones it waited for already)
+            for step in range(max(0, l1_step - 2), l1_step):
+                flags.wait("MTE1", "MTE2", step % 2)
+            l1_step = 0  # both halves free: the next loads wait for nothing
         steps[core] = [l1_step, l0_step, done + len(mine), drained[0]]
+
+
+class _ResidentB:
+    """Operand ``b``'s patches of one core's tiles kept in L1 for the whole view, each loaded once
+    (a weight read by every row tile: reloaded with each tile, it cost a capsule conv's input
+    adjoint 62 times the weight's bytes).  They lie in both halves' room beside the ``a`` patches,
+    each at a place of its own, so a patch is never overwritten while the view runs."""
+
+    def __init__(self, patches: dict[tuple, tuple[Region, Footprint]], keys: dict[tuple, tuple]) -> None:
+        self.patches, self.keys, self.loaded = patches, keys, set()
+
+    def patch(self, cols: range, depth: range, z: int) -> tuple[Region, Footprint, bool]:
+        """The region of the tile's ``b`` patch, its footprint, and whether it is loaded now."""
+        key = self.keys[(cols.start, depth.start, z)]
+        region, footprint = self.patches[key]
+        fresh = key not in self.loaded
+        self.loaded.add(key)
+        return region, footprint, fresh
+
+
+def _resident_b(
+    view: GemmView,
+    gather: Gather,
+    tiles: CubeTiles,
+    mine: list[tuple],
+    itemsize: int,
+    a_bound: int,
+    half: int,
+) -> _ResidentB | None:
+    """Operand ``b``'s distinct patches over a core's tiles ``mine`` placed in L1 beside the
+    ``a`` halves, where some patch is read by more than one tile and all of them fit; else None
+    (each tile loads its own into the ping-pong halves)."""
+    n_size = view.sizes[2]
+    keys: dict[tuple, tuple] = {}
+    footprints: dict[tuple, Footprint] = {}
+    for z, _, ni, depth in mine:
+        for k1 in range(depth.start, depth.stop, tiles.k1):
+            if (ni, k1, z) in keys:
+                continue
+            cols, depth1 = range(ni, min(ni + tiles.n, n_size)), range(k1, min(k1 + tiles.k1, depth.stop))
+            offsets = patch_offsets(OperandTile(view, "b", gather, cols, depth1, z), batch_env(view, z))
+            key = (offsets.size, offsets.tobytes())
+            keys[(ni, k1, z)] = key
+            footprints.setdefault(key, Footprint(gather.tensor, offsets, itemsize))
+    uses = sum(len(range(d.start, d.stop, tiles.k1)) for _, _, _, d in mine)
+    if len(footprints) == uses:
+        return None  # no patch is read twice
+    rooms = [[a_bound, half], [half + a_bound, 2 * half]]  # [next free byte, end] in each half
+    placed: dict[tuple, tuple[Region, Footprint]] = {}
+    for key, footprint in footprints.items():
+        size = align(max(footprint.bytes, 32), 32)
+        room = next((r for r in rooms if r[0] + size <= r[1]), None)
+        if room is None:
+            return None
+        placed[key] = (Region("L1", room[0], size), footprint)
+        room[0] += size
+    return _ResidentB(placed, keys)
 
 
 def _epilogue_on_chip(

@@ -463,3 +463,21 @@ def test_a_lone_view_may_take_all_of_l0c_for_one_tile_a_core(monkeypatch) -> Non
     got, (compiled, want) = _simulate(op, small)
     assert _relative(got, want) < 2e-3
     assert count(compiled.phases[0][1], compiled.schedules[0]).peak["L0C"] > small.buffer("L0C").capacity // 2
+
+
+def test_a_weight_every_row_tile_reads_stays_in_l1_and_is_loaded_once() -> None:
+    # one core, 16 row tiles of A against the same columns of B: B's patches are loaded once and kept
+    op = neoflow.op(
+        "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (2048, 256), "B": (256, 64)}, dtype="float16"
+    )
+    got, (compiled, want) = _simulate(op, _one_core())
+    assert _relative(got, want) < 2e-3
+    program = compiled.phases[0][1]
+    loads = {
+        name: [i.data for i in program.instructions if isinstance(i.data, Footprint) and i.data.tensor == name]
+        for name in ("A", "B")
+    }
+    assert sum(f.offsets.size for f in loads["B"]) == 256 * 64  # each element of B once
+    assert len(loads["A"]) > len(loads["B"])  # while A's patches stream through the ping-pong halves
+    b_regions = [i.writes[0] for i in program.instructions if isinstance(i.data, Footprint) and i.data.tensor == "B"]
+    assert len({(r.offset, r.size) for r in b_regions}) == len(b_regions)  # each at a place of its own
