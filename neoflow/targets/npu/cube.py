@@ -144,18 +144,6 @@ def _bound_bytes(view: GemmView, gather: Gather, rows: int, depth: int) -> int:
     return min(rows * depth, tensor.size) * dt.numpy_dtype(tensor.dtype).itemsize
 
 
-@lru_cache(maxsize=4096)
-def _sampled_patch_bytes(view: GemmView, gather: Gather, side: str, rows: int, depth: int) -> int:
-    """The bytes of the L1 patch of a tile of ``rows`` rows (of side ``side``) and ``depth``
-    depths from the middle of the view (its first batch point): the distinct elements it reads."""
-    _, m_size, n_size, k_size = view.sizes
-    size = m_size if side == "a" else n_size
-    start = max(0, min(size - rows, size // 2 // rows * rows))
-    tile = OperandTile(view, side, gather, range(start, min(start + rows, size)), range(min(depth, k_size)), 0)
-    itemsize = dt.numpy_dtype(_tensor(view, gather.tensor).dtype).itemsize
-    return int(patch_offsets(tile, batch_env(view, 0)).size) * itemsize
-
-
 def tile_candidates(
     view: GemmView,
     machine: Machine,
@@ -200,10 +188,6 @@ def tile_candidates(
                     patch = _bound_bytes(view, gathers[0], m, k1) + _bound_bytes(view, gathers[1], n, k1)
                     if 2 * (patch + 64) > l1:
                         continue
-                    # what a step loads: the distinct elements of a sample tile's patches (a window's
-                    # overlap loaded once: fewer than rows x depth where the depth spans whole windows)
-                    loaded = _sampled_patch_bytes(view, gathers[0], "a", m, k1)
-                    loaded += _sampled_patch_bytes(view, gathers[1], "b", n, k1)
                     for splits in SPLITS:
                         if splits > 1 and (tiles * splits > 2 * cores or splits > math.ceil(k_size / k1)):
                             break
@@ -213,10 +197,10 @@ def tile_candidates(
                         l1_steps = math.ceil(k_size / k1 / splits)
                         cube = l0_steps * (m // 16) * (n // 16) * (k0 // 16)
                         moves1 = l0_steps * (m + n) * k0 * OPERAND_BYTES / mte1.bytes_per_cycle
-                        moves2 = l1_steps * loaded / rate
+                        moves2 = l1_steps * patch / rate
                         # two L1 halves: a half is busy from its load's issue to the end of its img2cols,
                         # so an L1 step takes at least half of a load, its latency and the step's MTE1 work
-                        ring = l1_steps * (loaded / rate + mte2.latency) / 2 + moves1 / 2
+                        ring = l1_steps * (patch / rate + mte2.latency) / 2 + moves1 / 2
                         drain = m * n * ACCUMULATOR_BYTES / machine.mover("L0C", GM).bytes_per_cycle
                         per_core = math.ceil(tiles * splits / cores)
                         cycles = per_core * (max(cube, moves1, moves2, ring) + drain / 4) + mte2.latency + drain

@@ -481,25 +481,3 @@ def test_a_weight_every_row_tile_reads_stays_in_l1_and_is_loaded_once() -> None:
     assert len(loads["A"]) > len(loads["B"])  # while A's patches stream through the ping-pong halves
     b_regions = [i.writes[0] for i in program.instructions if isinstance(i.data, Footprint) and i.data.tensor == "B"]
     assert len({(r.offset, r.size) for r in b_regions}) == len(b_regions)  # each at a place of its own
-
-
-def test_the_tile_estimate_charges_a_step_the_bytes_its_patches_load(monkeypatch) -> None:
-    from neoflow.codegen.hardware import NPU_CUBE
-    from neoflow.codegen.implicit_gemm import gemm_views
-    from neoflow.targets.npu import cube
-
-    conv = neoflow.op(CAPSULE.replace("{s}", "2"), shapes={"In": (4, 32, 26, 26, 4, 4), "W": (32, 32, 3, 3, 4, 4)})
-    gemm = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (512, 256), "B": (256, 64)})
-    for op, overlap in ((conv, True), (gemm, False)):
-        view = gemm_views(op, NPU_CUBE)[0]
-        a = cube.cube_operands(view)[0]
-        sampled, bound = cube._sampled_patch_bytes(view, a, "a", 240, 144), cube._bound_bytes(view, a, 240, 144)
-        # a stride-2 3x3 window's overlap is loaded once; a matrix's rows have none
-        assert (sampled < 0.6 * bound) if overlap else (sampled == bound), op.name
-    view = gemm_views(conv, NPU_CUBE)[0]
-    gathers, npu = cube.cube_operands(view), machine("npu")
-    ranked = cube.tile_candidates(view, npu, gathers, 32)
-    monkeypatch.setattr(
-        cube, "_sampled_patch_bytes", lambda v, g, side, rows, depth: cube._bound_bytes(v, g, rows, depth)
-    )
-    assert cube.tile_candidates(view, npu, gathers, 32)[0] != ranked[0]  # rows x depth ranks the tiles otherwise
