@@ -255,13 +255,17 @@ def leave() -> None:
 
 class _HostArrays:
     """Tensors in host memory (numpy arrays), reduced by gloo through torch tensors sharing their
-    memory; each bucket is averaged in a flat buffer of its own, reused every step."""
+    memory; each bucket is averaged in a flat buffer of its own, reused every step.  ``queues``:
+    whether a step can be queued without waiting for it (here not: host work runs as called)."""
+
+    queues = False
 
     def __init__(self, runner: DataParallel) -> None:
         self.runner = runner
         self.torch = runner.torch
         self.scale = 1.0 / runner.world.size
         self.buffers: dict[tuple, np.ndarray] = {}
+        self.reduce_op = runner.dist.ReduceOp.SUM  # gloo has no average: ``averaged`` scales the sum
 
     def on_stream(self):
         """A context the step's work is queued in (none here: host work runs as it is called)."""
@@ -289,8 +293,13 @@ class _HostArrays:
         return self.torch.from_numpy(flat)
 
     def averaged(self, flat: np.ndarray) -> np.ndarray:
-        flat *= flat.dtype.type(self.scale)  # gloo sums; NCCL averages itself
+        """The average from the ranks' sum ``reduce_op`` left in ``flat``."""
+        flat *= flat.dtype.type(self.scale)
         return flat
+
+    def collective(self, tensor):
+        """``tensor`` where the process group's collectives take it (host memory for gloo)."""
+        return tensor
 
     def views(self, flat: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
         sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
@@ -325,6 +334,7 @@ class _DeviceArrays(_HostArrays):
     replayed: a step then costs the host one launch instead of hundreds of calls."""
 
     EAGER_STEPS = 2
+    queues = True
     #: where each tensor placed in a bucket's flat buffer starts (bytes)
     ALIGN = 256
 
@@ -334,6 +344,7 @@ class _DeviceArrays(_HostArrays):
 
         torch = self.torch
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.reduce_op = runner.dist.ReduceOp.AVG  # NCCL averages itself
         model = runner.model
         current = {name: self.upload(model._values[name]) for name in runner.state_names}
         # two sets of parameters and state, taken in turn: a step reads one and its update writes
@@ -463,6 +474,12 @@ class _DeviceArrays(_HostArrays):
     def shared(self, flat):
         return flat
 
+    def averaged(self, flat):
+        return flat  # averaged by NCCL (``reduce_op``)
+
+    def collective(self, tensor):
+        return tensor.to(self.device)
+
     def views(self, flat, shapes: Sequence[tuple[int, ...]]) -> list:
         placed = next((self.layouts[key] for key, b in self.buffers.items() if b is flat and key in self.layouts), None)
         if placed is not None:
@@ -579,8 +596,8 @@ class DataParallel:
             for graph, segment in zip(self.graphs, self.split.segments, strict=True)
         ]
         self.state_names = [*model._parameter_names, *training.state]
-        self.average = self.dist.ReduceOp.AVG if self.world.backend == "nccl" else self.dist.ReduceOp.SUM
         self.arrays = _DeviceArrays(self) if model.target in DEVICE_TARGETS else _HostArrays(self)
+        self.average = self.arrays.reduce_op
         _RUNNERS.add(self)
         self._loss = None
         self.check_consistent()
@@ -614,7 +631,7 @@ class DataParallel:
         if self.check_every and model.step % self.check_every == 0:
             self._check_consistent()
         self._loss = outputs[training.loss]
-        if not wait and isinstance(self.arrays, _DeviceArrays):
+        if not wait and self.arrays.queues:
             return None
         return float(self.arrays.to_host(self._loss))
 
@@ -651,9 +668,7 @@ class DataParallel:
         for work in pending.works:
             work.wait()
         for kind, group in pending.names.items():
-            flat = pending.flats[kind]
-            if self.world.backend != "nccl":
-                flat = self.arrays.averaged(flat)
+            flat = self.arrays.averaged(pending.flats[kind])
             shapes = [tuple(values[n].shape) for n in group]
             values.update(zip(group, self.arrays.views(flat, shapes), strict=True))
 
@@ -666,9 +681,7 @@ class DataParallel:
     def _check_consistent(self) -> None:
         if not self.reduce_enabled:
             return
-        digests = _digests(self.torch, [self.arrays.current(n) for n in self.state_names])
-        if self.world.backend == "nccl":
-            digests = digests.to(self.arrays.device)
+        digests = self.arrays.collective(_digests(self.torch, [self.arrays.current(n) for n in self.state_names]))
         gathered = [self.torch.zeros_like(digests) for _ in range(self.world.size)]
         self.dist.all_gather(gathered, digests)
         table = np.stack([g.cpu().numpy() for g in gathered])
