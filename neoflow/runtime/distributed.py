@@ -142,15 +142,16 @@ def split_step(
             for name in (statistic, adjoint):
                 if name is not None and name in position:
                     synced[position[name]] = (name,)
-    pieces = [Segment((), ())]
+    cut: list[tuple[list[Op], tuple[str, ...], bool]] = [([], (), True)]  # ops, reduced after them, overlap
     for k, op in enumerate(early_ops):
-        pieces[-1] = replace(pieces[-1], ops=(*pieces[-1].ops, op))
+        cut[-1][0].append(op)
         for reduced, overlap in ((synced.get(k), False), (closing.get(k), True)):
             if reduced:
-                pieces[-1] = replace(pieces[-1], reduce=reduced, overlap=overlap)
-                pieces.append(Segment((), ()))
-    if not pieces[-1].ops:
-        pieces.pop()
+                cut[-1] = (cut[-1][0], reduced, overlap)
+                cut.append(([], (), True))
+    if not cut[-1][0]:
+        cut.pop()
+    pieces = [Segment(tuple(ops), (), reduced, overlap) for ops, reduced, overlap in cut]
     pieces += _update_pieces(update_ops, buckets)
     wanted = set(results)
     segments = []
@@ -301,7 +302,8 @@ class _HostArrays:
         """``tensor`` where the process group's collectives take it (host memory for gloo)."""
         return tensor
 
-    def views(self, flat: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    def views(self, names: tuple[str, ...], flat: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+        """The tensors ``names`` (of ``shapes``) as views of their bucket's flat buffer ``flat``."""
         sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         return [part.reshape(s) for part, s in zip(np.split(flat, np.cumsum(sizes)[:-1]), shapes, strict=True)]
 
@@ -480,9 +482,9 @@ class _DeviceArrays(_HostArrays):
     def collective(self, tensor):
         return tensor.to(self.device)
 
-    def views(self, flat, shapes: Sequence[tuple[int, ...]]) -> list:
-        placed = next((self.layouts[key] for key, b in self.buffers.items() if b is flat and key in self.layouts), None)
-        if placed is not None:
+    def views(self, names: tuple[str, ...], flat, shapes: Sequence[tuple[int, ...]]) -> list:
+        placed = self.layouts.get((names, str(flat.dtype)))
+        if placed is not None:  # the pieces' own views, each where ``_place_reductions`` put it
             return placed
         sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         return [part.view(s) for part, s in zip(self.torch.split(flat, sizes), shapes, strict=True)]
@@ -670,7 +672,7 @@ class DataParallel:
         for kind, group in pending.names.items():
             flat = self.arrays.averaged(pending.flats[kind])
             shapes = [tuple(values[n].shape) for n in group]
-            values.update(zip(group, self.arrays.views(flat, shapes), strict=True))
+            values.update(zip(group, self.arrays.views(group, flat, shapes), strict=True))
 
     def check_consistent(self) -> None:
         """Compare every parameter and optimizer state tensor across ranks (a digest of each's

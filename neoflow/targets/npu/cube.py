@@ -355,17 +355,14 @@ def emit_view(
                 for side, rng, base in (("a", rows, 0), ("b", cols, a_bound)):
                     gather = gathers[0 if side == "a" else 1]
                     if side == "b" and resident is not None:
-                        patches[side], footprint, fresh = resident.patch(cols, depth1, z)
-                        if fresh:
-                            touch.add(
-                                program, core, footprint, gm_load(machine, core, footprint, patches[side]), len(cores)
-                            )
-                        continue
-                    tile = OperandTile(view, side, gather, rng, depth1, z)
-                    footprint = Footprint(gather.tensor, patch_offsets(tile, env_z), sizes[side])
-                    region = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32))
+                        region, footprint, fresh = resident.patch(cols, depth1, z)
+                    else:
+                        tile = OperandTile(view, side, gather, rng, depth1, z)
+                        footprint = Footprint(gather.tensor, patch_offsets(tile, env_z), sizes[side])
+                        region, fresh = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32)), True
                     patches[side] = region
-                    touch.add(program, core, footprint, gm_load(machine, core, footprint, region), len(cores))
+                    if fresh:
+                        touch.add(program, core, footprint, gm_load(machine, core, footprint, region), len(cores))
                 flags.signal("MTE2", "MTE1", half)
                 flags.wait("MTE2", "MTE1", half)
                 for k0 in range(k1, depth1.stop, tiles.k0):
@@ -474,6 +471,7 @@ def _resident_b(
     n_size = view.sizes[2]
     keys: dict[tuple, tuple] = {}
     footprints: dict[tuple, Footprint] = {}
+    room = 2 * (half - a_bound)  # bytes beside the two ``a`` halves
     for z, _, ni, depth in mine:
         for k1 in range(depth.start, depth.stop, tiles.k1):
             if (ni, k1, z) in keys:
@@ -482,7 +480,11 @@ def _resident_b(
             offsets = patch_offsets(OperandTile(view, "b", gather, cols, depth1, z), batch_env(view, z))
             key = (offsets.size, offsets.tobytes())
             keys[(ni, k1, z)] = key
-            footprints.setdefault(key, Footprint(gather.tensor, offsets, itemsize))
+            if key not in footprints:
+                footprints[key] = Footprint(gather.tensor, offsets, itemsize)
+                room -= align(max(footprints[key].bytes, 32), 32)
+                if room < 0:
+                    return None  # they cannot all stay (the halves' rooms are checked one by one below)
     uses = sum(len(range(d.start, d.stop, tiles.k1)) for _, _, _, d in mine)
     if len(footprints) == uses:
         return None  # no patch is read twice
