@@ -17,6 +17,7 @@ from neoflow.targets.cpu.flat_depth import flat_depth_plan
 from neoflow.targets.cpu.gemm import MR, NR, STEP_CYCLES, blocked_form, domain_points, plan_cycles
 from neoflow.targets.cpu.lower import SHORT_SUM_LOOP, in_place_reduction
 from neoflow.targets.cpu.staging import staged_plan
+from neoflow.targets.cpu.window import window_plan
 
 #: Multiply-adds per cycle of one core at the micro-kernel's peak (MR x NR a depth step).
 MACS_PER_CYCLE = MR * NR / STEP_CYCLES
@@ -41,7 +42,7 @@ def blocked_schedule(op: Op) -> Scheduled | None:
 def schedule(op: Op) -> Scheduled:
     """How ``op`` runs: a chain of contractions tiled together (its own
     arithmetic and share of peak), a contraction copied flat along its depth or
-    one in two stages (likewise), the
+    one in two stages (likewise), a depthwise convolution's window (in vector lanes), the
     blocked kernel (share of peak), or a loop nest, vectorised when its innermost
     loop (over the output's last index, when it has no reduction or accumulates
     in place; over the sum's last axis for one floating-point sum) moves every
@@ -59,6 +60,8 @@ def schedule(op: Op) -> Scheduled:
     if staged is not None:
         macs = math.prod(staged.stage.extent.values()) + domain_points(staged.rest)
         return Scheduled(min(1.0, macs / MACS_PER_CYCLE / staged.cycles), flops=2.0 * macs)
+    if window_plan(op) is not None:  # each output row summed in vector registers
+        return Scheduled(vector=True)
     blocked = blocked_schedule(op)
     if blocked is not None:
         return blocked

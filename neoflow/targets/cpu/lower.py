@@ -42,6 +42,7 @@ from neoflow.targets.cpu.flat_depth import FlatDepthPlan, flat_depth_plan
 from neoflow.targets.cpu.gemm import DEFAULT_BLOCKING, Blocking, blocked_form, gemm_function, store_slice
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from neoflow.targets.cpu.staging import StagedPlan, staged_plan
+from neoflow.targets.cpu.window import window_function, window_plan
 
 #: an outermost parallel loop shorter than this is collapsed with the loop it holds
 SHORT_PARALLEL_LOOP = 16
@@ -607,7 +608,7 @@ def flat_function(op: Op, plan: FlatDepthPlan, name: str) -> str:
 
 
 #: the ways ``lower_op`` can compute an op, in the order it tries them
-PATHS = ("chain", "flat", "staged", "blocked", "pieces", "nest")
+PATHS = ("chain", "flat", "staged", "window", "blocked", "pieces", "nest")
 
 
 @dataclass(frozen=True)
@@ -627,6 +628,7 @@ def lowering_paths(op: Op) -> list[str]:
             ("chain", chain_plan),
             ("flat", flat_depth_plan),
             ("staged", staged_plan),
+            ("window", window_plan),
             ("blocked", blocked_form),
             ("pieces", _lattice_pieces),
         )
@@ -643,7 +645,8 @@ def _lattice_pieces(op: Op) -> list[Piece] | None:
 def lower_op(op: Op, name: str, choice: KernelChoice | None = None) -> str:
     """The C function ``name`` computing ``op``: a chain of two contractions tiled
     together (``chain``), a contraction over a depth of short runs from its operands
-    copied flat (``flat_depth``), a contraction in two stages (``staging``), the blocked
+    copied flat (``flat_depth``), a contraction in two stages (``staging``), a depthwise
+    convolution (or its input adjoint) over zero-bordered planes (``window``), the blocked
     kernel for contractions worth it, dense pieces for other lattice domains, an
     element-wise op of the depth-to-space family over its split inner index
     (``inner_split``), else the plain loop nest (over merged trailing dimensions
@@ -665,6 +668,9 @@ def lower_op(op: Op, name: str, choice: KernelChoice | None = None) -> str:
         staged = staged_plan(op) if tried("staged") else None
         if staged is not None:
             return staged_function(op, staged, name)
+        window = window_plan(op) if tried("window") else None
+        if window is not None:
+            return window_function(op, window, name)
         blocked = blocked_form(op) if tried("blocked") else None
         if blocked is not None:
             return gemm_function(blocked[0], blocked[1], name, choice.blocking)
