@@ -55,6 +55,18 @@ def _reads(node: Expr) -> bool:
     )
 
 
+def _mask_product(node: Expr) -> bool:
+    """Whether ``node`` is a product of integer selections between 0 and 1 (masks), exact in any float."""
+
+    def mask(n: Expr) -> bool:
+        if isinstance(n, Select):
+            values = (n.a, n.b)
+            return all(isinstance(v, Const) and not isinstance(v.value, float) and v.value in (0, 1) for v in values)
+        return isinstance(n, Binary) and n.op == "*" and mask(n.a) and mask(n.b)
+
+    return isinstance(node, Binary) and node.op == "*" and mask(node)
+
+
 _FLOAT_FUNCS = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "abs": "fabs", "erf": "erf"}
 
 
@@ -172,7 +184,11 @@ class ValuePrinter:
     variable holding a (separately computed) reduction's value.  Given the
     ``extents`` of the index variables, a read through a reshape's divisions
     whose digits add back up to an affine offset is printed as that offset.
-    ``types`` is the C type of each dtype (``C_TYPES``; a CUDA target passes its own)."""
+    ``types`` is the C type of each dtype (``C_TYPES``; a CUDA target passes its own).  ``in_lanes``:
+    the values are computed in a loop the compiler vectorises, where a choice is a blend of two
+    vectors: ``?:`` rather than ``nf_pickf`` (whose bit operations the vectoriser does not take), and
+    a product of 0/1 masks (a ReLU6's adjoint) meeting a float computed in that float, not in
+    integers converted (which kept GCC 12 from vectorising an epilogue at all)."""
 
     def __init__(
         self,
@@ -182,6 +198,7 @@ class ValuePrinter:
         reduction: Callable[[Reduce], str],
         extents: Mapping[str, int] | None = None,
         types: Mapping[str, str] = C_TYPES,
+        in_lanes: bool = False,
     ) -> None:
         self.tensors = tensors
         self.types = types
@@ -189,6 +206,7 @@ class ValuePrinter:
         self.index = index
         self.reduction = reduction
         self.extents = extents
+        self.in_lanes = in_lanes
         self.on_branch: Callable[[Expr, bool], AbstractContextManager] = lambda cond, positive: nullcontext()
 
     def read(self, tensor: str, indices: Sequence[str]) -> str:
@@ -209,6 +227,8 @@ class ValuePrinter:
         it meets: ``X * 0.1`` with a double ``X`` multiplies by ``0.1``, not by ``(double)0.1f``."""
         if isinstance(node, Select):  # converting each value alike: the choice stays one of two values
             return self._select(node, node.dtype if target is None else target)
+        if self.in_lanes and target is not None and dt.concrete(target) in dt.WIDE_FLOATS and _mask_product(node):
+            return f"({self(node.a, target)} * {self(node.b, target)})"
         if target is not None and node.dtype == dt.WEAK_FLOAT and dt.concrete(target) in dt.WIDE_FLOATS:
             return self._value(node, dt.concrete(target))
         text = self._value(node)
@@ -244,7 +264,7 @@ class ValuePrinter:
         with self.on_branch(node.cond, False):
             b = self(node.b, dtype)
         pick = _PICKS.get(dt.concrete(dtype))
-        if pick is not None and not _reads(node.a) and not _reads(node.b):
+        if pick is not None and not self.in_lanes and not _reads(node.a) and not _reads(node.b):
             return f"{pick}({cond}, {a}, {b})"
         return f"({cond} ? {a} : {b})"
 

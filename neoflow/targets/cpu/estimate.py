@@ -17,7 +17,7 @@ from neoflow.targets.cpu.flat_depth import flat_depth_plan
 from neoflow.targets.cpu.gemm import MR, NR, STEP_CYCLES, blocked_form, domain_points, plan_cycles
 from neoflow.targets.cpu.lower import SHORT_SUM_LOOP, in_place_reduction
 from neoflow.targets.cpu.staging import staged_plan
-from neoflow.targets.cpu.window import window_plan
+from neoflow.targets.cpu.window import windowed
 
 #: Multiply-adds per cycle of one core at the micro-kernel's peak (MR x NR a depth step).
 MACS_PER_CYCLE = MR * NR / STEP_CYCLES
@@ -60,7 +60,7 @@ def schedule(op: Op) -> Scheduled:
     if staged is not None:
         macs = math.prod(staged.stage.extent.values()) + domain_points(staged.rest)
         return Scheduled(min(1.0, macs / MACS_PER_CYCLE / staged.cycles), flops=2.0 * macs)
-    if window_plan(op) is not None:  # each output row summed in vector registers
+    if windowed(op) is not None:  # rows summed in vector registers
         return Scheduled(vector=True)
     blocked = blocked_schedule(op)
     if blocked is not None:

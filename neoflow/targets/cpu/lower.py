@@ -42,7 +42,7 @@ from neoflow.targets.cpu.flat_depth import FlatDepthPlan, flat_depth_plan
 from neoflow.targets.cpu.gemm import DEFAULT_BLOCKING, Blocking, blocked_form, gemm_function, store_slice
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from neoflow.targets.cpu.staging import StagedPlan, staged_plan
-from neoflow.targets.cpu.window import window_function, window_plan
+from neoflow.targets.cpu.window import window_function, windowed
 
 #: an outermost parallel loop shorter than this is collapsed with the loop it holds
 SHORT_PARALLEL_LOOP = 16
@@ -528,7 +528,8 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
     scattered to its strided slice of the output; an element-wise piece (an epilogue
     where the sum is empty) stores each point where it goes instead (``piece_target``:
     the four-op ``neoflow`` step's parameter update, in-step 652.7 -> 603.5 and
-    660.1 -> 511.5 us in two noisy runs); empty pieces zero theirs.  Each
+    660.1 -> 511.5 us in two noisy runs), as does a piece of depthwise window form (``window``:
+    a strided depthwise convolution's input adjoint); empty pieces zero theirs.  Each
     loop is shared among threads where the whole op's would be: the pieces of a
     capsule conv's input gradient are a quarter of it each, serial they made the
     capsule network's training step 6-7 % slower (0.170 against 0.159 ms, 2 threads)."""
@@ -540,19 +541,24 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
         if piece.empty:
             lines.append(store_slice(piece, "0", op.output.size))
             continue
+        function = f"{name}_p{number}"
         target = None if piece.op.reductions else piece_target(piece, op.shape)
+        window = windowed(piece.op) if target is None else None
         if target is not None:  # an element-wise piece stores each point where it goes
             written = Written(target, (), bounds.box_constraint(piece.op.extent))
-            lowering = Lowering(replace(piece.op, output=op.output), written=written)
-            call = f"    {name}_p{number}(out{arguments});"
+            code = Lowering(replace(piece.op, output=op.output), written=written).function(function, work)
+            call = f"    {function}(out{arguments});"
+        elif window is not None:  # a strided depthwise convolution's input adjoint: each piece a window
+            code = window_function(piece.op, window, function, (piece.base, piece.strides))
+            call = f"    {function}(out{arguments});"
         else:
-            lowering = Lowering(piece.op)
+            code = Lowering(piece.op).function(function, work)
             call = f"""    {{
         NF_SCRATCH({ctype}, part, {piece.op.output.size});
-        {name}_p{number}(part{arguments});
+        {function}(part{arguments});
 {store_slice(piece, "part[f]", op.output.size)}
     }}"""
-        helpers.append(file_local(lowering.function(f"{name}_p{number}", work), f"{name}_p{number}"))
+        helpers.append(file_local(code, function))
         lines.append(call)
     body = "\n".join(lines)
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
@@ -628,7 +634,7 @@ def lowering_paths(op: Op) -> list[str]:
             ("chain", chain_plan),
             ("flat", flat_depth_plan),
             ("staged", staged_plan),
-            ("window", window_plan),
+            ("window", windowed),
             ("blocked", blocked_form),
             ("pieces", _lattice_pieces),
         )
@@ -646,7 +652,7 @@ def lower_op(op: Op, name: str, choice: KernelChoice | None = None) -> str:
     """The C function ``name`` computing ``op``: a chain of two contractions tiled
     together (``chain``), a contraction over a depth of short runs from its operands
     copied flat (``flat_depth``), a contraction in two stages (``staging``), a depthwise
-    convolution (or its input adjoint) over zero-bordered planes (``window``), the blocked
+    convolution (its input adjoint, its weight gradient) over zero-bordered planes (``window``), the blocked
     kernel for contractions worth it, dense pieces for other lattice domains, an
     element-wise op of the depth-to-space family over its split inner index
     (``inner_split``), else the plain loop nest (over merged trailing dimensions
@@ -668,7 +674,7 @@ def lower_op(op: Op, name: str, choice: KernelChoice | None = None) -> str:
         staged = staged_plan(op) if tried("staged") else None
         if staged is not None:
             return staged_function(op, staged, name)
-        window = window_plan(op) if tried("window") else None
+        window = windowed(op) if tried("window") else None
         if window is not None:
             return window_function(op, window, name)
         blocked = blocked_form(op) if tried("blocked") else None
