@@ -65,6 +65,11 @@ MR, NR, KC, MC, NC = 6, 16, 256, 96, 2048
 #: cycles of one depth step of the MR x NR micro-kernel on this machine (6 with AVX2, 3 with AVX-512)
 STEP_CYCLES = AVX2.intrinsic("outer_product").cycles
 NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
+#: ... where it has at most ``MC`` rows, or ``NARROW_MAX_ROWS`` over a depth of at most ``NARROW_SHALLOW``:
+#: MobileNetV2's 1x1 expansions (144 and 192 output channels over 24 and 32 input channels) ran 1.5x faster
+#: narrow than as panels of ``MC`` rows (``neoflow tune``), while deeper ones (ResNet-18's, ShuffleNetV2's
+#: 1x1 convolutions) ran slower
+NARROW_MAX_ROWS, NARROW_SHALLOW = 4 * MC, 32
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
 #: column strips a task of the narrow kernel packs together, at most: its packer reads neighbours in
 #: each row of ``b`` (the four-op input gradient, 64 rows, in the step: 1, 2, 3, 4 strips a task 474,
@@ -970,7 +975,8 @@ def _narrow(m: int, k: int, batch: list[tuple[str, int]], factor_a: Expr) -> boo
     is better packed just before those calls, by the thread making them, while it is in
     its cache, and in one depth block the tiles are stored once."""
     fits = round_up(m, MR) * k * 4 <= NARROW_A_BYTES
-    return m <= MC and fits and not (index_variables(factor_a) & {v for v, _ in batch})
+    rows = MC if k > NARROW_SHALLOW else NARROW_MAX_ROWS
+    return m <= rows and fits and not (index_variables(factor_a) & {v for v, _ in batch})
 
 
 def _structure(wanted: str, sizes: tuple[int, int, int], batch: list[tuple[str, int]], factor_a: Expr) -> str:

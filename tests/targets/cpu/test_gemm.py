@@ -291,8 +291,13 @@ def test_few_rows_pack_all_of_a_once_and_each_task_a_column_strip() -> None:
         "C[b, i, j] = ReduceAdd({k}, A[b, i, k] * B[b, k, j])", shapes={"A": (4, 20, 64), "B": (4, 64, 70)}
     )
     tall = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (300, 64), "B": (64, 200)})
-    for op in (conv, batched, tall):
-        if op is not conv:
+    # ... but a shallow one (a MobileNetV2 1x1 expansion: 144 output channels over 24) packs all its rows
+    expansion = neoflow.op(
+        "Y[n, k, p, q] = ReduceAdd({c}, X[n, c, p, q] * W[k, c])", shapes={"X": (2, 24, 8, 8), "W": (144, 24)}
+    )
+    assert narrow in lower_op(expansion, "kernel")
+    for op in (conv, batched, tall, expansion):
+        if op not in (conv, expansion):
             assert narrow not in lower_op(op, "kernel")
         assert_compiled_matches_interpreter(op, 4)
 
