@@ -38,10 +38,10 @@ import sympy
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, unflatten_index
 from neoflow.codegen.hardware import AVX2, AVX512
 from neoflow.codegen.inner_split import split_groups
-from neoflow.codegen.lattice import Piece, split_epilogue, split_lattice, with_reduce
+from neoflow.codegen.lattice import Piece, product_sum, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.mapping import Mapping, contraction, mappings
 from neoflow.ir.bounds import reduction_points
-from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables
+from neoflow.ir.expr import Binary, Const, Expr, Read, Reduce, Select, conjuncts, index_variables, map_children
 from neoflow.ir.index import var
 from neoflow.ir.op import Op, Tensor
 from neoflow.ir.simplify import read_offset
@@ -372,7 +372,41 @@ def blocked_form(op: Op) -> tuple[Op, GemmPlan] | None:
         return op, plan
     grouped = split_groups(op)
     plan = gemm_plan(grouped) if grouped is not None else None
-    return None if plan is None else (grouped, plan)
+    if plan is not None:
+        return grouped, plan
+    aliased = alias_shared_operand(op)
+    plan = gemm_plan(aliased) if aliased is not None else None
+    return None if plan is None else (aliased, plan)
+
+
+#: the suffix of the name under which ``alias_shared_operand`` has a contraction's second operand read a
+#: tensor its first operand reads too
+ALIAS = "__operand_b"
+
+
+def alias_shared_operand(op: Op) -> Op | None:
+    """``op`` with the reads of its product's second factor renamed (``ALIAS``) where both factors read
+    one tensor (attention's ``Q K^T`` from one ``qkv`` tensor: ``T[0, b, h, i, k] * T[1, b, h, j, k]``),
+    the alias an input of its own, so that the mapper sees two operands; None where they read none in
+    common.  The kernel is called with the tensor for both (``lower.blocked_function``)."""
+    parts = product_sum(op) if op.scatter is None else None
+    if parts is None:
+        return None
+    reduce, epilogue, product = parts
+    shared = {n.tensor for n in product.a.walk() if isinstance(n, Read)} & {
+        n.tensor for n in product.b.walk() if isinstance(n, Read)
+    }
+    if not shared:
+        return None
+
+    def rename(node: Expr) -> Expr:
+        if isinstance(node, Read) and node.tensor in shared:
+            return Read(node.tensor + ALIAS, node.indices, node.tensor_dtype)
+        return map_children(node, rename)
+
+    moved = Reduce(reduce.kind, reduce.axes, reduce.extents, Binary("*", product.a, rename(product.b)), reduce.where)
+    aliases = tuple(Tensor(t.name + ALIAS, t.shape, t.dtype) for t in op.inputs if t.name in shared)
+    return Op(op.output, op.indices, with_reduce(epilogue, moved), (*op.inputs, *aliases), op.ranges)
 
 
 def unsplit_cycles(op: Op) -> float:

@@ -39,7 +39,15 @@ from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select, index_variables
 from neoflow.ir.op import Op
 from neoflow.targets.cpu.chain import chain_function, chain_plan
 from neoflow.targets.cpu.flat_depth import FlatDepthPlan, flat_depth_plan
-from neoflow.targets.cpu.gemm import DEFAULT_BLOCKING, Blocking, blocked_form, gemm_function, store_slice
+from neoflow.targets.cpu.gemm import (
+    ALIAS,
+    DEFAULT_BLOCKING,
+    Blocking,
+    GemmPlan,
+    blocked_form,
+    gemm_function,
+    store_slice,
+)
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from neoflow.targets.cpu.staging import StagedPlan, staged_plan
 from neoflow.targets.cpu.window import window_function, windowed
@@ -594,6 +602,19 @@ def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
 
 
+def blocked_function(op: Op, run: Op, plan: GemmPlan, name: str, blocking: Blocking) -> str:
+    """The C function ``name`` computing ``op`` on the blocked kernel as ``run`` (``gemm.blocked_form``):
+    that kernel itself, or where ``run`` reads a tensor of ``op`` under an alias too
+    (``gemm.alias_shared_operand``), that kernel as a helper given the tensor for both."""
+    extra = [t.name for t in run.inputs[len(op.inputs) :]]
+    if not extra:
+        return gemm_function(run, plan, name, blocking)
+    position = {t.name: k for k, t in enumerate(op.inputs)}
+    arguments = [f"in{k}" for k in range(len(op.inputs))] + [f"in{position[n.removesuffix(ALIAS)]}" for n in extra]
+    helper = file_local(gemm_function(run, plan, f"{name}_b", blocking), f"{name}_b")
+    return f"{helper}\nvoid {name}({_parameters(op)}) {{\n    {name}_b(out, {', '.join(arguments)});\n}}\n"
+
+
 def flat_function(op: Op, plan: FlatDepthPlan, name: str) -> str:
     """The C function ``name`` computing ``op`` from its operands copied flat along the
     depth (``flat_depth``): each copy into a scratch buffer of its own (``name_a``,
@@ -679,7 +700,7 @@ def lower_op(op: Op, name: str, choice: KernelChoice | None = None) -> str:
             return window_function(op, window, name)
         blocked = blocked_form(op) if tried("blocked") else None
         if blocked is not None:
-            return gemm_function(blocked[0], blocked[1], name, choice.blocking)
+            return blocked_function(op, blocked[0], blocked[1], name, choice.blocking)
         pieces = _lattice_pieces(op) if tried("pieces") else None
         if pieces is not None:
             return lower_pieces(op, pieces, name)

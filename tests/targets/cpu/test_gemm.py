@@ -8,8 +8,8 @@ import sympy
 import neoflow
 from neoflow.codegen.hardware import cpu_flags
 from neoflow.targets.cpu import gemm
-from neoflow.targets.cpu.gemm import GATHER_PACK_CYCLES, STEP_CYCLES, VECTOR_PACK_CYCLES, gemm_plan
-from neoflow.targets.cpu.lower import lower_op
+from neoflow.targets.cpu.gemm import GATHER_PACK_CYCLES, STEP_CYCLES, VECTOR_PACK_CYCLES, blocked_form, gemm_plan
+from neoflow.targets.cpu.lower import lower_op, lowering_paths
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from tests.on_targets import NEEDS_CC, assert_compiled_matches_interpreter, compiler_defines
 
@@ -378,3 +378,14 @@ def test_a_grouped_convolution_runs_the_blocked_kernel_once_its_groups_are_split
     assert not any(atom for r in grouped.body.reads() for i in r.indices for atom in i.atoms(sympy.floor))
     assert plan is not None and "nf_micro_6x16" in lower_op(op, "kernel")
     assert_compiled_matches_interpreter(op, 3)
+
+
+def test_two_operands_read_from_one_tensor_run_on_the_blocked_kernel() -> None:
+    """Attention's scores from one qkv tensor: ``T[0, b, i, k] * T[1, b, j, k]``; the second operand is
+    read under an alias (the mapper tells operands by tensor), the kernel given the tensor for both."""
+    scores = neoflow.op(
+        "S[b, i, j] = ReduceAdd({k}, T[0, b, i, k] * T[1, b, j, k]) * 0.25", shapes={"T": (3, 4, 40, 16)}
+    )
+    assert blocked_form(scores) is not None and "blocked" in lowering_paths(scores)
+    assert "_b(out, in0, in0)" in lower_op(scores, "kernel")
+    assert_compiled_matches_interpreter(scores, 6)
