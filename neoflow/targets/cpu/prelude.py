@@ -64,6 +64,12 @@ NF_PICK(nf_pickf, float, uint32_t)
 NF_PICK(nf_pick, double, uint64_t)
 #define NF_FMAX(a, b) (((a) != (a) || (a) > (b)) ? (a) : (b))
 #define NF_FMIN(a, b) (((a) != (a) || (a) < (b)) ? (a) : (b))
+/* max and min reductions a loop may split into vector lanes (``simd reduction(nf_fmaxf:acc)``),
+   combining the lanes as numpy does: NaN propagates */
+#pragma omp declare reduction(nf_fmaxf : float : omp_out = NF_FMAX(omp_out, omp_in)) initializer(omp_priv = -INFINITY)
+#pragma omp declare reduction(nf_fminf : float : omp_out = NF_FMIN(omp_out, omp_in)) initializer(omp_priv = INFINITY)
+#pragma omp declare reduction(nf_fmax : double : omp_out = NF_FMAX(omp_out, omp_in)) initializer(omp_priv = -INFINITY)
+#pragma omp declare reduction(nf_fmin : double : omp_out = NF_FMIN(omp_out, omp_in)) initializer(omp_priv = INFINITY)
 #define NF_IMAX(a, b) ((a) > (b) ? (a) : (b))
 #define NF_IMIN(a, b) ((a) < (b) ? (a) : (b))
 /* Scratch memory for a kernel's temporaries (packed operands, partial and staged sums),

@@ -330,3 +330,17 @@ def test_split_inner_ops_compute_what_the_interpreter_does(text: str, shapes: di
     compiled = neoflow.compile(op, target="cpu").run(inputs)
     expected = neoflow.compile(op, target="interp").run(inputs)
     np.testing.assert_array_equal(compiled, expected)
+
+
+def test_a_row_max_runs_in_vector_lanes_and_propagates_nan() -> None:
+    """A max (min) over a row is split into vector lanes by a reduction the prelude declares; its lanes
+    combine as numpy's max does: a NaN anywhere in the row is the row's max."""
+    rowmax = neoflow.op("M[i] = ReduceMax({k}, X[i, k])", shapes={"X": (6, 64)})
+    rowmin = neoflow.op("M[i] = ReduceMin({k}, X[i, k])", shapes={"X": (6, 64)})
+    assert "simd reduction(nf_fmaxf:" in lower_op(rowmax, "kernel")
+    assert "simd reduction(nf_fminf:" in lower_op(rowmin, "kernel")
+    x = np.random.default_rng(2).standard_normal((6, 64)).astype(np.float32)
+    x[1, 37], x[4, 0], x[5, 63] = np.nan, np.nan, np.nan
+    for op, reference in ((rowmax, np.max), (rowmin, np.min)):
+        got = neoflow.compile(op, target="cpu").run({"X": x})
+        np.testing.assert_array_equal(got, reference(x, axis=1))
