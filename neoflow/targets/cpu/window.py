@@ -420,6 +420,25 @@ def _fill(plane: Plane, value: str) -> str:
         }}"""
 
 
+def _taps(op: Op, plane: Plane) -> tuple[str, str]:
+    """C loops over the plane's tap variables, and the flat tap index (row-major) in them."""
+    rows, cols = plane.rows, plane.cols
+    loops = " ".join(f"for (int64_t v_{t} = 0; v_{t} < {op.extent[t]}; ++v_{t})" for t in (rows.tap, cols.tap) if t)
+    flat = " + ".join([f"v_{rows.tap} * {cols.taps}" if rows.tap else "0", f"v_{cols.tap}" if cols.tap else "0"])
+    return loops, flat
+
+
+def _per_outer_point(outer: tuple[tuple[str, int], ...], plane: Plane, parallel: bool, row: str) -> str:
+    """C opening the loop over the outer points (in parallel where ``parallel``): their variables, the
+    plane buffer and ``row`` (a row of positions' floats, aligned) beside the copy's line buffer."""
+    pragma = "#pragma omp parallel for" if parallel else ""
+    return f"""{pragma}
+    for (int64_t p_ = 0; p_ < {math.prod(e for _, e in outer)}; ++p_) {{
+        {_decode(outer, "p_")}
+        NF_SCRATCH(float, plane_, {plane.floats});
+        float {row}[{plane.vectors * LANES}] __attribute__((aligned(32))), line_[{plane.cols.stride * plane.pitch}];"""
+
+
 def _header(op: Op, name: str) -> str:
     inputs = "".join(f", const float *restrict in{k}" for k in range(len(op.inputs)))
     vector = f"typedef float nf_wv __attribute__((vector_size({LANES * 4}), aligned(4)));"
@@ -446,8 +465,7 @@ def window_function(
     plane, printer = plan.plane, _Printer(op, plan.plane)
     rows, cols = plane.rows, plane.cols
     outer_points = math.prod(e for _, e in plan.outer)
-    tap_loops = " ".join(f"for (int64_t v_{t} = 0; v_{t} < {op.extent[t]}; ++v_{t})" for t in (rows.tap, cols.tap) if t)
-    tap = " + ".join([f"v_{rows.tap} * {cols.taps}" if rows.tap else "0", f"v_{cols.tap}" if cols.tap else "0"])
+    tap_loops, tap = _taps(op, plane)
     blocks = []
     for first in range(0, plane.vectors, BLOCK_VECTORS):
         count = min(BLOCK_VECTORS, plane.vectors - first)
@@ -466,13 +484,9 @@ def window_function(
                 {newline.join(sums)}
                 {stores}
             }}""")
-    parallel = "#pragma omp parallel for" if outer_points * rows.extent * cols.extent >= PARALLEL_MIN_POINTS else ""
+    parallel = outer_points * rows.extent * cols.extent >= PARALLEL_MIN_POINTS
     return f"""{_header(op, name)} {{
-    {parallel}
-    for (int64_t p_ = 0; p_ < {outer_points}; ++p_) {{
-        {_decode(plan.outer, "p_")}
-        NF_SCRATCH(float, plane_, {plane.floats});
-        float row_[{plane.vectors * LANES}] __attribute__((aligned(32))), line_[{cols.stride * plane.pitch}];
+    {_per_outer_point(plan.outer, plane, parallel, "row_")}
         {_fill(plane, printer(plane.value))}
         float k_[{plane.taps}];
         {tap_loops} k_[{tap}] = {printer(plan.weight)};
@@ -507,18 +521,12 @@ def _gradient_function(
         accumulate.append(f"a{t} += g_ * *(const nf_wv *)(src_ + {plane.tap_offset(t)});")
     lanes = " + ".join(f"a_[{lane}]" for lane in range(LANES))
     sums = " ".join(f"{{ const nf_wv a_ = a{t}; sums_[{t}] = {lanes}; }}" for t in range(plane.taps))
-    tap_loops = [f"for (int64_t v_{t} = 0; v_{t} < {op.extent[t]}; ++v_{t})" for t in (rows.tap, cols.tap) if t]
-    tap = " + ".join([f"v_{rows.tap} * {cols.taps}" if rows.tap else "0", f"v_{cols.tap}" if cols.tap else "0"])
+    tap_loops, tap = _taps(op, plane)
     target = _placed(op, placement)
-    work = outer_points * batch_points * rows.extent * cols.extent
-    parallel = "#pragma omp parallel for" if work >= PARALLEL_MIN_POINTS else ""
+    parallel = outer_points * batch_points * rows.extent * cols.extent >= PARALLEL_MIN_POINTS
     newline = "\n                    "
     return f"""{_header(op, name)} {{
-    {parallel}
-    for (int64_t p_ = 0; p_ < {outer_points}; ++p_) {{
-        {_decode(plan.outer, "p_")}
-        NF_SCRATCH(float, plane_, {plane.floats});
-        float gradient_[{plane.vectors * LANES}] __attribute__((aligned(32))), line_[{cols.stride * plane.pitch}];
+    {_per_outer_point(plan.outer, plane, parallel, "gradient_")}
         for (int64_t x_ = 0; x_ < {plane.vectors * LANES}; ++x_) gradient_[x_] = 0.0f;
         nf_wv {", ".join(f"a{t} = {{0}}" for t in range(plane.taps))};
         for (int64_t b_ = 0; b_ < {batch_points}; ++b_) {{
@@ -536,7 +544,7 @@ def _gradient_function(
         }}
         float sums_[{plane.taps}];
         {sums}
-        {" ".join(tap_loops)} {{
+        {tap_loops} {{
             const float acc_ = sums_[{tap}];
             out[{target}] = (float)({printer(plan.epilogue)});
         }}
