@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import sympy
+
 from neoflow.ir import index
 from neoflow.ir.expr import Expr, Index, Read, map_children
 from neoflow.ir.op import Op, Tensor
@@ -41,8 +43,9 @@ def merged_shape(shape: tuple[int, ...]) -> tuple[int, ...] | None:
 def merged_inner(op: Op) -> Op | None:
     """``op`` over its ``merged_shape``, or None where it does not apply: the op
     must be element-wise (no reduction, no scatter) and read every tensor either
-    at its own point, with the op's shape, or as a scalar; no index may be used
-    as a value."""
+    at its own point, with the op's shape, or at indices among those the regrouping
+    keeps (a scalar; a BatchNorm's per-channel scale over 8x8 maps); no index may be
+    used as a value."""
     if op.scatter is not None or op.reductions:
         return None
     shape = merged_shape(op.shape)
@@ -50,17 +53,25 @@ def merged_inner(op: Op) -> Op | None:
         return None
     point = tuple(index.var(v) for v in op.indices)
     pointwise = {t.name for t in op.inputs if t.shape == op.shape}
+    indices = op.indices[: len(shape)]
+    kept = {index.var(v) for v in indices[:-1]}  # the indices the regrouping leaves as they are
+
+    def at_point(read: Read) -> bool:
+        return read.tensor in pointwise and tuple(read.indices) == point
+
+    def outside(read: Read) -> bool:  # a BatchNorm's per-channel scale: the merged dimensions unread
+        return all(index.var(str(s)) in kept for i in read.indices for s in sympy.sympify(i).free_symbols)
+
     for node in op.body.walk():
         if isinstance(node, Index):
             return None
-        if isinstance(node, Read) and node.indices and (node.tensor not in pointwise or tuple(node.indices) != point):
+        if isinstance(node, Read) and node.indices and not at_point(node) and not outside(node):
             return None
-    indices = op.indices[: len(shape)]
     new_point = tuple(index.var(v) for v in indices)
 
     def regrouped(node: Expr) -> Expr:
-        if isinstance(node, Read):  # at the op's point (a scalar keeps its empty index)
-            return Read(node.tensor, new_point, node.tensor_dtype) if node.indices else node
+        if isinstance(node, Read):  # at the op's point; one outside the merged dimensions keeps its indices
+            return Read(node.tensor, new_point, node.tensor_dtype) if node.indices and at_point(node) else node
         return map_children(node, regrouped)
 
     inputs = tuple(Tensor(t.name, shape, t.dtype) if t.name in pointwise else t for t in op.inputs)

@@ -7,10 +7,11 @@ import pytest
 
 import neoflow
 from neoflow.codegen.merged import merged_inner, merged_shape
+from neoflow.ir.expr import Read
 from neoflow.targets.cpu.executor import CpuExecutor
 from neoflow.targets.cpu.lower import lower_op
 from neoflow.targets.cpu.nest import shared_nest
-from tests.on_targets import NEEDS_CC
+from tests.on_targets import NEEDS_CC, assert_compiled_matches_interpreter
 
 WEIGHT = (64, 64, 3, 3)
 # an optimizer's moment and parameter updates of a capsule weight: one nest
@@ -99,3 +100,17 @@ def test_a_merged_nest_computes_what_the_interpreter_does() -> None:
     np.testing.assert_allclose(got["M2"], m2, rtol=1e-6)
     np.testing.assert_allclose(got["P2"], inputs["P"] - 0.01 * m2, rtol=1e-6, atol=1e-7)
     assert got["P2"].shape == (4, 4, 3, 3, 2, 2)
+
+
+@NEEDS_CC
+def test_reads_outside_the_merged_dimensions_keep_their_indices() -> None:
+    """A BatchNorm over 8x8 maps reads its per-channel scale at the channel alone: the maps merge into
+    one inner loop of 64 and the scale is read as before; a read of a merged dimension stops it."""
+    norm = neoflow.op("Y[n, c, h, w] = (X[n, c, h, w] - M[c]) * S[c]", shapes={"X": (2, 3, 8, 8), "M": (3,), "S": (3,)})
+    merged = merged_inner(norm)
+    assert merged is not None and merged.shape == (2, 3, 64)
+    reads = {n.tensor: tuple(str(i) for i in n.indices) for n in merged.body.walk() if isinstance(n, Read)}
+    assert reads["M"] == reads["S"] == ("c",) and len(reads["X"]) == 3
+    assert_compiled_matches_interpreter(norm, 3)
+    by_column = neoflow.op("Y[n, c, h, w] = X[n, c, h, w] * S[w]", shapes={"X": (2, 3, 8, 8), "S": (8,)})
+    assert merged_inner(by_column) is None
