@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-import sympy
-
 from neoflow.ir import index
 from neoflow.ir.expr import Expr, Index, Read, map_children
 from neoflow.ir.op import Op, Tensor
@@ -54,13 +52,13 @@ def merged_inner(op: Op) -> Op | None:
     point = tuple(index.var(v) for v in op.indices)
     pointwise = {t.name for t in op.inputs if t.shape == op.shape}
     indices = op.indices[: len(shape)]
-    kept = {index.var(v) for v in indices[:-1]}  # the indices the regrouping leaves as they are
+    kept = set(indices[:-1])  # the indices the regrouping leaves as they are
 
     def at_point(read: Read) -> bool:
         return read.tensor in pointwise and tuple(read.indices) == point
 
     def outside(read: Read) -> bool:  # a BatchNorm's per-channel scale: the merged dimensions unread
-        return all(index.var(str(s)) in kept for i in read.indices for s in sympy.sympify(i).free_symbols)
+        return all(index.variables(i) <= kept for i in read.indices)
 
     for node in op.body.walk():
         if isinstance(node, Index):

@@ -45,7 +45,7 @@ from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, linear_index
 from neoflow.codegen.implicit_gemm import guards_to_domain
 from neoflow.codegen.lattice import product_sum
 from neoflow.ir import index
-from neoflow.ir.expr import Binary, Cast, Const, Expr, Index, Read, Unary, index_variables, map_children
+from neoflow.ir.expr import Binary, Cast, Const, Expr, Index, Read, Unary, index_variables, map_children, map_indices
 from neoflow.ir.op import Op
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 
@@ -167,7 +167,7 @@ def _affine_parts(
 ) -> tuple[str, int, str | None, int, int] | None:
     """``(position, stride, tap, coefficient, offset)`` of ``expr = stride * position + coefficient *
     tap + offset`` with integers, one of ``positions`` and at most one of ``taps``; else None."""
-    symbols = {s.name for s in expr.free_symbols}
+    symbols = index.variables(expr)
     used, placed = symbols & taps, symbols & positions
     if symbols - taps - positions or len(used) > 1 or len(placed) != 1:
         return None
@@ -183,10 +183,6 @@ def _affine_parts(
     if stride not in STRIDES or (tap is not None and coefficient == 0):
         return None
     return position, stride, tap, coefficient, _constant(expr)
-
-
-def _variables(indices) -> set[str]:
-    return {s.name for i in indices for s in sympy.sympify(i).free_symbols}
 
 
 def _constant(expr: sympy.Expr) -> int:
@@ -247,19 +243,6 @@ def _same_index_reads(expr: Expr) -> list[Read] | None:
     return reads
 
 
-def _substitute(expr: Expr, values: dict) -> Expr:
-    """``expr`` with index variables replaced (``values``: sympy symbol -> expression)."""
-
-    def put(node: Expr) -> Expr:
-        if isinstance(node, Read):
-            return Read(node.tensor, tuple(sympy.sympify(i).subs(values) for i in node.indices), node.tensor_dtype)
-        if isinstance(node, Index):
-            return Index(node.expr.subs(values))
-        return map_children(node, put)
-
-    return put(expr)
-
-
 def _plane(op: Op, factor: Expr, positions: set[str], taps: set[str], others: set[str], where: Expr | None):
     """``factor`` as a ``Plane`` read at ``positions`` and ``taps`` in its last two indices and at
     ``others`` in the rest, the sum's domain condition ``where`` exactly its bounds; else None."""
@@ -267,7 +250,7 @@ def _plane(op: Op, factor: Expr, positions: set[str], taps: set[str], others: se
     if reads is None:
         return None
     shapes = {t.name: t.shape for t in op.inputs}
-    indices = [sympy.sympify(i) for i in reads[0].indices]
+    indices = list(reads[0].indices)
     if len(indices) < 2 or len({shapes[r.tensor] for r in reads}) > 1:
         return None
     axes = []
@@ -283,7 +266,7 @@ def _plane(op: Op, factor: Expr, positions: set[str], taps: set[str], others: se
     rows, cols = axes
     if rows.position == cols.position or (rows.tap == cols.tap and rows.tap is not None):
         return None
-    if {a.tap for a in axes} - {None} != taps or any({s.name for s in i.free_symbols} - others for i in indices[:-2]):
+    if {a.tap for a in axes} - {None} != taps or any(index.variables(i) - others for i in indices[:-2]):
         return None
     if not _exactly_in_bounds(where, indices[-2:], axes):
         return None
@@ -307,8 +290,8 @@ def _sum_parts(op: Op):
         return None
     reduce, epilogue, product = parts
     unit = {index.var(a): 0 for a in reduce.axes if op.extent[a] == 1}
-    factors = (_substitute(product.a, unit), _substitute(product.b, unit))
-    where = None if reduce.where is None else _substitute(reduce.where, unit)
+    factors = tuple(map_indices(f, lambda e: e.subs(unit)) for f in (product.a, product.b))
+    where = None if reduce.where is None else map_indices(reduce.where, lambda e: e.subs(unit))
     return reduce, where, epilogue, factors
 
 
@@ -351,17 +334,17 @@ def window_gradient_plan(op: Op) -> WindowGradientPlan | None:
         planes = _same_index_reads(factors[1 - k])
         if planes is None or len(planes[0].indices) < 2:
             continue
-        last = set().union(*(sympy.sympify(i).free_symbols for i in planes[0].indices[-2:]))
-        taps = {v for v in op.indices if op.extent[v] > 1 and index.var(v) in last}
+        last = set().union(*(index.variables(i) for i in planes[0].indices[-2:]))
+        taps = {v for v in op.indices if op.extent[v] > 1 and v in last}
         outer = tuple((v, op.extent[v]) for v in op.indices if v not in taps)
         batch = tuple((a, op.extent[a]) for a in reduce.axes if a not in (h, w) and op.extent[a] > 1)
         others = {v for v, _ in outer} | {a for a, _ in batch}
-        if any({s.name for s in sympy.sympify(i).free_symbols} - others for i in reads[0].indices[:-2]):
+        if any(index.variables(i) - others for i in reads[0].indices[:-2]):
             continue
         # depthwise: each plane and each gradient row belongs to one output point (a full convolution's
         # weight gradient would copy a plane once per output channel: the blocked kernel's work)
         spread = {v for v, e in outer if e > 1}
-        if any(not spread <= _variables(r.indices[:-2]) for r in (reads[0], planes[0])):
+        if any(not spread <= set().union(*map(index.variables, r.indices[:-2])) for r in (reads[0], planes[0])):
             continue
         plane = _plane(op, factors[1 - k], {h, w}, taps, others, where)
         if plane is None or (plane.rows.position, plane.cols.position) != (h, w) or not taps:

@@ -131,13 +131,12 @@ def test_compiled_weight_gradients_match_the_interpreter(size: int, stride: int,
 
 @NEEDS_CC
 def test_a_momentum_update_is_the_weight_gradients_epilogue() -> None:
-    gradient = neoflow.grad(depthwise())["K"]
     update = neoflow.op(
         "M2[c, r, q] = 0.9 * M[c, r, q] + ReduceAdd({n, h, w}, G[n, c, h, w] * "
         "Select(h + r >= 1 && h + r <= 8 && w + q >= 1 && w + q <= 8, X[n, c, h + r - 1, w + q - 1], 0))",
         shapes={"M": (3, 3, 3), "G": (2, 3, 8, 8), "X": (2, 3, 8, 8)},
     )
-    assert gradient is not None and window_gradient_plan(update) is not None
+    assert window_gradient_plan(update) is not None
     assert_compiled_matches_interpreter(update, seed=7)
 
 
