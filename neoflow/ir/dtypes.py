@@ -109,7 +109,7 @@ def _rank(dtype: str) -> tuple[int, int]:
         "float32": 2,
         "float64": 3,
     }
-    return kind, order[dtype]
+    return kind, order.get(dtype, 1)  # the storage-only floats: narrow, as float16 is
 
 
 def promote(a: str, b: str) -> str:
@@ -124,6 +124,8 @@ def promote(a: str, b: str) -> str:
         if strong == "bool":
             return weak_one
         return strong
+    if a != b and is_float(a) and is_float(b) and _rank(a) == _rank(b):
+        return DEFAULT_FLOAT  # two different narrow floats (float16 and bfloat16): neither holds the other
     return max(a, b, key=_rank)
 
 

@@ -1,5 +1,6 @@
 """The reference interpreter against plain numpy."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -103,6 +104,18 @@ def test_dtypes() -> None:
     )
     wide = neoflow.op("Y[i] = X[i] / 3", shapes={"X": (4,)}, dtype="float64")
     np.testing.assert_array_equal(neoflow.evaluate(wide, {"X": x}), x.astype(np.float64) / 3)
+
+
+def test_storage_floats_meet_each_other_and_float16() -> None:
+    # bfloat16 tensors multiplied (a product of storage-only floats was a KeyError); bfloat16 with
+    # float16: neither holds the other, so float32
+    both = neoflow.op("Y[i] = A[i] * B[i]", shapes={"A": (4,), "B": (4,)}, dtype="bfloat16")
+    assert both.dtype == "bfloat16"
+    a, b = (rand(4, seed=s).astype(ml_dtypes.bfloat16) for s in (0, 1))
+    want = (a.astype(np.float32) * b.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(neoflow.evaluate(both, {"A": a, "B": b}), want)
+    mixed = neoflow.op("Y[i] = A[i] * B[i]", shapes={"A": (4,), "B": (4,)}, dtypes={"A": "bfloat16", "B": "float16"})
+    assert mixed.dtype == "float32"
 
 
 def test_unary_and_binary_functions() -> None:

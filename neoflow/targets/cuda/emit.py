@@ -196,6 +196,14 @@ def _accumulator(node: Reduce) -> tuple[str, str, str, str]:
     return dtype, c_type(dtype, CUDA_TYPES), identity, combine
 
 
+def _reduced(node: Reduce, accumulator: str) -> str:
+    """C for the value of reduction ``node`` held in ``accumulator`` (``_accumulator``'s type):
+    converted to the node's own dtype where that is narrower, as the interpreter has it (a
+    float16 op's sum is a float16 value; a float one beside it would make ``*`` ambiguous)."""
+    own = c_type(dt.concrete(node.dtype), CUDA_TYPES)
+    return accumulator if own == _accumulator(node)[1] else f"(({own})({accumulator}))"
+
+
 def _no_reads(tensor: str, indices) -> str:
     raise CompileError(f"a thread formula reads '{tensor}'")
 
@@ -288,7 +296,8 @@ def _reduction_printer(op: Op):
                     f"v_{axis} += {stride.modulus}) "
                 )
         guard = f"if ({printer(node.where, 'bool')}) " if node.where is not None else ""
-        return f"([&]() {{ {ctype} {acc} = {identity}; {loops}{{ {guard}{acc} = {update}; }} return {acc}; }}())"
+        total = f"([&]() {{ {ctype} {acc} = {identity}; {loops}{{ {guard}{acc} = {update}; }} return {acc}; }}())"
+        return _reduced(node, total)
 
     printer = _printer(op, reduction)
     return printer
@@ -302,7 +311,7 @@ def block_reduce_source(kernel: SimtKernel) -> str:
     printer = _reduction_printer(op)
     term = printer(reduce.body, dtype)
     guard = f"if ({printer(reduce.where, 'bool')}) " if reduce.where is not None else ""
-    finish = _printer(op, lambda node: "nf_total")
+    finish = _printer(op, lambda node: _reduced(node, "nf_total"))
     value = finish(epilogue if epilogue is not None else reduce, op.dtype)
     axes = [(a, op.extent[a]) for a in reduce.axes]
     terms = math.prod(e for _, e in axes)
@@ -559,13 +568,18 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
     row, col, count = kernel.load_coords(side)
     row, col = row.subs(VEC, 0), col.subs(VEC, 0)
     printer = _printer(view.op, lambda node: _refuse(view.op), gather)
-    pointer = _pointer(view.op, gather.tensor)
-    target = f"&nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, ROW, COL)}]"
     guard = "true" if gather.guard is None else printer(gather.guard, "bool")
     copy_function = "nf_copy_cg" if kernel.wgmma else f"nf_copy<{kernel.copy_bytes(side)}>"
     # an offset read only where copied, so not negative: unsigned, it joins the pointer without a sign extension
     unsigned = "(uint32_t)" if narrow(view.op) else "(uint64_t)"
-    copy = f"            {copy_function}({target}, {pointer} + (nf_copied ? {unsigned}v_{OFFSET} : 0u), nf_copied);\n"
+    copy = ""
+    for position, tensor in enumerate(gather.tensors[: kernel.copies(side)]):  # a combined operand's each
+        tile = f" + {position * kernel.tile_elements(side)}" if position else ""
+        target = f"&nf_s{side}[stage * {kernel.stage_elements(side)}{tile} + {_at(kernel, side, ROW, COL)}]"
+        pointer = _pointer(view.op, tensor)
+        copy += (
+            f"            {copy_function}({target}, {pointer} + (nf_copied ? {unsigned}v_{OFFSET} : 0u), nf_copied);\n"
+        )
     if not _hoisted(kernel, side):
         origin = "nf_m0" if side == "a" else "nf_n0"
         limit = view.sizes[1] if side == "a" else view.sizes[2]
@@ -615,10 +629,15 @@ def _operand_copy(kernel: MmaKernel, side: str) -> str:
         f"                const int64_t v_{OFFSET} = (int64_t)nf_{side}_roff[element] + {depth} + "
         f"{printer.index(gather.rest)};\n"
         f"                const bool nf_copied = nf_{side}_rok[element] && nf_k_ok && {guard};\n"
-        f"    {copy}"
+        f"{_indented(copy, 4)}"
         "            }\n"
         "        }\n"
     )
+
+
+def _indented(lines: str, spaces: int) -> str:
+    """``lines`` (each ending in a newline) with ``spaces`` more spaces before each."""
+    return "".join(" " * spaces + line for line in lines.splitlines(keepends=True))
 
 
 #: the C variables of the fragment and tile loops that shared-memory places are printed in
@@ -649,15 +668,20 @@ def _operand_store(kernel: MmaKernel, side: str) -> str:
     16-bit elements or as one float2 or float4."""
     row, col, count = kernel.load_coords(side)
     width = kernel.vector(side)
-    base = f"nf_s{side}[stage * {kernel.tile_elements(side)} + {_at(kernel, side, row, col)}"
+    base = f"nf_s{side}[stage * {kernel.stage_elements(side)} + {_at(kernel, side, row, col)}"
     head = f"        #pragma unroll\n        for (int element = 0; element < {count}; ++element) {{\n"
     if width == 1:
         return head + f"            const int vec = 0;\n            {base}] = nf_reg_{side}[element];\n        }}\n"
     first = f"nf_reg_{side}[element * {width}"
-    if kernel.storage == "tf32":
-        lanes = ", ".join(f"{first} + {v}]" for v in range(width))
-        store = f"            *reinterpret_cast<float{width} *>(&{base}]) = make_float{width}({lanes});\n"
-        return head + "            const int vec = 0;\n" + store + "        }\n"
+    if kernel.storage == "tf32":  # float2 or float4 stores (a vector of 8 float16 elements: two float4)
+        chunk = min(width, 4)
+        lanes = ", ".join(f"{first} + vec + {v}]" for v in range(chunk))
+        return head + (
+            f"            #pragma unroll\n"
+            f"            for (int vec = 0; vec < {width}; vec += {chunk})\n"
+            f"                *reinterpret_cast<float{chunk} *>(&{base}]) = make_float{chunk}({lanes});\n"
+            f"        }}\n"
+        )
     pair, pack = _PAIRS[kernel.storage]
     return head + (
         f"            #pragma unroll\n"
@@ -665,6 +689,65 @@ def _operand_store(kernel: MmaKernel, side: str) -> str:
         f"                *reinterpret_cast<{pair} *>(&{base}]) = {pack}({first} + vec], {first} + vec + 1]);\n"
         f"        }}\n"
     )
+
+
+#: per 16-bit storage dtype: its pair type, the functions taking a pair's first and second element,
+#: and the one packing two floats into a pair (rounded to nearest even)
+_HALVES = {
+    "float16": ("__half2", "__low2half", "__high2half", "__floats2half2_rn"),
+    "bfloat16": ("__nv_bfloat162", "__low2bfloat16", "__high2bfloat16", "__floats2bfloat162_rn"),
+}
+
+
+def _combiner(kernel: MmaKernel, side: str) -> str:
+    """C declaring ``nf_combine_<side>``: a combined operand's expression (``MmaKernel.combined``)
+    of one element of each of its tensors, as float."""
+    view, gather = kernel.view, kernel.gather(side)
+    dtype = next(t.dtype for t in view.op.inputs if t.name == gather.tensor)
+    element = c_type(dtype, CUDA_TYPES)
+    lanes = tuple(Tensor(lanes_name(k), (1,), dtype) for k in range(len(gather.tensors)))
+    printer = _printer(view.op, lambda node: _refuse(view.op), gather, lanes)
+    position = {Gather.flat(name): k for k, name in enumerate(gather.tensors)}
+
+    def lane_read(node: Read) -> Read:
+        return Read(lanes_name(position[node.tensor]), (index.var("vec"),), node.tensor_dtype)
+
+    value = printer(map_reads(gather.expr, lane_read), "float32")
+    arguments = ", ".join(f"{element} nf_x{k}" for k in range(len(lanes)))
+    arrays = " ".join(f"const {element} nf_lanes{k}[1] = {{nf_x{k}}};" for k in range(len(lanes)))
+    return (
+        f"    auto nf_combine_{side} = []({arguments}) -> float {{ const int v_vec = 0; {arrays} return {value}; }};\n"
+    )
+
+
+def _combined_registers(kernel: MmaKernel, side: str, target: str, count: int) -> str:
+    """C loading the other tensors' fragment registers of combined operand ``side`` (from the tiles
+    after the first, at the ``ldmatrix`` address ``nf_at``) and replacing each register
+    ``target[reg]`` (``reg < count``; the first tensor's) by the operand: a tf32 element rounded,
+    a pair of 16-bit elements each computed in float and packed again."""
+    copies, tile = kernel.copies(side), kernel.tile_elements(side)
+    load = "nf_ldmatrix_x4" if kernel.layout(side) == "rows" else "nf_ldmatrix_x4_trans"
+    base = "nf_wa" if side == "a" else "nf_wb"
+    lines = [f"                uint32_t nf_other[{copies - 1}][4];"] if copies > 1 else []
+    lines += [f"                {load}(nf_other[{k - 1}], {base} + {k * tile} + nf_at);" for k in range(1, copies)]
+    lines.append(f"                #pragma unroll\n                for (int reg = 0; reg < {count}; ++reg) {{")
+    if kernel.storage == "tf32":
+        values = ", ".join(
+            [f"__uint_as_float({target}[reg])"] + [f"__uint_as_float(nf_other[{k}][reg])" for k in range(copies - 1)]
+        )
+        lines.append(f"                    {target}[reg] = __float_as_uint(nf_tf32(nf_combine_{side}({values})));")
+    else:
+        pair, low, high, pack = _HALVES[kernel.storage]
+        registers = [f"{target}[reg]"] + [f"nf_other[{k}][reg]" for k in range(copies - 1)]
+        pairs = [f"*reinterpret_cast<const {pair} *>(&{register})" for register in registers]
+        lows, highs = (", ".join(f"{half}({p})" for p in pairs) for half in (low, high))
+        lines += [
+            f"                    const {pair} nf_pair = {pack}(nf_combine_{side}({lows}), "
+            f"nf_combine_{side}({highs}));",
+            f"                    {target}[reg] = *reinterpret_cast<const uint32_t *>(&nf_pair);",
+        ]
+    lines.append("                }")
+    return "\n".join(lines)
 
 
 def _fragments(kernel: MmaKernel) -> str:
@@ -687,15 +770,25 @@ def _fragments(kernel: MmaKernel) -> str:
             f"{register} = __float_as_uint(nf_tf32(__uint_as_float({register})));"
         )
 
-    load = "__float_as_uint(nf_tf32({}))" if tf32 else "__float_as_uint({})"
-
-    def by_element(array: str, fragment: str, fragments: int, registers: int, tile: str, at: str) -> list[str]:
-        """Lines loading the tf32 fragments ``array[fragment][reg]`` from ``tile`` one element a register."""
+    def by_element(side: str, array: str, fragment: str, fragments: int, registers: int, at: str) -> list[str]:
+        """Lines loading the tf32 fragments ``array[fragment][reg]`` of operand ``side`` one element a
+        register (a combined operand's from each of its tiles)."""
+        tile, size = ("nf_wa" if side == "a" else "nf_wb"), kernel.tile_elements(side)
+        elements = [f"{tile}[{at}]"] + [f"{tile}[{k * size} + {at}]" for k in range(1, kernel.copies(side))]
+        value = f"nf_combine_{side}({', '.join(elements)})" if kernel.combined(side) else elements[0]
+        load = f"__float_as_uint(nf_tf32({value}))" if tf32 else f"__float_as_uint({value})"
         return [
             f"            #pragma unroll\n            for (int {fragment} = 0; {fragment} < {fragments}; ++{fragment})",
             f"                #pragma unroll\n                for (int reg = 0; reg < {registers}; ++reg)",
-            f"                    {array}[{fragment}][reg] = {load.format(f'{tile}[{at}]')};",
+            f"                    {array}[{fragment}][reg] = {load};",
         ]
+
+    def finished(side: str, registers: str) -> list[str]:
+        """Lines finishing the ``ldmatrix``-loaded ``registers`` of operand ``side``: combined, or
+        tf32 ones rounded."""
+        if kernel.combined(side):
+            return [_combined_registers(kernel, side, registers, 4)]
+        return [rounded(registers)] if tf32 else []
 
     if kernel.by_ldmatrix("a"):
         a_row, a_col = ldmatrix_a_address(kernel.layout("a"), unit)
@@ -703,14 +796,14 @@ def _fragments(kernel: MmaKernel) -> str:
         a_at = _at(kernel, "a", FM * 16 + a_row, KK + a_col)
         lines += [
             f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm) {{",
-            f"                {a_load}(nf_af[fm], nf_wa + {a_at});",
+            f"                const int nf_at = {a_at};",
+            f"                {a_load}(nf_af[fm], nf_wa + nf_at);",
+            *finished("a", "nf_af[fm]"),
+            "            }",
         ]
-        if tf32:
-            lines.append(rounded("nf_af[fm]"))
-        lines.append("            }")
     else:
         a_row, a_col = tf32_a_coords()
-        lines += by_element("nf_af", "fm", tiles.frags_m, 4, "nf_wa", _at(kernel, "a", FM * 16 + a_row, KK + a_col))
+        lines += by_element("a", "nf_af", "fm", tiles.frags_m, 4, _at(kernel, "a", FM * 16 + a_row, KK + a_col))
     if kernel.by_ldmatrix("b"):
         b_row, b_col = ldmatrix_b_address(kernel.layout("b"), unit)
         b_load = "nf_ldmatrix_x4" if kernel.layout("b") == "rows" else "nf_ldmatrix_x4_trans"
@@ -718,18 +811,16 @@ def _fragments(kernel: MmaKernel) -> str:
         lines += [
             f"            #pragma unroll\n            for (int fp = 0; fp < {tiles.frags_n // 2}; ++fp) {{",
             "                uint32_t nf_r4[4];",
-            f"                {b_load}(nf_r4, nf_wb + {b_at});",
-        ]
-        if tf32:
-            lines.append(rounded("nf_r4"))
-        lines += [
+            f"                const int nf_at = {b_at};",
+            f"                {b_load}(nf_r4, nf_wb + nf_at);",
+            *finished("b", "nf_r4"),
             "                nf_bf[2 * fp][0] = nf_r4[0]; nf_bf[2 * fp][1] = nf_r4[1];",
             "                nf_bf[2 * fp + 1][0] = nf_r4[2]; nf_bf[2 * fp + 1][1] = nf_r4[3];",
             "            }",
         ]
     else:
         b_row, b_col = tf32_b_coords()
-        lines += by_element("nf_bf", "fn", tiles.frags_n, 2, "nf_wb", _at(kernel, "b", FN * 8 + b_row, KK + b_col))
+        lines += by_element("b", "nf_bf", "fn", tiles.frags_n, 2, _at(kernel, "b", FN * 8 + b_row, KK + b_col))
     lines += [
         f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
         f"                #pragma unroll\n                for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
@@ -747,7 +838,7 @@ def _finished(kernel: MmaKernel) -> tuple[str, str]:
     """C for the output offset of the point whose variables are declared, and the epilogue's
     value there from the accumulated ``nf_acc_value``."""
     view = kernel.view
-    printer = _printer(view.op, lambda node: "nf_acc_value")
+    printer = _printer(view.op, lambda node: _reduced(node, "nf_acc_value"))
     body: Expr = view.epilogue if view.epilogue is not None else view.reduce
     return printer.index(view.out_offset), printer(body, view.op.dtype)
 
@@ -795,7 +886,7 @@ def _epilogue(kernel: MmaKernel) -> str:
     _, m, n, _ = view.sizes
     parts = kernel.output_parts
     offset, value = _finished(kernel)
-    printer = _printer(view.op, lambda node: "nf_acc_value")
+    printer = _printer(view.op, lambda node: _reduced(node, "nf_acc_value"))
     wanted = index_variables(with_reduce(view.epilogue, Const(0))) if view.epilogue is not None else set()
     wanted |= set() if parts else index.variables(view.out_offset)
     kept = [v for v, _ in view.n if v in wanted]
@@ -889,7 +980,7 @@ def mma_source(kernel: MmaKernel) -> str:
         op,
         f"    extern __shared__ __align__({ATOM_BYTES}) unsigned char nf_smem[];\n"
         f"    {storage} *nf_sa = reinterpret_cast<{storage} *>(nf_smem);\n"
-        f"    {storage} *nf_sb = nf_sa + {kernel.stages * kernel.tile_elements('a')};\n"
+        f"    {storage} *nf_sb = nf_sa + {kernel.stages * kernel.stage_elements('a')};\n"
         f"    const int tid = threadIdx.x, lane = tid & 31, nf_warp = tid >> 5;\n"
         f"    const int nf_warp_m = nf_warp / {tiles.warps_n}, nf_warp_n = nf_warp % {tiles.warps_n};\n"
         f"    const int64_t nf_m0 = (int64_t)blockIdx.y * {tiles.block_m};\n"
@@ -911,8 +1002,8 @@ def _compute(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
     """C multiplying the warp's fragments of stage ``stage``."""
     storage = _STORAGE[kernel.storage][0]
     return (
-        f"        const {storage} *nf_wa = nf_sa + stage * {kernel.tile_elements('a')} + {a_warp};\n"
-        f"        const {storage} *nf_wb = nf_sb + stage * {kernel.tile_elements('b')} + {b_warp};\n"
+        f"        const {storage} *nf_wa = nf_sa + stage * {kernel.stage_elements('a')} + {a_warp};\n"
+        f"        const {storage} *nf_wb = nf_sb + stage * {kernel.stage_elements('b')} + {b_warp};\n"
         f"        #pragma unroll\n"
         f"        for (int kk = 0; kk < {kernel.tiles.block_k}; kk += {kernel.mma_shape[2]}) {{\n"
         f"{_fragments(kernel)}"
@@ -954,7 +1045,8 @@ def _direct_loop(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
     """The main loop through ``cp.async``: ``stages - 1`` tiles in flight while the warps multiply one."""
     stages, block_k = kernel.stages, kernel.tiles.block_k
     return (
-        "".join(_hoisted_entries(kernel, side) for side in ("a", "b") if _hoisted(kernel, side))
+        "".join(_combiner(kernel, side) for side in ("a", "b") if kernel.combined(side))
+        + "".join(_hoisted_entries(kernel, side) for side in ("a", "b") if _hoisted(kernel, side))
         + f"    auto nf_issue = [&](int kt, int stage) {{\n"
         f"        const int64_t nf_k0 = (int64_t)kt * {block_k};\n"
         f"{_operand_copy(kernel, 'a')}"

@@ -16,6 +16,7 @@ against the interpreter without a GPU.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -134,6 +135,12 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
         env.update({v: depth_table[depth_at, 1 + i] for i, v in enumerate(gather.depth_vars)})
         env.update(batch_env)
         flat = {**arrays, **{Gather.flat(name): arrays[name].reshape(-1) for name in gather.tensors}}
+        if kernel.combined(side):  # each tensor's tile as copied (zeros where nothing is)
+            stage = np.full((len(origins), kernel.stage_elements(side)), np.nan, np.float32)
+            for position, name in enumerate(gather.tensors):
+                values = np.where(live, flat[Gather.flat(name)][np.where(live, env[OFFSET], 0)], 0)
+                stage[:, position * kernel.tile_elements(side) + kernel.place(side, row, col)] = values
+            return stage
         values = evaluate_at(gather.expr, env, flat, owner, live=live)
     else:
         env = {**unravel(np.where(live, flat_rows, 0), view.m if side == "a" else view.n)}
@@ -144,6 +151,20 @@ def _gather(kernel: MmaKernel, side: str, origins: np.ndarray, k0: int, batch_en
     stage = np.full((len(origins), kernel.tile_elements(side)), np.nan, np.float32)  # shared memory
     stage[:, kernel.place(side, row, col)] = values
     return stage
+
+
+def fragment_values(kernel: MmaKernel, side: str, stage: np.ndarray, places: np.ndarray) -> np.ndarray:
+    """The operand values the warps read at stage elements ``places`` of ``stage`` (``_gather``'s):
+    the elements themselves, or for a ``combined`` operand its expression of each tensor's
+    element there, rounded to the precision (as the kernel computes them after ``ldmatrix``)."""
+    if not kernel.combined(side):
+        return stage[:, places]
+    gather, size = kernel.gather(side), kernel.tile_elements(side)
+    elements = {Gather.flat(name): stage[:, k * size + places] for k, name in enumerate(gather.tensors)}
+    shape = next(iter(elements.values())).shape
+    flat = {name: values.reshape(-1) for name, values in elements.items()}
+    values = evaluate_at(gather.expr, {OFFSET: np.arange(math.prod(shape))}, flat, kernel.view.op.name)
+    return round_to(values.astype(np.float32).reshape(shape), kernel.storage)
 
 
 def descriptor_elements(kernel: MmaKernel, side: str, warpgroup: int, step: int) -> np.ndarray:
@@ -215,7 +236,9 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
             for kk in range(0, tiles.block_k, mk):
                 wm = np.arange(tiles.warps_m)[:, None, None, None]
                 fm = np.arange(tiles.frags_m)[None, :, None, None]
-                a = a_tile[:, kernel.smem_index("a", wm * tiles.warp_m + fm * 16 + a_rows, kk + a_cols)]
+                a = fragment_values(
+                    kernel, "a", a_tile, kernel.smem_index("a", wm * tiles.warp_m + fm * 16 + a_rows, kk + a_cols)
+                )
                 wn = np.arange(tiles.warps_n)[:, None, None]
                 b = np.empty((gx, tiles.warps_n, tiles.frags_n, mk, 8), np.float32)
                 for f in range(tiles.frags_n):
@@ -225,7 +248,8 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
                     else:  # one ldmatrix.x4 loads fragments 2p and 2p + 1
                         rows, cols = b_tables[f % 2]
                         fragment_row = (f // 2) * 16
-                    b[:, :, f] = b_tile[:, kernel.smem_index("b", wn * tiles.warp_n + fragment_row + rows, kk + cols)]
+                    places = kernel.smem_index("b", wn * tiles.warp_n + fragment_row + rows, kk + cols)
+                    b[:, :, f] = fragment_values(kernel, "b", b_tile, places)
                 acc += np.einsum(
                     "ywfik,xvgkj->yxwvfgij", a, b, optimize=True, dtype=np.float32
                 )  # 16 x 8 fragments, fp32

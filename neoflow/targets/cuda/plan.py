@@ -31,13 +31,15 @@ from functools import cached_property, lru_cache
 import numpy as np
 import sympy
 
-from neoflow.codegen.gather import Gather, gather_plan, gather_tables
+from neoflow.codegen.gather import OFFSET, Gather, gather_plan, gather_tables
 from neoflow.codegen.hardware import TENSOR_CORE
 from neoflow.codegen.implicit_gemm import GemmView, covers_output, gemm_views
 from neoflow.codegen.strided import strided_axes
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
+from neoflow.ir.expr import Reduce, index_variables
+from neoflow.ir.interpreter import evaluate_at
 from neoflow.ir.op import Op
 from neoflow.ir.simplify import read_offset
 from neoflow.targets.cache import table_digest
@@ -133,6 +135,24 @@ WGMMA_K = 16
 #: threads of a ``wgmma`` kernel's producer warpgroup, which copies the operand tiles while the
 #: other warpgroups multiply (warp specialisation; stages handed over through mbarriers)
 PRODUCER_THREADS = 128
+
+
+@lru_cache(maxsize=256)
+def pointwise_gather(gather: Gather, op: Op) -> bool:
+    """Whether ``gather``'s operand (of ``op``) is a function of its tensors' elements at the
+    gathered offset alone, as ``G * [A > 0]`` is: no guard or index variable besides the offset,
+    no reduction, and zero where every element is zero (a copy's zero fill past the tensor's
+    rows or depth then yields the zero operand the matrix product needs there)."""
+
+    expr = gather.expr
+    if gather.row_vars or gather.depth_vars or any(isinstance(node, Reduce) for node in expr.walk()):
+        return False
+    if index_variables(expr) - {OFFSET}:
+        return False
+    dtypes = {t.name: t.dtype for t in op.inputs}
+    zeros = {Gather.flat(name): np.zeros(1, dt.numpy_dtype(dtypes[name])) for name in gather.tensors}
+    value = evaluate_at(expr, {OFFSET: np.zeros(1, np.int64)}, zeros, op.name)
+    return bool(np.all(value == 0))
 
 
 def swizzle128(element, element_bytes: int = 2):
@@ -273,11 +293,29 @@ class MmaKernel:
         return (self.tiles.block_k if self.layout(side) == "rows" else self.tile_rows(side)) + pad
 
     def tile_elements(self, side: str) -> int:
-        """Elements of one stage of operand ``side``'s tile, padding included."""
+        """Elements of one tensor's tile of operand ``side`` in a stage, padding included."""
         if self.wgmma:
             return self.tile_rows(side) * self.tiles.block_k
         lines = self.tile_rows(side) if self.layout(side) == "rows" else self.tiles.block_k
         return lines * self.stride(side)
+
+    def combined(self, side: str) -> bool:
+        """Whether operand ``side`` is computed as the warps load their fragments: a direct kernel
+        copies each tensor of a pointwise gather (``pointwise_gather``: a gradient and the
+        activation masking it, say) into its own tile, as it is, and applies the operand's
+        expression to the elements it reads back (then rounds them to the precision)."""
+        gather = self.gather(side)
+        return self.direct and gather is not None and not gather.plain
+
+    def copies(self, side: str) -> int:
+        """Tensors whose tiles a stage of operand ``side`` holds, one after another: those of a
+        ``combined`` operand, else one."""
+        gather = self.gather(side)
+        return len(gather.tensors) if self.combined(side) and gather is not None else 1
+
+    def stage_elements(self, side: str) -> int:
+        """Elements of one stage of operand ``side``: its ``copies`` tiles."""
+        return self.copies(side) * self.tile_elements(side)
 
     def smem_index(self, side: str, row, col):
         """Where tile element ``(row, col)`` (row, depth) of operand ``side`` lies in its stage,
@@ -370,23 +408,27 @@ class MmaKernel:
     def shared_bytes(self) -> int:
         """``stages`` stages of both operand tiles (and a ``wgmma`` kernel's mbarriers after them:
         per stage, one that its copies have landed and one that its multiplies are done)."""
-        tiles = self.stages * (self.tile_elements("a") + self.tile_elements("b")) * self.element_bytes
+        tiles = self.stages * (self.stage_elements("a") + self.stage_elements("b")) * self.element_bytes
         return tiles + (2 * 8 * self.stages if self.wgmma else 0)
 
     @property
     def direct(self) -> bool:
         """Whether both operand tiles are copied from the tensors into shared memory as they are,
-        by ``cp.async`` in a ``DIRECT_STAGES``-deep pipeline: each operand a bare table-gathered
-        read (no guard, no prologue) in vectors, of the storage dtype (or float32 for tf32,
-        rounded as its fragments are loaded).  Otherwise every element goes through registers,
-        converted, two stages deep."""
+        by ``cp.async`` in a ``DIRECT_STAGES``-deep pipeline: each operand a table-gathered read
+        (zeros where a guard on the read alone fails) or a ``pointwise_gather`` of tensors
+        (``combined``), in vectors, of the storage dtype (or float32 for tf32, rounded as its
+        fragments are loaded).  Otherwise every element goes through registers, converted, two
+        stages deep."""
         return all(self._direct_side(side) for side in ("a", "b"))
 
     def _direct_side(self, side: str) -> bool:
         gather = self.gather(side)
-        if gather is None or not gather.plain:
+        if gather is None or not (gather.plain or pointwise_gather(gather, self.view.op)):
             return False
-        dtype = next(t.dtype for t in self.view.op.inputs if t.name == gather.tensor)
+        dtypes = {t.dtype for t in self.view.op.inputs if t.name in gather.tensors}
+        if len(dtypes) > 1:
+            return False
+        dtype = dtypes.pop()
         itemsize = dt.numpy_dtype(dtype).itemsize
         if self.vector(side) * itemsize < 4:
             return False  # cp.async copies 4, 8 or 16 bytes
@@ -403,7 +445,7 @@ class MmaKernel:
         """Shared-memory stages of the operand tiles: a ``wgmma`` kernel's as many as a block's
         shared memory holds (at most ``WGMMA_MAX_STAGES``: the producer runs that far ahead)."""
         if self.wgmma:
-            stage = (self.tile_elements("a") + self.tile_elements("b")) * self.element_bytes
+            stage = (self.stage_elements("a") + self.stage_elements("b")) * self.element_bytes
             return min(WGMMA_MAX_STAGES, (H100.shared_bytes_per_block - 2 * 8 * WGMMA_MAX_STAGES) // stage)
         return DIRECT_STAGES if self.direct else 2
 
@@ -416,6 +458,7 @@ class MmaKernel:
         return (
             self.storage in ("float16", "bfloat16")
             and self.direct
+            and not any(self.combined(side) for side in ("a", "b"))
             and self.tiles.block_k * self.element_bytes == SWIZZLE_BYTES
             and all(self.copy_bytes(side) == VECTOR_BYTES for side in ("a", "b"))
             and all(self.tile_rows(side) % MN_ATOM_ROWS == 0 for side in ("a", "b"))

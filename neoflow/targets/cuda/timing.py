@@ -145,7 +145,9 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
         return math.inf
     m, n, k = kernel.mma_shape
     mmas = tiles.block_m * tiles.block_n * tiles.block_k / (m * n * k)
-    loads = tiles.block_k * (tiles.block_m / kernel.vector("a") + tiles.block_n / kernel.vector("b")) / 32
+    # a combined operand copies a tile of each of its tensors
+    rows = {"a": tiles.block_m * kernel.copies("a"), "b": tiles.block_n * kernel.copies("b")}
+    loads = tiles.block_k * (rows["a"] / kernel.vector("a") + rows["b"] / kernel.vector("b")) / 32
     if kernel.wgmma:
         # the tensor cores at the rate these kernels reach, beside the producer's copies; it runs stages
         # ahead, so a tile's latency is paid once, filling the pipeline
@@ -167,7 +169,7 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
     # gathers: each block reads its operand tiles once per depth tile, from L2 (4-byte elements as fitted to
     # the mma.sync kernels; a wgmma kernel's 16-bit copies move 2: its hgemm moved 6.4 TB/s unhindered)
     element = float(kernel.element_bytes) if kernel.wgmma else 4.0
-    gathered = blocks * kernel.split_tiles * (tiles.block_m + tiles.block_n) * tiles.block_k * element
+    gathered = blocks * kernel.split_tiles * (rows["a"] + rows["b"]) * tiles.block_k * element
     if kernel.splits > 1:  # each block adds its tile into the workspace: an atomic read-modify-write in L2
         gathered += blocks * tiles.block_m * tiles.block_n * 8.0
     l2 = gathered / gpu.l2_bytes_per_s

@@ -69,12 +69,23 @@ def all_ops(op: Op) -> list[Op]:
     return [op, *neoflow.grad(op).values()]
 
 
-def masked_gradient() -> Op:
+def masked_gradient(dtype: str = "float32") -> Op:
     """A weight gradient whose output gradient is masked by its ReLU: ``G * [A > 0]`` reads two
-    tensors at the same point (one operand of the matrix product)."""
+    tensors at the same point (one operand of the matrix product), its rows along memory."""
     return neoflow.op(
         "dW[k, c] = ReduceAdd({n}, G[n, k] * Select(A[n, k] > 0, 1, 0) * X[n, c])",
         shapes={"G": (480, 40), "A": (480, 40), "X": (480, 24)},
+        dtype=dtype,
+    )
+
+
+def masked_input_gradient(dtype: str = "float32") -> Op:
+    """An input gradient through a ReLU: the masked operand ``G * [A > 0]`` with its depth along
+    memory (ragged rows and depth: 70 x 72)."""
+    return neoflow.op(
+        "dX[n, c] = ReduceAdd({k}, G[n, k] * Select(A[n, k] > 0, 1, 0) * W[k, c])",
+        shapes={"G": (70, 72), "A": (70, 72), "W": (72, 40)},
+        dtype=dtype,
     )
 
 

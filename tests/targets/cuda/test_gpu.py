@@ -19,6 +19,7 @@ from tests.targets.cuda.gpu_cases import (
     inputs_for,
     long_sums,
     masked_gradient,
+    masked_input_gradient,
     wgmma_plan,
 )
 
@@ -32,6 +33,8 @@ CASES = {
     "conv_relu": conv_relu,
     "long_sums": long_sums,
     "masked_gradient": masked_gradient,
+    "masked_gradient_half": lambda: masked_gradient("float16"),
+    "masked_input_gradient": masked_input_gradient,
 }
 #: largest error against the interpreter's float32, relative to the largest output, per precision
 TOLERANCE = {"fp32": 1e-5, "tf32": 3e-3, "fp16": 3e-3, "bf16": 2e-2}

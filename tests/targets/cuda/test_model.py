@@ -11,6 +11,7 @@ import sympy
 import neoflow
 from neoflow.codegen.hardware import TENSOR_CORE
 from neoflow.codegen.implicit_gemm import gemm_views
+from neoflow.ir import dtypes as dt
 from neoflow.ir import index
 from neoflow.targets.cuda.emit import mma_source
 from neoflow.targets.cuda.model import round_to, run_plan
@@ -28,6 +29,7 @@ from neoflow.targets.cuda.plan import (
 from tests.targets.cuda.gpu_cases import WGMMA_PRODUCTS, all_ops, capsule, conv_relu, inputs_for, wgmma_plan
 
 PRECISIONS = ("fp16", "tf32", "bf16")
+SHAPES = {"G": (40, 48), "A": (40, 48), "W": (48, 24)}
 #: operands rounded to values every precision holds exactly (bf16's 8 bits of mantissa): then only
 #: the order of the fp32 sums differs from the interpreter's
 EXACT = "bfloat16"
@@ -217,6 +219,45 @@ def test_a_gradient_masked_by_its_relu_is_one_operand(precision: str) -> None:
     assert kernel.vector(side) == 4
     inputs = _exact_inputs(op, seed=13)
     _close(run_plan(plan, inputs), neoflow.evaluate(op, inputs))
+
+
+@pytest.mark.parametrize("case", ["masked_gradient", "masked_input_gradient"])
+@pytest.mark.parametrize(("dtype", "precision"), [("float32", "tf32"), ("float16", "fp16")])
+def test_a_masked_operand_is_copied_tensor_by_tensor_and_combined_as_it_is_read(
+    case: str, dtype: str, precision: str
+) -> None:
+    from tests.targets.cuda import gpu_cases
+
+    # G * [A > 0] in a kernel copying by cp.async: a tile of G and one of A, the mask applied to the
+    # fragments read back (rows along memory: a depth-major tile; depth along memory: a row-major one)
+    op = getattr(gpu_cases, case)(dtype)
+    (kernel,) = plan_op(op, "k", precision).kernels
+    assert isinstance(kernel, MmaKernel) and kernel.direct
+    (side,) = [side for side in ("a", "b") if kernel.gather(side).tensors == ("G", "A")]
+    assert kernel.combined(side) and kernel.copies(side) == 2
+    assert kernel.stage_elements(side) == 2 * kernel.tile_elements(side)
+    assert f"nf_combine_{side}(" in mma_source(kernel)
+    inputs = {name: value.astype(dt.numpy_dtype(dtype)) for name, value in _exact_inputs(op, seed=5).items()}
+    want = neoflow.evaluate(op, {name: value.astype(np.float32) for name, value in inputs.items()})
+    tolerance = 2e-6 if dtype == "float32" else 1e-3  # float16 outputs: their own rounding
+    for tiles in TILE_CHOICES:  # every tile, a split depth, each loads the tiles its own way
+        for splits in (1, 3):
+            each = dataclasses.replace(make_kernel("k", kernel.view, tiles, precision), splits=splits)
+            assert each.combined(side), tiles
+            got = run_plan(OpPlan(op, (each,), splits > 1), inputs).astype(np.float32)
+            _close(got, want, tolerance)
+
+
+def test_a_combined_operand_is_zero_where_nothing_is_copied() -> None:
+    from neoflow.targets.cuda.plan import pointwise_gather
+
+    # past a tensor's rows or depth a copy fills zeros: only an operand that is zero there may be combined
+    masked = neoflow.op("Y[i, j] = ReduceAdd({k}, G[i, k] * Select(A[i, k] > 0, 1, 0) * W[k, j])", shapes=SHAPES)
+    shifted = neoflow.op("Y[i, j] = ReduceAdd({k}, (G[i, k] + exp(A[i, k])) * W[k, j])", shapes=SHAPES)
+    for op, expected in ((masked, True), (shifted, False)):
+        kernel = plan_op(op, "k", "tf32").kernels[0]
+        assert pointwise_gather(kernel.gather("a"), op) is expected
+        assert kernel.combined("a") is expected
 
 
 def test_long_sums_with_few_outputs_reduce_a_block_per_point() -> None:

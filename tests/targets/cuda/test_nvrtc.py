@@ -22,6 +22,7 @@ from tests.targets.cuda.gpu_cases import (
     conv_relu,
     long_sums,
     masked_gradient,
+    masked_input_gradient,
     needs_nvrtc,
     wgmma_plan,
 )
@@ -29,6 +30,7 @@ from tests.targets.cuda.gpu_cases import (
 pytestmark = needs_nvrtc
 
 ARCHS = ("sm_90", "sm_80")
+PRECISIONS = ("fp16", "tf32", "bf16", "fp32")
 
 
 def _plans() -> list[OpPlan]:
@@ -36,7 +38,7 @@ def _plans() -> list[OpPlan]:
     its epilogue (and its adjoints' SIMT kernels), float16 matrix products, each precision, and a
     long-depth product in every tile and a split depth."""
     ops = [*all_ops(capsule(1)), *all_ops(capsule(2)), *all_ops(conv_relu()), *all_ops(long_sums()), masked_gradient()]
-    plans = [plan_op(op, f"k{n}_{p}", p) for n, op in enumerate(ops) for p in ("fp16", "tf32", "bf16", "fp32")]
+    plans = [plan_op(op, f"k{n}_{p}", p) for n, op in enumerate(ops) for p in PRECISIONS]
     half = neoflow.op(
         "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (70, 40), "B": (40, 50)}, dtype="float16"
     )
@@ -55,6 +57,17 @@ def _plans() -> list[OpPlan]:
         out_shape=(4, 32, 34),
     )
     plans += [plan_op(op, f"tc{n}_{p}", p) for n, op in enumerate(all_ops(transposed)) for p in ("tf32", "fp16")]
+    # a masked operand copied tensor by tensor and combined as the fragments are read: tf32 element by
+    # element and by ldmatrix, float16 pairs by ldmatrix (plain and transposed)
+    for dtype, precision in (("float32", "tf32"), ("float16", "fp16")):
+        for n, op in enumerate((masked_gradient(dtype), masked_input_gradient(dtype))):
+            plans.append(plan_op(op, f"masked{n}_{precision}", precision))
+            assert any(plans[-1].kernels[0].combined(side) for side in ("a", "b"))
+    # float16 tensors in every precision: a float16 sum beside a float16 mask in an epilogue (a float
+    # accumulator there made '*' ambiguous), vectors of eight converted to tf32 (stored as two float4)
+    plans += [
+        plan_op(op, f"hm{n}_{p}", p) for n, op in enumerate(all_ops(masked_gradient("float16"))) for p in PRECISIONS
+    ]
     # float16 tensors: copied by cp.async, 8 bytes a copy
     plans += [plan_op(op, f"h{n}", "fp16") for n, op in enumerate(all_ops(capsule(1, channels=16, dtype="float16")))]
     return plans
