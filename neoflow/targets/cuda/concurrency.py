@@ -56,13 +56,31 @@ class Task:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per task (in launch order): its ``lanes`` (0 is the capturing stream) and the earlier tasks on
-    other lanes it ``waits`` for; ``lane_count`` lanes in all."""
+    """Per task (in launch order): its ``lanes`` (0 is the capturing stream), the earlier tasks on
+    other lanes it ``waits`` for, and every earlier task it ``follows`` (its dependencies, whatever
+    their lane); ``lane_count`` lanes in all."""
 
     tasks: tuple[Task, ...]
     lanes: tuple[int, ...]
     waits: tuple[tuple[int, ...], ...]
     lane_count: int
+    follows: tuple[tuple[int, ...], ...] = ()
+
+    def urgency(self, levels: int) -> tuple[int, ...]:
+        """Per task, how urgent it is, from 0 to ``levels - 1`` (most): one less than the most tasks on a
+        chain of dependencies from it to the end of the run (itself included), at most ``levels - 1``
+        (a critical-path list schedule's priority; chains longer than the levels tie, which matters
+        only where two long chains run at once).  When tasks that may run at once share the GPU,
+        the urgent ones' blocks start first: the input-gradient chain of a backward pass before the
+        weight gradients beside it, which end their chains (capsule28: the first layer's input
+        gradient, then its weight gradient, ahead of the second layer's weight gradient).  Counted
+        in tasks, not predicted seconds: the timing model errs by more than the chains' lengths
+        differ."""
+        remaining = [1] * len(self.tasks)
+        for task in reversed(range(len(self.tasks))):
+            for before in self.follows[task]:
+                remaining[before] = max(remaining[before], remaining[task] + 1)
+        return tuple(min(levels, length) - 1 for length in remaining)
 
 
 def schedule(
@@ -103,7 +121,9 @@ def schedule(
         lanes.append(lane)
         waits.append(tuple(d for d in needed if lanes[d] != lane))
         tails[lane] = t
-    return Schedule(tuple(tasks), tuple(lanes), tuple(waits), max(len(tails), 1))
+    return Schedule(
+        tuple(tasks), tuple(lanes), tuple(waits), max(len(tails), 1), tuple(tuple(needed) for needed in follows)
+    )
 
 
 def plan_regions(

@@ -151,17 +151,38 @@ class View:
         self.pointer = buffer.pointer + offset
 
 
-def launch(function, grid, threads: int, shared: int, pointers: list[int], stream) -> tuple[np.ndarray, np.ndarray]:
+def launch(
+    function, grid, threads: int, shared: int, pointers: list[int], stream, priority: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Launch ``function`` on ``grid`` blocks of ``threads`` with device ``pointers`` as its
-    arguments; returns the argument values and their addresses (keep them alive until the launch
-    is captured or done)."""
+    arguments (with a scheduling ``priority``, a CUDA stream priority, where one is given: a
+    captured graph keeps it per kernel); returns the argument values and their addresses (keep
+    them alive until the launch is captured or done)."""
+    driver = _driver()
     values = np.array(pointers, dtype=np.uint64)
     addresses = np.array([values.ctypes.data + 8 * k for k in range(len(pointers))], dtype=np.uint64)
-    check(
-        _driver().cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, addresses.ctypes.data, 0),
-        "cuLaunchKernel",
-    )
+    if priority is None:
+        check(
+            driver.cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, addresses.ctypes.data, 0),
+            "cuLaunchKernel",
+        )
+        return values, addresses
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+    config.sharedMemBytes, config.hStream = shared, stream
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+    attribute.value.priority = priority
+    config.attrs, config.numAttrs = [attribute], 1
+    check(driver.cuLaunchKernelEx(config, function, addresses.ctypes.data, 0), "cuLaunchKernelEx")
     return values, addresses
+
+
+@cache
+def priority_range() -> tuple[int, int]:
+    """The current context's ``(least, greatest)`` stream priorities (greatest is the lower number)."""
+    return tuple(check(_driver().cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange"))
 
 
 def synchronize(stream) -> None:
@@ -228,7 +249,9 @@ class Graph:
         finally:
             graph = check(driver.cuStreamEndCapture(stream), "cuStreamEndCapture")
         self.graph = graph
-        self.executable = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        # each kernel runs at the priority it was launched with (not the replaying stream's)
+        flags = driver.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.value
+        self.executable = check(driver.cuGraphInstantiate(graph, flags), "cuGraphInstantiate")
 
     def replay(self, stream: object = None) -> None:
         """Launch the graph on ``stream`` (a ``CUstream``; None: the one it was captured on)."""

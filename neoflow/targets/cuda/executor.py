@@ -104,6 +104,10 @@ class ModelExecutor(PlannedExecutor):
         return rows
 
 
+#: kernels launched at the priority of their chain's urgency (``Schedule.urgency``)
+PRIORITIES = True
+
+
 class CudaExecutor(PlannedExecutor):
     """Runs ``graph`` on the GPU: one NVRTC module of every op's kernels; every tensor in
     device memory (``arch``: the architecture compiled for before a GPU is found; default the GPU's,
@@ -191,6 +195,8 @@ class CudaExecutor(PlannedExecutor):
         plans = list(self.plans.values())
         workspaces = {name: buffer.pointer for name, buffer in self.workspaces.items()}
         order = plan_schedule(plans, pointer, workspaces)
+        least, greatest = driver.priority_range()
+        urgency = order.urgency(max(1, least - greatest))  # the greatest left to NCCL's high-priority stream
         lanes = self.lanes
         lanes.fork(order.lane_count)
         kept = []
@@ -208,7 +214,8 @@ class CudaExecutor(PlannedExecutor):
                 if workspace is not None:
                     driver.memset_zero(workspace.pointer, workspace.nbytes, stream)
             else:
-                kept += self._launch_kernel(plan.kernels[task.piece], pointers, workspace, stream)
+                priority = least - urgency[number] if PRIORITIES else None
+                kept += self._launch_kernel(plan.kernels[task.piece], pointers, workspace, stream, priority)
             lanes.record(number, lane)
         last = {lane: number for number, lane in enumerate(order.lanes)}
         for lane, number in last.items():
@@ -216,8 +223,8 @@ class CudaExecutor(PlannedExecutor):
                 lanes.wait(0, number)  # the capture ends on lane 0 with every lane joined
         return kept
 
-    def _launch_kernel(self, kernel, pointers: list[int], workspace, stream) -> list:
-        """Launch ``kernel`` (and the finishing kernel of a split depth) on ``stream``."""
+    def _launch_kernel(self, kernel, pointers: list[int], workspace, stream, priority: int | None = None) -> list:
+        """Launch ``kernel`` (and the finishing kernel of a split depth) on ``stream``, at ``priority``."""
         from neoflow.targets.cuda import driver
 
         if isinstance(kernel, MmaKernel):
@@ -229,11 +236,11 @@ class CudaExecutor(PlannedExecutor):
         split = isinstance(kernel, MmaKernel) and kernel.splits > 1
         if split:
             arguments.append(workspace.pointer)
-        kept = [driver.launch(function, kernel.grid, threads, shared, arguments, stream)]
+        kept = [driver.launch(function, kernel.grid, threads, shared, arguments, stream, priority)]
         if split:  # the finishing kernel: the workspace's sums through the epilogue
             finish = self.module.function(f"{kernel.name}_finish")
             blocks = (max(1, min(-(-kernel.finish_points // 256), 1 << 16)), 1, 1)
-            kept.append(driver.launch(finish, blocks, 256, 0, [*pointers, workspace.pointer], stream))
+            kept.append(driver.launch(finish, blocks, 256, 0, [*pointers, workspace.pointer], stream, priority))
         return kept
 
     def _bind(self, arrays: Mapping[str, object], role: str) -> dict[str, int]:

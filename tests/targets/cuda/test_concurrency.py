@@ -100,3 +100,25 @@ def test_every_pair_of_ops_sharing_memory_keeps_its_order(model: str) -> None:
                 checked += 1
     assert checked > 0
     assert order.lane_count > 1  # some ops of a training step run at once
+
+
+def test_a_task_is_as_urgent_as_the_chain_of_tasks_after_it() -> None:
+    # op 0 feeds ops 1 and 2; op 2 feeds op 3: 0 heads a chain of three, 2 one of two, 1 and 3 end theirs
+    order = schedule([1, 1, 1, 1], [False] * 4, [set(), {0}, {0}, {2}])
+    assert order.urgency(6) == (2, 0, 1, 0)
+    assert order.urgency(2) == (1, 0, 1, 0)  # chains longer than the levels tie at the most urgent
+
+
+def test_a_backward_pass_puts_the_input_gradient_chain_before_a_weight_gradient() -> None:
+    # capsule28: the second layer's input gradient (4 lattice pieces), then the first layer's weight
+    # gradient, run beside the second layer's weight gradient; the chain that goes on comes first
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd")
+    compiled = neoflow.compile(MODELS / "capsule28.onnx", target="tensorcore", train=spec, fusion="neoflow")
+    executor = compiled.executor_and_feed(compiled.example_batch(training=True), True)[0]
+    plans = list(executor.plans.values())
+    order = plan_schedule(plans, *_addresses(executor))
+    urgency = dict.fromkeys((plans[t.op].op.name for t in order.tasks), 0)
+    for task, level in zip(order.tasks, order.urgency(6), strict=True):
+        urgency[plans[task.op].op.name] = max(urgency[plans[task.op].op.name], level)
+    assert urgency["grad_a1"] > urgency["k2__next"] and urgency["grad_a1"] > urgency["k1__next"]
+    assert urgency["a1"] == 5  # the forward pass heads the longest chain

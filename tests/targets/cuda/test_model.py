@@ -268,6 +268,16 @@ def test_long_sums_with_few_outputs_reduce_a_block_per_point() -> None:
     assert isinstance(kernel, SimtKernel) and kernel.block_reduce and kernel.grid == (48, 1, 1)
     short = neoflow.op("Y[i] = ReduceAdd({k}, A[i, k])", shapes={"A": (4096, 16)})
     assert not plan_op(short, "k", "tf32").kernels[0].block_reduce
+    # a mean loss: one point, 64 terms each summing 10 more (one thread took 28 us on an H100)
+    loss = neoflow.op(
+        "L[] = ReduceAdd({n}, log(S[n]) - ReduceAdd({c}, Select(c == y[n], Z[n, c], 0))) / 64",
+        shapes={"S": (64,), "Z": (64, 10), "y": (64,)},
+        dtypes={"y": "int64"},
+    )
+    (kernel,) = plan_op(loss, "k", "tf32").kernels
+    assert isinstance(kernel, SimtKernel) and kernel.block_reduce
+    rows = neoflow.op("Y[i] = ReduceAdd({k}, A[i, k])", shapes={"A": (64, 10)})  # a few terms: a thread each
+    assert not plan_op(rows, "k", "tf32").kernels[0].block_reduce
 
 
 def test_a_sum_over_a_lattice_steps_through_it() -> None:
