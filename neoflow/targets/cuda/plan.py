@@ -567,16 +567,18 @@ def reduction_parts(op: Op):
 
 def simt_kernel(name: str, op: Op) -> SimtKernel:
     """The SIMT kernel of ``op``: a block per output point where its one reduction is long
-    (``BLOCK_REDUCE_TERMS`` reads a point, nested sums included, over at least a warp's worth of
-    terms) and its points few (``BLOCK_REDUCE_POINTS``), else a thread per point.  (A mean loss
-    over 64 rows of 10 classes, one point whose 64 terms each sum 10 more, took 28 us as one thread
-    on an H100, on its training step's critical path.)"""
+    (``BLOCK_REDUCE_TERMS`` terms, or as many reads a point over at least a warp's worth of terms
+    that each sum more) and its points few (``BLOCK_REDUCE_POINTS``), else a thread per point.  (A
+    mean loss over 64 rows of 10 classes, one point whose 64 terms each sum 10 more, took 28 us as
+    one thread on an H100.)"""
     parts = reduction_parts(op)
     if parts is not None and not strided_axes(parts[0], op.extent):
         terms = math.prod(op.extent[a] for a in parts[0].axes)
         points = math.prod(op.extent[v] for v in op.indices)
-        reads = sum(op_work(op).reads.values()) / points
-        if max(terms, reads) >= BLOCK_REDUCE_TERMS and terms >= 32 and points <= BLOCK_REDUCE_POINTS:
+        long = terms >= BLOCK_REDUCE_TERMS
+        if not long and terms >= 32 and any(isinstance(node, Reduce) for node in parts[0].body.walk()):
+            long = sum(op_work(op).reads.values()) / points >= BLOCK_REDUCE_TERMS
+        if long and points <= BLOCK_REDUCE_POINTS:
             return SimtKernel(name, op, block_reduce=True)
     return SimtKernel(name, op)
 
