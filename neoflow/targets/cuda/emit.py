@@ -881,7 +881,8 @@ def _epilogue(kernel: MmaKernel) -> str:
     column variables the epilogue reads), then row by row its row variables and the row part,
     each element's offset the sum of the two (the whole offset where no such split exists).  With
     ``paired_stores`` registers ``2p`` and ``2p + 1`` (an even column and its neighbour, which the
-    even width keeps inside the output) leave as one two-element vector."""
+    even width keeps inside the output) leave as one two-element vector (a split kernel's sums
+    as one ``float2`` atomic addition)."""
     view, tiles = kernel.view, kernel.tiles
     _, m, n, _ = view.sizes
     parts = kernel.output_parts
@@ -910,7 +911,22 @@ def _epilogue(kernel: MmaKernel) -> str:
         return "".join(f"const int64_t v_{v} = nf_cv_{v}[fn][{odd}]; " for v in kept)
 
     place = "nf_roff + nf_coff[fn][nf_o]" if parts else offset
-    if kernel.paired_stores:
+    if kernel.paired_stores and kernel.splits > 1:  # both sums into the workspace at once (Hopper)
+        store = (
+            f"            if (nf_cok[fn][0]) {{\n"
+            f"                const int reg = 2 * nf_h, nf_o = 0;\n"
+            f"                {column('0')}\n"
+            f"                float *nf_sum = &nf_ws[{place}];\n"
+            f"#if __CUDA_ARCH__ >= 900\n"
+            f"                atomicAdd(reinterpret_cast<float2 *>(nf_sum), "
+            f"make_float2(nf_acc[fm][fn][reg], nf_acc[fm][fn][reg + 1]));\n"
+            f"#else\n"
+            f"                atomicAdd(nf_sum, nf_acc[fm][fn][reg]);\n"
+            f"                atomicAdd(nf_sum + 1, nf_acc[fm][fn][reg + 1]);\n"
+            f"#endif\n"
+            f"            }}\n"
+        )
+    elif kernel.paired_stores:
         element = CUDA_TYPES[view.op.dtype]
         pair, pack = _PAIRS[view.op.dtype]
         store = (

@@ -351,9 +351,10 @@ class MmaKernel:
         lane's registers ``2p`` and ``2p + 1`` are neighbouring columns (an even one first,
         ``accumulator_coords``), side by side in memory and aligned to the pair where the output
         offset moves by one along the innermost column variable (of even extent) and by an even
-        number along every other (a split kernel adds into its workspace one element at a time)."""
+        number along every other.  A split kernel's float32 workspace lies as the output does: its
+        pairs are added as one ``float2`` (``red.global.add.v2.f32`` on Hopper)."""
         view = self.view
-        if self.splits > 1 or view.op.dtype not in ("float16", "bfloat16", "float32") or not view.n:
+        if (self.splits == 1 and view.op.dtype not in ("float16", "bfloat16", "float32")) or not view.n:
             return False
         name, extent = view.n[-1]
         steps = unit_run_steps(view.out_offset, name, [v for v, _ in (*view.m, *view.n, *view.batch)])

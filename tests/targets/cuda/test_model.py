@@ -248,6 +248,20 @@ def test_a_masked_operand_is_copied_tensor_by_tensor_and_combined_as_it_is_read(
             _close(got, want, tolerance)
 
 
+def test_a_split_kernel_adds_neighbouring_sums_as_one_pair() -> None:
+    # a split depth's partial sums go into a float32 workspace laid out as the output: an even column and
+    # its neighbour lie together there, and leave as one float2 atomic addition (Hopper)
+    even = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (40, 512), "B": (512, 24)})
+    odd = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (40, 512), "B": (512, 23)})
+    for op, paired in ((even, True), (odd, False)):
+        (view,) = gemm_views(op, TENSOR_CORE)
+        kernel = dataclasses.replace(make_kernel("k", view, TILE_CHOICES[2], "tf32"), splits=4)
+        assert kernel.paired_stores is paired
+        assert ("reinterpret_cast<float2 *>(nf_sum)" in mma_source(kernel)) is paired
+        inputs = _exact_inputs(op, seed=7)
+        _close(run_plan(OpPlan(op, (kernel,), True), inputs), neoflow.evaluate(op, inputs))
+
+
 def test_a_combined_operand_is_zero_where_nothing_is_copied() -> None:
     from neoflow.targets.cuda.plan import pointwise_gather
 
@@ -356,7 +370,8 @@ def test_hopper_plans_put_large_16_bit_products_on_wgmma() -> None:
 def test_outputs_go_out_in_pairs_only_where_neighbouring_columns_lie_together(wgmma: bool) -> None:
     tiles = WGMMA_TILES[0] if wgmma else TILE_CHOICES[0]
     assert wgmma_plan("nn", WGMMA_TILES[0]).kernels[0].paired_stores
-    assert not wgmma_plan("nn", WGMMA_TILES[0], splits=2).kernels[0].paired_stores  # sums added into a workspace
+    split = wgmma_plan("nn", WGMMA_TILES[0], splits=2).kernels[0]  # sums added into a workspace, two at once
+    assert split.paired_stores and "reinterpret_cast<float2 *>(nf_sum)" in mma_source(split)
 
     def kernel(out: str, columns: int, dtype: str = "float16") -> MmaKernel:
         shapes = {"A": (64, 64), "B": (64, columns)}
