@@ -20,7 +20,7 @@ from neoflow.ir import bounds, index
 from neoflow.ir import dtypes as dt
 from neoflow.ir.expr import Cast, Expr, Read, Reduce, map_children, map_indices
 from neoflow.ir.op import Op, Tensor
-from neoflow.ir.simplify import fold_selects, simplify_index
+from neoflow.ir.simplify import drop_idle_clamps, fold_selects, simplify_index
 
 #: ``inline_all``'s memo: an op's substituted form by its name and the inlined ops it reaches.
 InlineMemo = dict[tuple[str, frozenset[str]], Op]
@@ -144,3 +144,46 @@ def inline_all(ops: Iterable[Op], inlined: Iterable[str], memo: InlineMemo | Non
         else:
             roots.append(fused)
     return roots
+
+
+#: a pointwise producer is recomputed in place of a read of its output (``recompute_from_reads``) when its
+#: expression has at most this many nodes (a clip or a ReLU: a comparison or two)
+RECOMPUTED_NODES = 12
+
+
+def _pointwise(op: Op) -> bool:
+    """Whether ``op`` computes each point from its inputs' elements at that very point (every read
+    at ``op``'s own indices, in order; no reduction, no scatter), cheaply (``RECOMPUTED_NODES``)."""
+    if op.scatter is not None:
+        return False
+    own = tuple(index.var(v) for v in op.indices)
+    nodes = list(op.body.walk())
+    if len(nodes) > RECOMPUTED_NODES or any(isinstance(node, Reduce) for node in nodes):
+        return False
+    shapes = {t.name: t.shape for t in op.inputs}
+    reads = [node for node in nodes if isinstance(node, Read)]
+    return bool(reads) and all(r.indices == own and shapes.get(r.tensor) == op.shape for r in reads)
+
+
+def recompute_from_reads(op: Op, producers: Mapping[str, Op]) -> Op:
+    """``op`` with each tensor it reads that a cheap pointwise producer (``producers``: op by
+    output name) computes from tensors ``op`` already reads at the same points recomputed from
+    those reads instead: one tensor fewer to read; then comparisons of clamps simplified
+    (``drop_idle_clamps``, also where the plan inlined the clamp).  A ReLU6's derivative
+    ``[0 < x] [clip(x) < 6]`` then reads the BatchNorm output ``x`` alone, as ``[0 < x] [x < 6]``,
+    not the clipped tensor as well."""
+    for tensor in op.inputs:
+        producer = producers.get(tensor.name)
+        if producer is None or not _pointwise(producer):
+            continue
+        reads = [node for node in op.body.walk() if isinstance(node, Read)]
+        points = {r.indices for r in reads if r.tensor == tensor.name}
+        if len(points) != 1:
+            continue
+        (point,) = points
+        have = {(r.tensor, r.indices) for r in reads if r.tensor != tensor.name}
+        needed = {(r.tensor, point) for r in producer.body.walk() if isinstance(r, Read)}
+        if needed <= have:
+            op = inline(op, producer)
+    body = drop_idle_clamps(op.body)
+    return op if body == op.body else replace(op, body=body)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from neoflow.errors import CompileError
-from neoflow.fusion.inline import InlineMemo, inline_all, why_not_inlined
+from neoflow.fusion.inline import InlineMemo, inline_all, recompute_from_reads, why_not_inlined
 from neoflow.fusion.slicing import roles_in_kernel
 from neoflow.ir.expr import Read, Select
 from neoflow.ir.graph import Graph
@@ -477,12 +477,17 @@ def kernel_ops(graph: Graph, kernel: Kernel, memo: InlineMemo | None = None) -> 
 
 def apply_plan(graph: Graph, plan: FusionPlan) -> tuple[Graph, tuple[tuple[str, ...], ...]]:
     """The graph of fused ops for ``plan`` (kernels in plan order, each one's
-    materialised ops with inlined producers substituted) and, per kernel, the
+    materialised ops with inlined producers substituted, and, unless the plan is
+    the ``none`` policy's, every op alone, cheap pointwise tensors recomputed from
+    what a kernel reads anyway, ``recompute_from_reads``) and, per kernel, the
     names of the ops it runs."""
     fused: list[Op] = []
     groups = []
+    producers = {op.name: op for op in graph.ops}
     for kernel in plan.kernels:
         roots = kernel_ops(graph, kernel)
+        if plan.policy != "none":
+            roots = [recompute_from_reads(op, producers) for op in roots]
         fused.extend(roots)
         groups.append(tuple(op.name for op in roots))
     result = Graph(

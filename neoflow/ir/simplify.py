@@ -197,3 +197,46 @@ def fold_selects(node: Expr, extents: Mapping[str, int]) -> Expr:
         return n
 
     return fold(node)
+
+
+#: ``min(u, k) op c`` and ``max(u, k) op c`` that are ``u op c`` for constants ``k`` and ``c``: per comparison,
+#: the condition on ``k`` and ``c`` under which the clamp does not change the comparison
+_CLAMP_IDLE = {
+    ("min", "<"): lambda k, c: k >= c,
+    ("min", "<="): lambda k, c: k > c,
+    ("min", ">"): lambda k, c: k > c,
+    ("min", ">="): lambda k, c: k >= c,
+    ("max", "<"): lambda k, c: k < c,
+    ("max", "<="): lambda k, c: k <= c,
+    ("max", ">"): lambda k, c: k <= c,
+    ("max", ">="): lambda k, c: k < c,
+}
+
+
+def _number(node: Expr) -> float | None:
+    """The value of a numeric literal (not a bool), else None."""
+    if isinstance(node, Const) and not isinstance(node.value, bool) and isinstance(node.value, int | float):
+        return float(node.value)
+    return None
+
+
+def drop_idle_clamps(node: Expr) -> Expr:
+    """``node`` with every comparison of a clamp against a constant that the clamp cannot change
+    compared without it: ``min(max(x, 0), 6) < 6`` is ``x < 6`` (a ReLU6's derivative recomputed
+    from its input).  Exact for every ``x``, NaN included (a NaN compares false both ways)."""
+
+    def drop(n: Expr) -> Expr:
+        n = map_children(n, drop)
+        if not (isinstance(n, Binary) and n.op in COMPARISONS):
+            return n
+        clamp, limit = n.a, _number(n.b)
+        if limit is None or not (isinstance(clamp, Binary) and clamp.op in ("min", "max")):
+            return n
+        for inner, bound in ((clamp.a, clamp.b), (clamp.b, clamp.a)):
+            k = _number(bound)
+            idle = _CLAMP_IDLE.get((clamp.op, n.op))
+            if k is not None and idle is not None and idle(k, limit):
+                return drop(Binary(n.op, inner, n.b))
+        return n
+
+    return drop(node)

@@ -90,3 +90,45 @@ def test_a_scatter_add_cannot_be_inlined() -> None:
     scatter = replace(graph.ops[0], scatter=(graph.ops[0].body.a.indices[0],))
     with pytest.raises(CompileError, match="scatter-add"):
         inline(graph.ops[1], scatter)
+
+
+RELU6 = """
+Y[i] = min(max(X[i], 0.0), 6.0)
+dX[i] = G[i] * (Select(Y[i] < 6.0, 1, 0) * Select(X[i] > 0.0, 1, 0))
+"""
+
+
+def test_a_clamp_whose_input_is_read_anyway_is_recomputed_not_read() -> None:
+    from neoflow.fusion.inline import recompute_from_reads
+
+    # a ReLU6's derivative reads the clipped tensor and its input: the input alone suffices
+    graph = _graph(RELU6, X=[64], G=[64])
+    producers = {op.name: op for op in graph.ops}
+    derivative = recompute_from_reads(producers["dX"], producers)
+    assert [t.name for t in derivative.inputs] == ["G", "X"]
+    assert "min(" not in str(derivative) and "max(" not in str(derivative)  # [X < 6], not [clip(X) < 6]
+    x = np.array([-1.0, 0.0, 0.5, 5.9, 6.0, 7.0, np.nan] * 9 + [3.0], np.float32)
+    g = np.arange(64, dtype=np.float32)
+    values = evaluate_graph(graph, {"X": x, "G": g})
+    np.testing.assert_array_equal(evaluate(derivative, {"X": x, "G": g}), values["dX"])
+    # not where the input is not read already, nor a producer that sums
+    alone = _graph("Y[i] = min(max(X[i], 0.0), 6.0)\nZ[i] = G[i] * Select(Y[i] < 6.0, 1, 0)", X=[8], G=[8])
+    ops = {op.name: op for op in alone.ops}
+    assert recompute_from_reads(ops["Z"], ops) is ops["Z"]
+    summed = _graph("S[i] = ReduceAdd({k}, X[i, k])\nZ[i] = S[i] * X[i, 0]", X=[8, 4])
+    ops = {op.name: op for op in summed.ops}
+    assert recompute_from_reads(ops["Z"], ops) is ops["Z"]
+
+
+def test_plans_recompute_clamps_from_what_they_read_except_the_unfused_plan() -> None:
+    from neoflow.fusion.cost import CostModel
+    from neoflow.fusion.plan import apply_plan
+    from neoflow.fusion.policies import load_policy
+
+    # Y kept (an output): every plan stores it, and only the fused plan's derivative stops reading it
+    graph = neoflow.graph(RELU6, shapes={"X": (64,), "G": (64,)}, outputs=["Y", "dX"])
+    for policy, reads in (("none", ["G", "Y", "X"]), ("elementwise", ["G", "X"]), ("neoflow", ["G", "X"])):
+        plan = load_policy(policy).plan(graph, CostModel())
+        fused, _ = apply_plan(graph, plan)
+        derivative = next(op for op in fused.ops if op.name == "dX")
+        assert [t.name for t in derivative.inputs] == reads, policy

@@ -157,3 +157,28 @@ def test_a_select_the_box_decides_is_the_branch_it_takes() -> None:
     # a condition on data is not decided
     on_data = Select(Binary("<", Read("I", (c,), "float32"), Const(3)), Const(1.0), Const(0.0))
     assert condition_value(on_data.cond, {"c": 3}) is None and fold_selects(on_data, {"c": 3}) == on_data
+
+
+def test_a_clamp_that_cannot_change_a_comparison_is_dropped() -> None:
+    from neoflow.ir.expr import Binary, Const, Read
+    from neoflow.ir.simplify import drop_idle_clamps
+
+    x = Read("X", (sympy.Symbol("i", integer=True),), "float32")
+    relu6 = Binary("min", Binary("max", x, Const(0.0)), Const(6.0))
+    assert drop_idle_clamps(Binary("<", relu6, Const(6.0))) == Binary("<", x, Const(6.0))
+    assert drop_idle_clamps(Binary(">", relu6, Const(0.0))) == Binary(">", x, Const(0.0))
+    assert drop_idle_clamps(Binary(">=", Binary("max", Const(0.0), x), Const(1.0))) == Binary(">=", x, Const(1.0))
+    assert drop_idle_clamps(Binary("<", relu6, Const(5.0))) == Binary("<", x, Const(5.0))
+    for kept in (Binary("<=", relu6, Const(6.0)), Binary(">", Binary("max", x, Const(0.0)), Const(-1.0))):
+        assert drop_idle_clamps(kept) == kept  # the clamp decides these (always true): left alone
+    values = np.array([-2.0, 0.0, 3.0, 6.0, 9.0, np.nan], np.float32)
+    for op in ("<", "<=", ">", ">="):
+        for limit in (-1.0, 0.0, 3.0, 6.0, 7.0):
+            for clamp in ("min", "max"):
+                for k in (0.0, 6.0):
+                    expr = Binary(op, Binary(clamp, x, Const(k)), Const(limit))
+                    clamped = (np.minimum if clamp == "min" else np.maximum)(values, k)
+                    compare = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal}[op]
+                    simplified = drop_idle_clamps(expr)
+                    if simplified != expr:  # x compared directly: the same answer at every value, NaN too
+                        np.testing.assert_array_equal(compare(values, limit), compare(clamped, limit))
