@@ -531,6 +531,9 @@ def _epilogue_on_chip(
         sums = Region("UB", half * width, align(points * ACCUMULATOR_BYTES, 32))
         if count >= 2:
             flags.wait("VECTOR", "FIXPIPE", half)  # the half's sums of two chunks ago are read
+            # ... and its result stored: chunks of other sizes lay the half out differently, so these sums
+            # may fall where that result lay
+            flags.wait("MTE3", "FIXPIPE", half)
         program.add(
             copy(
                 machine,
@@ -547,6 +550,7 @@ def _epilogue_on_chip(
         flags.signal("FIXPIPE", "VECTOR", half)
         if count >= 2:
             flags.wait("VECTOR", "MTE2", half)  # the half's inputs of two chunks ago are read
+            flags.wait("MTE3", "MTE2", half)  # and its result stored (as for the sums above)
         offset, loaded = sums.offset + sums.size, []
         for footprint in _epilogue_footprints(view, env):
             region = Region("UB", offset, align(max(footprint.bytes, 32), 32))
@@ -577,4 +581,5 @@ def _epilogue_on_chip(
         destination = Region(GM, low * output_itemsize, (high - low + 1) * output_itemsize, output)
         # stored bytes as FIXPIPE's stores count them: L2 absorbs the writes (``loads``)
         program.add(copy(machine, core, result, destination, moved=points * output_itemsize, data=offsets))
-        flags.signal("MTE3", "VECTOR", half)
+        for pipe in ("VECTOR", "FIXPIPE", "MTE2"):
+            flags.signal("MTE3", pipe, half)

@@ -481,3 +481,28 @@ def test_a_weight_every_row_tile_reads_stays_in_l1_and_is_loaded_once() -> None:
     assert len(loads["A"]) > len(loads["B"])  # while A's patches stream through the ping-pong halves
     b_regions = [i.writes[0] for i in program.instructions if isinstance(i.data, Footprint) and i.data.tensor == "B"]
     assert len({(r.offset, r.size) for r in b_regions}) == len(b_regions)  # each at a place of its own
+
+
+def test_every_tiling_weighed_lands_on_its_schedule(monkeypatch) -> None:
+    import neoflow.targets.npu.compile as npu_compile
+    from neoflow.targets.npu.schedule import static_schedule
+
+    # the tilings weighed (the busiest core alone, timed on its static schedule) are programs too: an
+    # on-chip epilogue whose chunks differ in size once let a chunk's inputs land over the result two
+    # chunks before it while MTE3 still stored that result (W 200 x 136 on one core: a missing flag)
+    weighed = []
+
+    def scheduled(program):
+        schedule = static_schedule(program)
+        weighed.append((program, schedule))
+        return schedule
+
+    monkeypatch.setattr(npu_compile, "static_schedule", scheduled)
+    op = neoflow.op(
+        "Wn[i, j] = W[i, j] - 0.1 * ReduceAdd({b}, G[b, i] * X[b, j])",
+        shapes={"W": (200, 136), "G": (48, 200), "X": (48, 136)},
+    )
+    compile_op(op, _one_core())
+    assert len(weighed) > 1
+    for program, schedule in weighed:
+        assert replay(program, against=schedule).starts == schedule.starts
