@@ -306,7 +306,7 @@ def emit_view(
     output: str,
     output_itemsize: int,
     workspace: str | None,
-    steps: dict[int, list[int]],
+    steps: dict[int, list],
     touch: FirstTouch,
     busiest_only: bool = False,
     on_chip: bool = False,
@@ -314,8 +314,9 @@ def emit_view(
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
     results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor; with
     ``on_chip``, through UB and the vector unit applying the epilogue, ``vector_epilogue``).
-    ``steps`` counts per core its L1 steps, L0 steps, tiles and on-chip epilogue chunks so far in the program (the
-    ping-pong halves and their flags carry on from one view to the next); ``touch`` which input
+    ``steps`` counts per core its L1 steps, L0 steps, tiles and on-chip epilogue chunks so far in the program,
+    and holds the last result stored from each UB half (the ping-pong halves and their flags carry on from
+    one view to the next); ``touch`` which input
     elements the program has read (``loads``); ``busiest_only``: the first core's share alone (the
     most work items: a trial of the tiles)."""
     machine = program.machine
@@ -338,8 +339,8 @@ def emit_view(
         if not mine:
             continue
         flags = _Flags(program, core)
-        l1_step, l0_step, done, chunks = steps.setdefault(core, [0, 0, 0, 0])
-        drained = [chunks]
+        l1_step, l0_step, done, chunks, stored = steps.setdefault(core, [0, 0, 0, 0, {}])
+        drained = [chunks, stored]
         resident = _resident_b(view, gathers[1], tiles, mine, sizes["b"], a_bound, slot_l1)
         for count, (z, mi, ni, depth) in enumerate(mine, start=done):
             rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
@@ -435,7 +436,7 @@ def emit_view(
             for step in range(max(0, l1_step - 2), l1_step):
                 flags.wait("MTE1", "MTE2", step % 2)
             l1_step = 0  # both halves free: the next loads wait for nothing
-        steps[core] = [l1_step, l0_step, done + len(mine), drained[0]]
+        steps[core] = [l1_step, l0_step, done + len(mine), drained[0], stored]
 
 
 class _ResidentB:
@@ -500,6 +501,17 @@ def _resident_b(
     return _ResidentB(placed, keys)
 
 
+def _after_store(flags: _Flags, pipe: str, half: int, regions: list[Region], stored: dict[int, Region]) -> None:
+    """Make ``pipe`` wait, before writing ``regions`` of UB half ``half``, until MTE3 has stored the
+    result the half's previous chunk left there (``stored``), where they overlap it: chunks of other
+    sizes lay a half out differently.  The flag is set on MTE3 here, after every store issued so far,
+    and waited for at once (so set and wait stay paired)."""
+    previous = stored.get(half)
+    if previous is not None and any(region.overlaps(previous) for region in regions):
+        flags.signal("MTE3", pipe, half)
+        flags.wait("MTE3", pipe, half)
+
+
 def _epilogue_on_chip(
     program: Program,
     flags: _Flags,
@@ -508,21 +520,23 @@ def _epilogue_on_chip(
     acc_slot: int,
     output: str,
     output_itemsize: int,
-    drained: list[int],
+    drained: list,
     touch: FirstTouch,
     cores: int,
 ) -> None:
     """The epilogue of a finished tile on its core's vector unit, in chunks of rows that fit a
     half of UB: FIXPIPE drains a chunk's fp32 sums from ``l0c`` into the half, MTE2 brings the
     elements the epilogue reads beside them, the vector unit applies it, MTE3 stores the result
-    into GM tensor ``output``; halves ping-pong between chunks (``drained[0]``: the core's chunks
-    so far).  L0C is released to the cube after the last chunk."""
+    into GM tensor ``output``; halves ping-pong between chunks (``drained``: the core's chunks so far,
+    and per half the result MTE3 last stored from it, ``_after_store``).  L0C is released to the cube
+    after the last chunk."""
     machine = program.machine
     view, core = tile.view, flags.core
     width = machine.buffer("UB").capacity // 2
     point = epilogue_point_bytes(view, output_itemsize)
     per_chunk = max(16, (width - 256 * (len(_epilogue_reads(view)) + 2)) // (point * len(tile.cols)) // 16 * 16)
     chunks = [range(r, min(r + per_chunk, tile.rows.stop)) for r in range(tile.rows.start, tile.rows.stop, per_chunk)]
+    stored = drained[1]
     for position, rows in enumerate(chunks):
         count, half = drained[0], drained[0] % 2
         drained[0] += 1
@@ -531,9 +545,7 @@ def _epilogue_on_chip(
         sums = Region("UB", half * width, align(points * ACCUMULATOR_BYTES, 32))
         if count >= 2:
             flags.wait("VECTOR", "FIXPIPE", half)  # the half's sums of two chunks ago are read
-            # ... and its result stored: chunks of other sizes lay the half out differently, so these sums
-            # may fall where that result lay
-            flags.wait("MTE3", "FIXPIPE", half)
+        _after_store(flags, "FIXPIPE", half, [sums], stored)
         program.add(
             copy(
                 machine,
@@ -550,12 +562,13 @@ def _epilogue_on_chip(
         flags.signal("FIXPIPE", "VECTOR", half)
         if count >= 2:
             flags.wait("VECTOR", "MTE2", half)  # the half's inputs of two chunks ago are read
-            flags.wait("MTE3", "MTE2", half)  # and its result stored (as for the sums above)
         offset, loaded = sums.offset + sums.size, []
-        for footprint in _epilogue_footprints(view, env):
-            region = Region("UB", offset, align(max(footprint.bytes, 32), 32))
-            loaded.append(region)
-            offset += region.size
+        footprints = _epilogue_footprints(view, env)
+        for footprint in footprints:
+            loaded.append(Region("UB", offset, align(max(footprint.bytes, 32), 32)))
+            offset += loaded[-1].size
+        _after_store(flags, "MTE2", half, loaded, stored)
+        for footprint, region in zip(footprints, loaded, strict=True):
             touch.add(program, core, footprint, gm_load(machine, core, footprint, region), cores)
         result = Region("UB", offset, align(points * output_itemsize, 32))
         if result.offset + result.size > (half + 1) * width:
@@ -581,5 +594,5 @@ def _epilogue_on_chip(
         destination = Region(GM, low * output_itemsize, (high - low + 1) * output_itemsize, output)
         # stored bytes as FIXPIPE's stores count them: L2 absorbs the writes (``loads``)
         program.add(copy(machine, core, result, destination, moved=points * output_itemsize, data=offsets))
-        for pipe in ("VECTOR", "FIXPIPE", "MTE2"):
-            flags.signal("MTE3", pipe, half)
+        flags.signal("MTE3", "VECTOR", half)
+        stored[half] = result
