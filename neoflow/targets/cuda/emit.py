@@ -720,17 +720,17 @@ def _combiner(kernel: MmaKernel, side: str) -> str:
     )
 
 
-def _combined_registers(kernel: MmaKernel, side: str, target: str, count: int) -> str:
+def _combined_registers(kernel: MmaKernel, side: str, target: str) -> str:
     """C loading the other tensors' fragment registers of combined operand ``side`` (from the tiles
-    after the first, at the ``ldmatrix`` address ``nf_at``) and replacing each register
-    ``target[reg]`` (``reg < count``; the first tensor's) by the operand: a tf32 element rounded,
-    a pair of 16-bit elements each computed in float and packed again."""
+    after the first, at the ``ldmatrix`` address ``nf_at``) and replacing each of the four registers
+    ``target[reg]`` (the first tensor's) by the operand: a tf32 element rounded, a pair of 16-bit
+    elements each computed in float and packed again."""
     copies, tile = kernel.copies(side), kernel.tile_elements(side)
     load = "nf_ldmatrix_x4" if kernel.layout(side) == "rows" else "nf_ldmatrix_x4_trans"
     base = "nf_wa" if side == "a" else "nf_wb"
     lines = [f"                uint32_t nf_other[{copies - 1}][4];"] if copies > 1 else []
     lines += [f"                {load}(nf_other[{k - 1}], {base} + {k * tile} + nf_at);" for k in range(1, copies)]
-    lines.append(f"                #pragma unroll\n                for (int reg = 0; reg < {count}; ++reg) {{")
+    lines.append("                #pragma unroll\n                for (int reg = 0; reg < 4; ++reg) {")
     if kernel.storage == "tf32":
         values = ", ".join(
             [f"__uint_as_float({target}[reg])"] + [f"__uint_as_float(nf_other[{k}][reg])" for k in range(copies - 1)]
@@ -787,7 +787,7 @@ def _fragments(kernel: MmaKernel) -> str:
         """Lines finishing the ``ldmatrix``-loaded ``registers`` of operand ``side``: combined, or
         tf32 ones rounded."""
         if kernel.combined(side):
-            return [_combined_registers(kernel, side, registers, 4)]
+            return [_combined_registers(kernel, side, registers)]
         return [rounded(registers)] if tf32 else []
 
     if kernel.by_ldmatrix("a"):

@@ -144,7 +144,6 @@ def pointwise_gather(gather: Gather, op: Op) -> bool:
     gathered offset alone, as ``G * [A > 0]`` is: no guard or index variable besides the offset,
     no reduction, and zero where every element is zero (a copy's zero fill past the tensor's
     rows or depth then yields the zero operand the matrix product needs there)."""
-
     expr = gather.expr
     if gather.row_vars or gather.depth_vars or any(isinstance(node, Reduce) for node in expr.walk()):
         return False
@@ -311,8 +310,7 @@ class MmaKernel:
     def copies(self, side: str) -> int:
         """Tensors whose tiles a stage of operand ``side`` holds, one after another: those of a
         ``combined`` operand, else one."""
-        gather = self.gather(side)
-        return len(gather.tensors) if self.combined(side) and gather is not None else 1
+        return len(self.gather(side).tensors) if self.combined(side) else 1  # type: ignore[union-attr]
 
     def stage_elements(self, side: str) -> int:
         """Elements of one stage of operand ``side``: its ``copies`` tiles."""
