@@ -477,9 +477,9 @@ def kernel_ops(graph: Graph, kernel: Kernel, memo: InlineMemo | None = None) -> 
 
 def apply_plan(graph: Graph, plan: FusionPlan) -> tuple[Graph, tuple[tuple[str, ...], ...]]:
     """The graph of fused ops for ``plan`` (kernels in plan order, each one's
-    materialised ops with inlined producers substituted, and, unless the plan is
-    the ``none`` policy's, every op alone, cheap pointwise tensors recomputed from
-    what a kernel reads anyway, ``recompute_from_reads``) and, per kernel, the
+    materialised ops with inlined producers substituted, and, in every plan but
+    the ``none`` policy's (each op alone), cheap pointwise tensors recomputed from
+    what a kernel reads anyway: ``recompute_from_reads``) and, per kernel, the
     names of the ops it runs."""
     fused: list[Op] = []
     groups = []
