@@ -64,7 +64,7 @@ class Schedule:
     lanes: tuple[int, ...]
     waits: tuple[tuple[int, ...], ...]
     lane_count: int
-    follows: tuple[tuple[int, ...], ...] = ()
+    follows: tuple[tuple[int, ...], ...]
 
     def urgency(self, levels: int) -> tuple[int, ...]:
         """Per task, how urgent it is, from 0 to ``levels - 1`` (most): one less than the most tasks on a
