@@ -570,8 +570,11 @@ def _epilogue_on_chip(
         _after_store(flags, "MTE2", half, loaded, stored)
         for footprint, region in zip(footprints, loaded, strict=True):
             touch.add(program, core, footprint, gm_load(machine, core, footprint, region), cores)
-        result = Region("UB", offset, align(points * output_itemsize, 32))
-        if result.offset + result.size > (half + 1) * width:
+        # the result at the half's end, the sums and inputs from its start: a chunk's writes then meet the
+        # result of the half's previous chunk (still being stored) only where the two together overflow it
+        size = align(points * output_itemsize, 32)
+        result = Region("UB", (half + 1) * width - size, size)
+        if offset > result.offset:
             raise CompileError(
                 f"npu: op '{view.op.name}': an output tile's epilogue overflows a UB half ({width} bytes)",
                 op=view.op.name,

@@ -506,3 +506,20 @@ def test_every_tiling_weighed_lands_on_its_schedule(monkeypatch) -> None:
     assert len(weighed) > 1
     for program, schedule in weighed:
         assert replay(program, against=schedule).starts == schedule.starts
+
+
+def test_a_chunk_writing_where_the_last_result_of_its_half_lies_waits_for_its_store() -> None:
+    from neoflow.targets.npu.cube import _after_store, _Flags
+    from neoflow.targets.npu.isa import Program, Region
+
+    program = Program(_one_core(), {})
+    flags = _Flags(program, 0)
+    stored = {0: Region("UB", 1000, 500)}
+    _after_store(flags, "MTE2", 0, [Region("UB", 0, 512)], stored)  # apart: no flag
+    _after_store(flags, "MTE2", 1, [Region("UB", 1200, 64)], stored)  # the other half: nothing stored
+    assert program.instructions == []
+    _after_store(flags, "FIXPIPE", 0, [Region("UB", 0, 512), Region("UB", 1400, 64)], stored)
+    assert [(i.opcode, i.pipe, i.event) for i in program.instructions] == [
+        ("set_flag", "MTE3", ("MTE3", "FIXPIPE", 0)),
+        ("wait_flag", "FIXPIPE", ("MTE3", "FIXPIPE", 0)),
+    ]
