@@ -152,21 +152,15 @@ class View:
 
 
 def launch(
-    function, grid, threads: int, shared: int, pointers: list[int], stream, priority: int | None = None
+    function, grid, threads: int, shared: int, pointers: list[int], stream, priority: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Launch ``function`` on ``grid`` blocks of ``threads`` with device ``pointers`` as its
-    arguments (with a scheduling ``priority``, a CUDA stream priority, where one is given: a
-    captured graph keeps it per kernel); returns the argument values and their addresses (keep
-    them alive until the launch is captured or done)."""
+    arguments, at scheduling ``priority`` (a CUDA stream priority: a captured graph keeps it per
+    kernel); returns the argument values and their addresses (keep them alive until the launch
+    is captured or done)."""
     driver = _driver()
     values = np.array(pointers, dtype=np.uint64)
     addresses = np.array([values.ctypes.data + 8 * k for k in range(len(pointers))], dtype=np.uint64)
-    if priority is None:
-        check(
-            driver.cuLaunchKernel(function, *grid, threads, 1, 1, shared, stream, addresses.ctypes.data, 0),
-            "cuLaunchKernel",
-        )
-        return values, addresses
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1

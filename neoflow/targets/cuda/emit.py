@@ -427,14 +427,7 @@ def _operand_loader(kernel: MmaKernel, side: str, printer: ValuePrinter) -> str:
     if gather is not None and width > 1:
         gathered = [next(t for t in view.op.inputs if t.name == name) for name in gather.tensors]
         dtype = gathered[0].dtype
-        lanes = tuple(Tensor(lanes_name(k), (width,), dtype) for k in range(len(gathered)))
-        printer = _printer(view.op, lambda node: _refuse(view.op), gather, lanes)
-        position = {Gather.flat(name): k for k, name in enumerate(gather.tensors)}
-
-        def lane_read(node: Read) -> Read:
-            return Read(lanes_name(position[node.tensor]), (index.var("vec"),), node.tensor_dtype)
-
-        value = printer(map_reads(gather.expr, lane_read), "float32")
+        printer, value = _lane_value(view.op, gather, width)
         raw = {16: "uint4", 8: "uint2", 4: "uint32_t"}[width * dt.numpy_dtype(dtype).itemsize]
         guard_open, guard_close = "", ""
         if gather.guard is not None:  # the vector is read only where its guard holds (zeros else)
@@ -691,30 +684,38 @@ def _operand_store(kernel: MmaKernel, side: str) -> str:
     )
 
 
-#: per 16-bit storage dtype: its pair type, the functions taking a pair's first and second element,
-#: and the one packing two floats into a pair (rounded to nearest even)
+#: per 16-bit storage dtype: the functions taking a pair's (``_PAIRS``) first and second element, and the
+#: one packing two floats into a pair (rounded to nearest even)
 _HALVES = {
-    "float16": ("__half2", "__low2half", "__high2half", "__floats2half2_rn"),
-    "bfloat16": ("__nv_bfloat162", "__low2bfloat16", "__high2bfloat16", "__floats2bfloat162_rn"),
+    "float16": ("__low2half", "__high2half", "__floats2half2_rn"),
+    "bfloat16": ("__low2bfloat16", "__high2bfloat16", "__floats2bfloat162_rn"),
 }
+
+
+def _lane_value(op: Op, gather: Gather, width: int) -> tuple[ValuePrinter, str]:
+    """A printer of ``op`` whose reads of ``gather``'s tensors are element ``v_vec`` of the arrays
+    ``nf_lanes<k>`` (``width`` elements of the ``k``-th tensor, its dtype), and the gathered operand
+    printed over them, as float."""
+    dtype = next(t.dtype for t in op.inputs if t.name == gather.tensor)
+    lanes = tuple(Tensor(lanes_name(k), (width,), dtype) for k in range(len(gather.tensors)))
+    printer = _printer(op, lambda node: _refuse(op), gather, lanes)
+    position = {Gather.flat(name): k for k, name in enumerate(gather.tensors)}
+
+    def lane_read(node: Read) -> Read:
+        return Read(lanes_name(position[node.tensor]), (index.var("vec"),), node.tensor_dtype)
+
+    return printer, printer(map_reads(gather.expr, lane_read), "float32")
 
 
 def _combiner(kernel: MmaKernel, side: str) -> str:
     """C declaring ``nf_combine_<side>``: a combined operand's expression (``MmaKernel.combined``)
     of one element of each of its tensors, as float."""
     view, gather = kernel.view, kernel.gather(side)
-    dtype = next(t.dtype for t in view.op.inputs if t.name == gather.tensor)
-    element = c_type(dtype, CUDA_TYPES)
-    lanes = tuple(Tensor(lanes_name(k), (1,), dtype) for k in range(len(gather.tensors)))
-    printer = _printer(view.op, lambda node: _refuse(view.op), gather, lanes)
-    position = {Gather.flat(name): k for k, name in enumerate(gather.tensors)}
-
-    def lane_read(node: Read) -> Read:
-        return Read(lanes_name(position[node.tensor]), (index.var("vec"),), node.tensor_dtype)
-
-    value = printer(map_reads(gather.expr, lane_read), "float32")
-    arguments = ", ".join(f"{element} nf_x{k}" for k in range(len(lanes)))
-    arrays = " ".join(f"const {element} nf_lanes{k}[1] = {{nf_x{k}}};" for k in range(len(lanes)))
+    element = c_type(next(t.dtype for t in view.op.inputs if t.name == gather.tensor), CUDA_TYPES)
+    _, value = _lane_value(view.op, gather, 1)
+    copies = len(gather.tensors)
+    arguments = ", ".join(f"{element} nf_x{k}" for k in range(copies))
+    arrays = " ".join(f"const {element} nf_lanes{k}[1] = {{nf_x{k}}};" for k in range(copies))
     return (
         f"    auto nf_combine_{side} = []({arguments}) -> float {{ const int v_vec = 0; {arrays} return {value}; }};\n"
     )
@@ -737,7 +738,8 @@ def _combined_registers(kernel: MmaKernel, side: str, target: str) -> str:
         )
         lines.append(f"                    {target}[reg] = __float_as_uint(nf_tf32(nf_combine_{side}({values})));")
     else:
-        pair, low, high, pack = _HALVES[kernel.storage]
+        pair = _PAIRS[kernel.storage][0]
+        low, high, pack = _HALVES[kernel.storage]
         registers = [f"{target}[reg]"] + [f"nf_other[{k}][reg]" for k in range(copies - 1)]
         pairs = [f"*reinterpret_cast<const {pair} *>(&{register})" for register in registers]
         lows, highs = (", ".join(f"{half}({p})" for p in pairs) for half in (low, high))

@@ -104,10 +104,6 @@ class ModelExecutor(PlannedExecutor):
         return rows
 
 
-#: kernels launched at the priority of their chain's urgency (``Schedule.urgency``)
-PRIORITIES = True
-
-
 class CudaExecutor(PlannedExecutor):
     """Runs ``graph`` on the GPU: one NVRTC module of every op's kernels; every tensor in
     device memory (``arch``: the architecture compiled for before a GPU is found; default the GPU's,
@@ -214,7 +210,8 @@ class CudaExecutor(PlannedExecutor):
                 if workspace is not None:
                     driver.memset_zero(workspace.pointer, workspace.nbytes, stream)
             else:
-                priority = least - urgency[number] if PRIORITIES else None
+                # at the priority of the chain still to follow it (``Schedule.urgency``)
+                priority = least - urgency[number]
                 kept += self._launch_kernel(plan.kernels[task.piece], pointers, workspace, stream, priority)
             lanes.record(number, lane)
         last = {lane: number for number, lane in enumerate(order.lanes)}
@@ -223,7 +220,7 @@ class CudaExecutor(PlannedExecutor):
                 lanes.wait(0, number)  # the capture ends on lane 0 with every lane joined
         return kept
 
-    def _launch_kernel(self, kernel, pointers: list[int], workspace, stream, priority: int | None = None) -> list:
+    def _launch_kernel(self, kernel, pointers: list[int], workspace, stream, priority: int) -> list:
         """Launch ``kernel`` (and the finishing kernel of a split depth) on ``stream``, at ``priority``."""
         from neoflow.targets.cuda import driver
 

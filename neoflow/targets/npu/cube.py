@@ -314,11 +314,11 @@ def emit_view(
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
     results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor; with
     ``on_chip``, through UB and the vector unit applying the epilogue, ``vector_epilogue``).
-    ``steps`` counts per core its L1 steps, L0 steps, tiles and on-chip epilogue chunks so far in the program,
-    and holds the last result stored from each UB half (the ping-pong halves and their flags carry on from
-    one view to the next); ``touch`` which input
-    elements the program has read (``loads``); ``busiest_only``: the first core's share alone (the
-    most work items: a trial of the tiles)."""
+    ``steps`` counts per core its L1 steps, L0 steps, tiles and on-chip epilogue chunks so far in the
+    program, and holds the last result stored from each UB half (the ping-pong halves and their flags
+    carry on from one view to the next); ``touch`` which input elements the program has read
+    (``loads``); ``busiest_only``: the first core's share alone (the most work items: a trial of the
+    tiles)."""
     machine = program.machine
     batch, m_size, n_size, k_size = view.sizes
     tile_list = [
