@@ -91,10 +91,22 @@ def test_a_weight_read_along_its_depth_is_loaded_in_whole_lines() -> None:
     from neoflow.targets.cuda.plan import copy_footprint
 
     # the capsule conv's W[k, c, r, s, t, j]: vectors along j (rows), the depth (c, r, s, t)
-    # contiguous behind them: a warp's 32 vectors of 16 bytes make four whole lines
+    # contiguous behind them: a quarter warp's eight vectors of 16 bytes make one whole line
     (kernel,) = tensor_core_plan(capsule(1, channels=32), "k", "tf32").kernels
     assert kernel.rows_fastest("b") and kernel.lanes_across("b")
-    assert copy_footprint(kernel, "b")[1] == 4  # lines
+    assert copy_footprint(kernel, "b") == (4, 1)  # sectors, lines
+
+
+def test_loads_are_ordered_by_what_a_quarter_warp_touches() -> None:
+    from neoflow.targets.cuda.plan import copy_footprint
+
+    # the stride-2 capsule conv's input In[b, c, 2p + r, 2q + s, i, t]: along the depth, a quarter
+    # warp's eight vectors (t, over r and s) lie in eight sectors; across the rows (i, then q), four
+    # vectors of each of two 64-byte runs fill four (a warp's 32 vectors touch 16 sectors either way)
+    (kernel,) = tensor_core_plan(capsule(2, channels=32, out=14), "k", "tf32").kernels
+    other = dataclasses.replace(kernel, a_lanes_across=not kernel.a_lanes_across)
+    assert kernel.a_lanes_across
+    assert copy_footprint(kernel, "a")[0] == 4 and copy_footprint(other, "a")[0] == 8
 
 
 def test_padding_guards_bias_and_relu_epilogue() -> None:
