@@ -325,6 +325,11 @@ class MmaKernel:
             return (row // MN_ATOM_ROWS) * (MN_ATOM_ROWS * self.tiles.block_k) + col * line + row % MN_ATOM_ROWS
         if self.layout(side) == "rows":
             return row * self.stride(side) + col
+        if not self.by_ldmatrix(side):
+            # tf32 fragments read element by element take lines 8 banks apart (``stride``), so a quarter
+            # warp's 16-byte copies into eight neighbouring depth lines would meet two by two (lines d and
+            # d + 4): lines 4-7 of every eight swap the 16-byte chunks of each pair (``row ^ 4``)
+            row = row + 4 * ((col // 4) % 2) * (1 - 2 * ((row // 4) % 2))
         return col * self.stride(side) + row
 
     def place(self, side: str, row, col):

@@ -366,6 +366,34 @@ def test_the_swizzle_keeps_a_copy_vector_together_and_spreads_lines_over_the_ban
     assert sorted(first_chunks) == list(range(8))
 
 
+@pytest.mark.parametrize("across", [True, False])
+def test_tf32_tiles_read_element_by_element_take_copies_and_reads_without_bank_conflicts(across: bool) -> None:
+    from neoflow.targets.cuda.plan import LANE, REG, tf32_a_coords, tf32_b_coords
+
+    op = neoflow.grad(capsule(2, channels=16))["W"]  # both operands loaded row-fastest: the depth layout
+    (kernel,) = plan_op(op, "k", "tf32").kernels
+    kernel = dataclasses.replace(kernel, a_lanes_across=across, b_lanes_across=across)
+    lanes = np.arange(32)
+    for side, coords in (("a", tf32_a_coords()), ("b", tf32_b_coords())):
+        assert kernel.layout(side) == "depth" and not kernel.by_ldmatrix(side)
+        rows, depth = kernel.tile_rows(side), kernel.tiles.block_k
+        grid = np.meshgrid(np.arange(rows), np.arange(depth), indexing="ij")
+        places = kernel.smem_index(side, *grid)
+        assert len(np.unique(places)) == rows * depth and places.max() < kernel.tile_elements(side)
+        row_f, col_f, count = kernel.load_coords(side)
+        for element in range(count):  # each quarter warp's 16-byte copies: eight bank groups
+            threads = np.arange(kernel.copy_threads)
+            env = {"tid": threads, "element": np.full_like(threads, element), "vec": np.zeros_like(threads)}
+            row, col = (np.broadcast_to(index.evaluate(f, env), threads.shape) for f in (row_f, col_f))
+            groups = kernel.smem_index(side, row, col) // 4 % 8
+            assert all(len(set(quarter)) == 8 for quarter in groups.reshape(-1, 8)), (side, element)
+        for kk in range(0, depth, 8):  # the warp's element reads of each fragment register: 32 banks
+            for register in range(4 if side == "a" else 2):
+                line, at = (np.asarray(sympy.lambdify(LANE, c.subs(REG, register))(lanes)) for c in coords)
+                banks = kernel.smem_index(side, np.broadcast_to(line, lanes.shape), kk + at) % 32
+                assert len(set(banks)) == 32, (side, kk, register)
+
+
 def test_hopper_plans_put_large_16_bit_products_on_wgmma() -> None:
     def product(dtype: str):
         shapes = {"A": (2048, 2048), "B": (2048, 2048)}
