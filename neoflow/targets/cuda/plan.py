@@ -318,8 +318,10 @@ class MmaKernel:
 
     def smem_index(self, side: str, row, col):
         """Where tile element ``(row, col)`` (row, depth) of operand ``side`` lies in its stage,
-        before any swizzle (``place``).  A ``wgmma`` tile is K-major (``rows``: a 128-byte line a
-        row) or MN-major (``depth``: columns of ``MN_ATOM_ROWS`` rows, each a 128-byte line a depth)."""
+        before a ``wgmma`` tile's swizzle (``place``).  A ``wgmma`` tile is K-major (``rows``: a
+        128-byte line a row) or MN-major (``depth``: columns of ``MN_ATOM_ROWS`` rows, each a
+        128-byte line a depth).  A tf32 tile read element by element (``depth``, not ``by_ldmatrix``)
+        swaps the 16-byte chunk pairs of depth lines 4-7 of every eight (below)."""
         if self.wgmma and self.layout(side) == "depth":
             line = self.stride(side)
             return (row // MN_ATOM_ROWS) * (MN_ATOM_ROWS * self.tiles.block_k) + col * line + row % MN_ATOM_ROWS
@@ -727,9 +729,9 @@ def copy_footprint(kernel: MmaKernel, side: str) -> tuple[float, float]:
     eight lanes of 16-byte vectors, sixteen of 8, a warp of 4), on average over the first block's
     threads and every load of its first depth tile (from the index tables: the very addresses the
     kernel reads).  Counted a warp at a time, both orders of the capsule conv's stride-2 input
-    touched 16 sectors a warp; a quarter warp at a time, the order taken since touches 4 where
-    the other touched 8, and it ran faster on an H100: the stride-2 tf32 forward 59.6 -> 51.6 us,
-    the input adjoint 69.6 -> 56.5 us)."""
+    touched 16 sectors a warp; a quarter warp at a time, the order now taken touches 4 where the
+    other touches 8, and it ran faster on an H100 (the stride-2 tf32 forward 59.6 -> 51.6 us, the
+    input adjoint 69.6 -> 56.5 us)."""
     row_f, col_f, count = kernel.load_coords(side)
     rows_table, depth_table = kernel.side_tables[side]
     gather = kernel.gather(side)
