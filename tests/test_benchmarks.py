@@ -21,3 +21,51 @@ def test_the_gpu_operator_suite_matches_pytorch_on_the_cpu() -> None:
         if operator.name in cheap:  # the same values (the convolutions' sizes are for a GPU)
             ours = neoflow.evaluate(op, arrays)
             assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max(), operator.name
+
+
+def test_the_cpu_kernel_workloads_compute_what_they_are_named() -> None:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import neoflow
+    from benchmarks.kernels import kernels
+
+    found = {k.name: k.graph() for k in kernels(batch=1)}
+    rng = np.random.default_rng(0)
+
+    def inputs(name: str) -> dict[str, np.ndarray]:
+        return {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in found[name].inputs}
+
+    def close(ours, theirs) -> None:
+        theirs = np.asarray(theirs)
+        assert np.abs(np.asarray(ours) - theirs).max() <= 1e-4 * np.abs(theirs).max()
+
+    arrays = inputs("depthwise conv 3x3")
+    x, w = torch.from_numpy(arrays["X"]), torch.from_numpy(arrays["W"])
+    close(neoflow.evaluate(found["depthwise conv 3x3"], arrays)["Y"], F.conv2d(x, w[:, None], padding=1, groups=96))
+    arrays = inputs("grouped conv 3x3 (4 groups)")
+    x, w = torch.from_numpy(arrays["X"]), torch.from_numpy(arrays["W"])
+    close(neoflow.evaluate(found["grouped conv 3x3 (4 groups)"], arrays)["Y"], F.conv2d(x, w, padding=1, groups=4))
+    arrays = inputs("BatchNorm statistics (mean, variance)")
+    got = neoflow.evaluate(found["BatchNorm statistics (mean, variance)"], arrays)
+    close(got["M"], arrays["X"].mean(axis=(0, 2, 3)))
+    close(got["V"], arrays["X"].var(axis=(0, 2, 3)))
+    # the adjoint at the batch's own statistics is PyTorch's BatchNorm adjoint
+    arrays = inputs("BatchNorm adjoint")
+    arrays["M"] = arrays["X"].mean(axis=(0, 2, 3))
+    arrays["R"] = 1 / np.sqrt(arrays["X"].var(axis=(0, 2, 3)) + 1e-5)
+    x = torch.from_numpy(arrays["X"]).requires_grad_()
+    F.batch_norm(x, None, None, torch.from_numpy(arrays["G"]), None, training=True, eps=1e-5).backward(
+        torch.from_numpy(arrays["DY"])
+    )
+    close(neoflow.evaluate(found["BatchNorm adjoint"], arrays)["DX"], x.grad)
+    arrays = inputs("softmax rows")
+    close(neoflow.evaluate(found["softmax rows"], arrays)["Y"], torch.softmax(torch.from_numpy(arrays["X"]), -1))
+    arrays = inputs("LayerNorm rows")
+    expected = F.layer_norm(
+        torch.from_numpy(arrays["X"]), (128,), torch.from_numpy(arrays["G"]), torch.from_numpy(arrays["B"]), 1e-5
+    )
+    close(neoflow.evaluate(found["LayerNorm rows"], arrays)["Y"], expected)
+    arrays = inputs("channel shuffle transpose")
+    close(neoflow.evaluate(found["channel shuffle transpose"], arrays)["Y"], arrays["X"].transpose(0, 2, 1, 3, 4))
