@@ -189,6 +189,8 @@ class Lowering:
         self._computed: dict[tuple, str] = {}
         # update statement of a floating-point sum, max or min → its accumulator and OpenMP reduction
         self.sums: dict[str, tuple[str, str]] = {}
+        # per sum's update statement: its reduction and the statement's variables (``_collapsed_sum``)
+        self._sum_nodes: dict[str, tuple[Reduce, list[str]]] = {}
         self.parallel_depth = len(op.indices)  # the schedule dimensions that are output loops a thread may own
 
     # --------------------------------------------------------------- statements
@@ -242,6 +244,7 @@ class Lowering:
         self._add(inner, inner_vars, f"{name} = {combine};")
         if dtype in _LANE_REDUCTIONS and node.kind in _LANE_REDUCTIONS[dtype]:
             self.sums[self.statements[-1].name] = (name, _LANE_REDUCTIONS[dtype][node.kind])
+            self._sum_nodes[self.statements[-1].name] = (node, inner_vars)
         self._scope = scope
         return name
 
@@ -385,13 +388,18 @@ class Lowering:
         added = [acc for acc, reduction in self.sums.values() if reduction == "+"]
         total = added[0] if not op.indices and len(self.accumulators) == 1 and added else None
 
-        def pragmas(text: str, following: str, outermost: bool) -> list[str]:
+        collapsed: set[int] = set()  # rows of inner loops a collapsed simd loop above already covers
+
+        def pragmas(rows: Sequence[str], number: int, outermost: bool) -> list[str]:
+            text, following = loop_pair(rows, number)
             found = []
+            if number in collapsed:
+                return found
             # an outermost loop over an output dimension (isl may put sibling loops in a block)
-            if parallel and outermost and text[9:].split(" ", 1)[0] in outer_dims:
+            if parallel and outermost and loop_variable(text) in outer_dims:
                 # a short outer loop leaves threads idle: share out the loop nested in it too, when that
                 # loop is all it holds (isl braces several statements)
-                nested = following[9:].split(" ", 1)[0] in outer_dims
+                nested = loop_variable(following) in outer_dims
                 collapse = " collapse(2)" if nested and collapsible(text, following) else ""
                 found.append(f"parallel for{collapse}{private}")
             elif total is not None and outermost and work >= PARALLEL_MIN_POINTS:
@@ -400,12 +408,57 @@ class Lowering:
             if summed is not None and most_trips(text) >= SHORT_SUM_LOOP:
                 # the loop around one sum's (max's, min's) update: let the compiler split it into vector lanes
                 found.append(f"simd reduction({summed[1]}:{summed[0]})")
+            elif not outermost and number + 2 < len(rows) and self._collapsed_sum(text, following, rows[number + 2]):
+                summed = self._summed_by(rows[number + 2])
+                assert summed is not None
+                found.append(f"simd reduction({summed[1]}:{summed[0]}) collapse(2)")
+                collapsed.add(number + 1)
             return found
 
-        lines += with_pragmas(loops, lambda rows, number, outermost: pragmas(*loop_pair(rows, number), outermost))
+        lines += with_pragmas(loops, pragmas)
         lines.append("}")
         undefs = [f"#undef {s.name}" for s in self.statements]
         return "\n".join([*macros, *lines, *undefs])
+
+    def _collapsed_sum(self, outer: str, inner: str, update: str) -> bool:
+        """Whether the loop ``outer``, holding only the loop ``inner`` around one sum's ``update``,
+        should be split into vector lanes together with it (``simd collapse(2)``): both loops run
+        over summed axes, with constant bounds, and every read that moves with them reads the
+        tensor's last two dimensions at exactly those axes, the inner one the whole last dimension,
+        so the two loops walk one contiguous run.  A BatchNorm statistic ``S[c] = ReduceAdd({n, h,
+        w}, X[n, c, h, w])`` sums a 32-long row at a time otherwise, reducing its vector lanes at
+        every row: 0.43 ms against 0.062 ms collapsed (2 x 64 x 32 x 32 floats, 2 threads, gcc)."""
+        text = update.strip()
+        name = text.split("(", 1)[0]
+        if name not in self._sum_nodes or outer.endswith("{") or inner.endswith("{"):
+            return False
+        if not inner.startswith("for (int ") or math.inf in (trip_count(outer), trip_count(inner)):
+            return False
+        node, variables = self._sum_nodes[name]
+        arguments = [a.strip() for a in text[len(name) + 1 : text.rindex(")")].split(",")]
+        try:
+            high = variables[arguments.index(loop_variable(outer))]
+            low = variables[arguments.index(loop_variable(inner))]
+        except ValueError:
+            return False
+        if high not in node.axes or low not in node.axes or trip_count(inner) != self.extent[low]:
+            return False
+        tensors = {t.name: t for t in self.op.inputs}
+        for read in node.body.reads():
+            used = [index.variables(i) for i in read.indices]
+            if not any({high, low} & u for u in used):
+                continue
+            shape = tensors[read.tensor].shape if read.tensor in tensors else None
+            if (
+                shape is None
+                or len(used) < 2
+                or any({high, low} & u for u in used[:-2])
+                or str(read.indices[-1]) != low
+                or str(read.indices[-2]) != high
+                or shape[-1] != self.extent[low]
+            ):
+                return False
+        return True
 
     def _summed_by(self, line: str) -> tuple[str, str] | None:
         """The accumulator and OpenMP reduction of the sum (max, min) whose update ``line`` (the body of a
@@ -450,6 +503,11 @@ def loop_pair(rows: Sequence[str], number: int) -> tuple[str, str]:
     """The ``for`` line ``number`` of ``rows`` and the line after it, unindented."""
     following = rows[number + 1].lstrip() if number + 1 < len(rows) else ""
     return rows[number].lstrip(), following
+
+
+def loop_variable(loop: str) -> str:
+    """The iterator of an isl ``for (int c = ...`` line (the text after ``for (int `` up to a space)."""
+    return loop[len("for (int ") :].split(" ", 1)[0]
 
 
 def collapsible(loop: str, following: str) -> bool:

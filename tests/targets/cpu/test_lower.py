@@ -95,6 +95,44 @@ def test_a_per_channel_sum_runs_along_the_rows_it_reads_not_across_them() -> Non
         assert not schedule(neoflow.op(text, shapes={"X": (64,)}, out_shape=(32,))).vector, text
 
 
+def test_a_sum_over_a_planes_rows_and_columns_runs_as_one_vector_loop() -> None:
+    """A BatchNorm statistic sums each (n, c) plane: its h and w loops walk one contiguous run, so
+    they are split into vector lanes together (``collapse(2)``) rather than a 32-long row at a time."""
+    shapes = {"X": (4, 16, 8, 32), "M": (16,)}
+    for text in (
+        "S[c] = ReduceAdd({n, h, w}, X[n, c, h, w])",
+        "S[c] = ReduceAdd({n, h, w}, (X[n, c, h, w] - M[c]) * 2)",
+    ):
+        code = Lowering(neoflow.op(text, shapes=shapes)).function("kernel")
+        collapsed = re.search(
+            r"#pragma omp simd reduction\(\+:acc0\) collapse\(2\)\n\s*for \(int c3 = 0; c3 <= 7", code
+        )
+        assert collapsed, text
+        assert code.count("#pragma omp simd") == 1  # the inner loop has no pragma of its own
+    # where the two loops do not walk one run, each row stays a loop of its own
+    apart = {
+        "S[c] = ReduceAdd({n, h, w}, X[n, c, w, h])": {"X": (4, 16, 32, 32)},  # transposed
+        "S[c] = ReduceAdd({n, h, w: 16}, X[n, c, h, w])": {"X": (4, 16, 8, 32)},  # half of each row
+        "S[c] = ReduceAdd({n, h: 8, w}, X[n, c, h + 1, w])": {"X": (4, 16, 9, 32)},  # an offset row
+    }
+    for text, shapes in apart.items():
+        code = Lowering(neoflow.op(text, shapes=shapes)).function("kernel")
+        assert "collapse(2)" not in code.replace("parallel for collapse(2)", ""), text
+
+
+@NEEDS_CC
+def test_a_collapsed_sum_computes_what_the_interpreter_does() -> None:
+    shapes = {"X": (3, 5, 6, 16), "M": (5,)}
+    op = neoflow.op("S[c] = ReduceAdd({n, h, w}, (X[n, c, h, w] - M[c]) * (X[n, c, h, w] - M[c]))", shapes=shapes)
+    assert "collapse(2)" in Lowering(op).function("kernel")
+    rng = np.random.default_rng(0)
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    got = neoflow.compile(op, target="cpu").run(inputs)
+    got = got[op.name] if isinstance(got, dict) else got
+    want = neoflow.evaluate(op, inputs)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_reductions_inside_an_expression_use_accumulators() -> None:
     code = _c("Y[i] = ReduceAdd({k}, X[i, k]) / ReduceAdd({k}, X[i, k] * X[i, k])", {"X": (512, 64)})
     init = code.index("acc0 = ((float)(0))")
