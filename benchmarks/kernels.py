@@ -131,7 +131,7 @@ def _compulsory_bytes(tensors: dict[str, tuple[int, ...]], names) -> float:
     return float(sum(4 * math.prod(tensors[name]) for name in names))
 
 
-def prepare(kernel: Kernel, threads: int) -> tuple[Callable[[], object], float, float]:
+def prepare(kernel: Kernel) -> tuple[Callable[[], object], float, float]:
     """The compiled call of ``kernel``, its compulsory bytes and its largest error against the
     interpreter (relative to the largest value)."""
     import neoflow
@@ -152,8 +152,6 @@ def prepare(kernel: Kernel, threads: int) -> tuple[Callable[[], object], float, 
         moved = _compulsory_bytes(shapes, read) + _compulsory_bytes({t.name: t.shape for t in op.inputs}, inputs)
         return (lambda: compiled.backward(inputs, seed)), moved, error
     inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in graph.inputs}
-    if "R" in inputs:  # the inverse standard deviation of a BatchNorm: positive
-        inputs["R"] = np.abs(inputs["R"]) + 0.5
     compiled = neoflow.compile(graph, target="cpu", fusion="neoflow")
     got = compiled.run(inputs)
     want = neoflow.evaluate(graph, inputs)
@@ -163,15 +161,12 @@ def prepare(kernel: Kernel, threads: int) -> tuple[Callable[[], object], float, 
     return (lambda: compiled.run(inputs)), moved, error
 
 
-def measure(selected: list[Kernel], threads: int, rounds: int, block: int) -> list[Measured]:
-    """Each kernel compiled, checked and timed against its bound."""
-    from neoflow.targets.cpu.machine import measure_machine
-
-    figures = measure_machine(threads)
+def measure(selected: list[Kernel], figures, rounds: int, block: int) -> list[Measured]:
+    """Each kernel compiled, checked and timed against its bound (``figures``: the machine's)."""
     results = []
     for kernel in selected:
         print(f"{kernel.name} ...", file=sys.stderr, flush=True)
-        call, moved, error = prepare(kernel, threads)
+        call, moved, error = prepare(kernel)
         times = interleaved_rounds({"neoflow": call}, rounds, 2, block)["neoflow"]
         seconds = statistics.median(t for calls in times for t in calls)
         in_cache = moved <= figures.cache_bytes
@@ -214,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
     batch, rounds = (4, 2) if args.quick else (BATCH, args.rounds)
     selected = [k for k in kernels(batch) if args.only in k.name]
-    results = measure(selected, args.threads, rounds, args.block)
-    text = "\n".join(table(results, args.threads, measure_machine(args.threads)))
+    figures = measure_machine(args.threads)
+    text = "\n".join(table(measure(selected, figures, rounds, args.block), args.threads, figures))
     print(text)
     if args.out and not args.quick:
         Path(f"{args.out}.md").write_text(text)

@@ -189,8 +189,8 @@ class Lowering:
         self._computed: dict[tuple, str] = {}
         # update statement of a floating-point sum, max or min → its accumulator and OpenMP reduction
         self.sums: dict[str, tuple[str, str]] = {}
-        # per sum's update statement: its reduction and the statement's variables (``_collapsed_sum``)
-        self._sum_nodes: dict[str, tuple[Reduce, list[str]]] = {}
+        # per sum's update statement: its reduction (``_collapsed_sum``)
+        self._sum_nodes: dict[str, Reduce] = {}
         self.parallel_depth = len(op.indices)  # the schedule dimensions that are output loops a thread may own
 
     # --------------------------------------------------------------- statements
@@ -244,7 +244,7 @@ class Lowering:
         self._add(inner, inner_vars, f"{name} = {combine};")
         if dtype in _LANE_REDUCTIONS and node.kind in _LANE_REDUCTIONS[dtype]:
             self.sums[self.statements[-1].name] = (name, _LANE_REDUCTIONS[dtype][node.kind])
-            self._sum_nodes[self.statements[-1].name] = (node, inner_vars)
+            self._sum_nodes[self.statements[-1].name] = node
         self._scope = scope
         return name
 
@@ -434,7 +434,8 @@ class Lowering:
             return False
         if not inner.startswith("for (int ") or math.inf in (trip_count(outer), trip_count(inner)):
             return False
-        node, variables = self._sum_nodes[name]
+        node = self._sum_nodes[name]
+        variables = next(s.variables for s in self.statements if s.name == name)
         arguments = [a.strip() for a in text[len(name) + 1 : text.rindex(")")].split(",")]
         try:
             high = variables[arguments.index(loop_variable(outer))]
@@ -453,8 +454,8 @@ class Lowering:
                 shape is None
                 or len(used) < 2
                 or any({high, low} & u for u in used[:-2])
-                or str(read.indices[-1]) != low
-                or str(read.indices[-2]) != high
+                or read.indices[-1] != index.var(low)
+                or read.indices[-2] != index.var(high)
                 or shape[-1] != self.extent[low]
             ):
                 return False
