@@ -373,7 +373,8 @@ def _how_compared(comparison) -> str:
         f"Machine: {comparison.machine}; {comparison.rounds} rounds of {comparison.block} consecutive steps per "
         "policy, the policies taking turns (the order rotating round by round); medians, 95 % bootstrap intervals "
         "of the rounds' medians and of the round-by-round ratios to the first policy; a verdict says faster or "
-        "slower only where the interval excludes 1 and the ratio is off it by 2 % or more."
+        "slower only where the interval excludes 1 and the ratio is off it by 2 % or more; `same plan` where a "
+        "policy's plan is the first's, kernel for kernel (its measured difference is the machine's)."
     )
 
 

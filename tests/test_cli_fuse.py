@@ -87,15 +87,16 @@ def test_a_training_step_whose_output_is_no_logits_names_the_other_losses(capsys
     assert len(err) == 2 and err[0].startswith("policy neoflow:")
 
 
-@NEEDS_CC
-def test_two_identical_plans_come_out_within_noise(capsys) -> None:
-    # same-as-none returns exactly none's plan: whatever their times, the comparison must not call one faster
+@pytest.mark.parametrize("target", ["interp", pytest.param("cpu", marks=NEEDS_CC)])
+def test_two_identical_plans_are_called_the_same_plan_whatever_their_times(target: str, capsys) -> None:
+    # same-as-none returns exactly none's plan: two identical plans measured in turns can still differ by a
+    # few per cent on a loaded machine (a CI run called one "faster"); the verdict must not hang on that
     policies = "none,tests.fusion.user_policy:SameAsNone"
-    assert main(["fuse", MLP, "--train", "--compare", policies, "--target", "cpu", "--rounds", "15"]) == 0
+    assert main(["fuse", MLP, "--train", "--compare", policies, "--target", target, "--rounds", "3"]) == 0
     compared = _rows(capsys.readouterr().out.split("policies compared")[1])
     assert [row[0] for row in compared[1:]] == ["none", "same-as-none"]
     assert compared[1][1] == compared[2][1]  # the same kernels
-    assert compared[2][-1] == "within noise"
+    assert compared[2][-1] == "same plan"
 
 
 def test_a_model_target_compares_its_predicted_times_exactly(capsys) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from neoflow.runtime.timing import Timed, Versus, interleaved_rounds, timed, versus
 
 if TYPE_CHECKING:
+    from neoflow.fusion.plan import FusionPlan
     from neoflow.runtime.compiled import CompiledModel
 
 
@@ -187,13 +188,15 @@ def compare_steps(
     """Each model's step (inference or training) against the first's: measured in ``rounds``
     interleaved rounds (with ``seconds``, until that much time has passed), each a block of
     consecutive steps per model, the order rotating round by round; medians with bootstrap
-    intervals, and per model the paired ratio to the first with its verdict (``runtime.timing``).
-    A model target's steps are its predicted times: compared exactly."""
+    intervals, and per model the paired ratio to the first with its verdict (``runtime.timing``;
+    ``SAME_PLAN`` where its plan is the first's). A model target's steps are its predicted times:
+    compared exactly."""
     names = list(models)
     first = models[names[0]]
-    steps = {}
+    steps, plans = {}, {}
     for name, model in models.items():
         executor, feed = model.executor_and_feed(model.example_batch(training, seed), training)
+        plans[name] = executor.fusion_plan
         if hasattr(executor, "model_seconds"):
             steps[name] = sum(executor.model_seconds(group) for group in executor.kernel_groups)
         else:
@@ -218,7 +221,21 @@ def compare_steps(
     # warmed up by the two calls above; every block also starts with an untimed call
     times = interleaved_rounds(steps, rounds, warmup=0, block=block, seconds=seconds, rotate=True)
     against = {name: versus(times, names[0], name) for name in names[1:]}
+    for name in names[1:]:
+        if same_plan(plans[names[0]], plans[name]):
+            against[name] = dataclasses.replace(against[name], verdict=SAME_PLAN)
     return StepComparison(timed(times), against, len(times[names[0]]), block, machine)
+
+
+#: the verdict of a policy whose plan is the first's, kernel for kernel: whatever its measured ratio,
+#: the difference is the machine's (noise, where its buffers landed), not the plan's
+SAME_PLAN = "same plan"
+
+
+def same_plan(first: FusionPlan, other: FusionPlan) -> bool:
+    """Whether two plans compile to the same kernels: the same ops, stored, buffered and sliced alike,
+    in the same order, with the same remarks (tile sizes) per kernel; the policies' names may differ."""
+    return first.kernels == other.kernels and dict(first.notes) == dict(other.notes)
 
 
 def labels(policies: Sequence[str]) -> list[str]:
