@@ -6,7 +6,10 @@ starts): a zeroing phase where the contraction's pieces leave elements unwritten
 the cube phase (every lattice piece's tiles over the cube cores), and — an
 epilogue reading other tensors that cannot run on chip (``cube.vector_epilogue``:
 a split machine, or cores splitting the depth) — a vector phase applying it from
-the fp32 workspace.  Any op that is no such contraction is one vector phase.
+the fp32 workspace.  On a split machine whose cube cores each finish their sums,
+the cube and vector phases are one program instead, the vector cores taking each
+tile's sums as soon as they are stored (``handoff``).  Any op that is no such
+contraction is one vector phase.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from neoflow.codegen.hardware import NPU_CUBE
 from neoflow.codegen.implicit_gemm import covers_output, gemm_views
 from neoflow.ir import dtypes as dt
 from neoflow.ir.op import Op
-from neoflow.targets.npu import cube, vector
+from neoflow.targets.npu import cube, handoff, vector
 from neoflow.targets.npu.isa import Program, Region, copy, set_flag, wait_flag
 from neoflow.targets.npu.isa import vector as vector_instruction
 from neoflow.targets.npu.loads import FirstTouch, fetched
@@ -55,7 +58,7 @@ class OpProgram:
     @property
     def units(self) -> str:
         """Which units run the op (``cube``, ``vector``, ``cube+vector``)."""
-        kinds = {what for what, _ in self.phases if what != "zero"}
+        kinds = {kind for what, _ in self.phases if what != "zero" for kind in what.split("+")}
         return "+".join(k for k in ("cube", "vector") if k in kinds) or "vector"
 
 
@@ -157,8 +160,9 @@ def _inputs(op: Op) -> dict[str, int]:
     return {t.name: t.size for t in op.inputs}
 
 
-def compile_op(op: Op, machine: Machine) -> OpProgram:
-    """The NPU phases of ``op`` on ``machine``."""
+def compile_op(op: Op, machine: Machine, hand_off: bool = True) -> OpProgram:
+    """The NPU phases of ``op`` on ``machine`` (``hand_off``: a split machine's cube and vector cores
+    may meet tile by tile, ``handoff``; else in two phases)."""
     views = gemm_views(op, NPU_CUBE) if op.scatter is None else None
     gathers = [cube.cube_operands(v) for v in views] if views else None
     if not views or any(g is None for g in gathers):
@@ -183,6 +187,7 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
     if split or not covers_output(op, views):  # split partial sums add onto zeros
         zeroed = op.name if direct else workspace
     itemsize = dt.numpy_dtype(op.dtype).itemsize
+    handing_off = hand_off and workspace is not None and zeroed is None and machine.layout == "split"
 
     def emit(target: Program, touch: FirstTouch) -> None:
         steps: dict[int, list[int]] = {}
@@ -230,7 +235,54 @@ def compile_op(op: Op, machine: Machine) -> OpProgram:
         tail = Program(machine, dict(tensors))
         vector.emit_op(tail, op, machine.cores("vector"), accumulator=workspace)
         phases.append(("vector", tail))
-    return _checked(OpProgram(op, phases, known))
+    compiled = _checked(OpProgram(op, phases, known))
+    if handing_off:
+
+        def emit_in_turns(target: Program, touch: FirstTouch) -> None:
+            # the views' (lattice pieces') tiles taking turns, the k-th tile of each view after another, each
+            # to the core with the least work so far (pieces differ in depth): the sums of every region of
+            # the output land early and late alike, not piece after piece
+            orders = [cube.tile_order(v, t) for v, t in zip(views, tiles, strict=True)]
+            work = [0] * len(cores)
+            taken: list[list[tuple[int, int]]] = [[] for _ in cores]
+            for k in range(max(len(o) for o in orders)):
+                for v, order in enumerate(orders):
+                    if k < len(order):
+                        position = work.index(min(work))
+                        taken[position].append((v, k))
+                        _, m_size, n_size, _ = views[v].sizes
+                        _, mi, ni, depth = order[k]
+                        work[position] += (
+                            len(range(mi, min(mi + tiles[v].m, m_size)))
+                            * len(range(ni, min(ni + tiles[v].n, n_size)))
+                            * len(depth)
+                        )
+            steps: dict[int, list[int]] = {}
+            for position, mine in enumerate(taken):
+                for v, k in mine:
+                    cube.emit_view(
+                        target,
+                        views[v],
+                        gathers[v],
+                        tiles[v],
+                        cores,
+                        op.name,
+                        itemsize,
+                        workspace,
+                        steps,
+                        touch,
+                        only={position: [k]},
+                    )
+
+        # the vector cores take each tile's sums as soon as a cube core has stored them: kept where
+        # its schedule beats the two phases' (a weight update's every chunk waits for the last tiles)
+        in_turns = emit_in_turns if len(views) > 1 else emit  # one view: its tiles in order, b kept resident
+        program = handoff.pipelined(op, Program(machine, dict(tensors)), in_turns, _inputs(op), workspace)
+        merged = OpProgram(op, [("cube+vector", program)])
+        if merged.cycles < compiled.cycles:
+            return _checked(merged)
+
+    return compiled
 
 
 def _checked(compiled: OpProgram) -> OpProgram:

@@ -28,6 +28,7 @@ DATA_FLAGS = {
     ("CUBE", "FIXPIPE"),
     ("FIXPIPE", "VECTOR"),
     ("VECTOR", "MTE3"),
+    ("FIXPIPE", "MTE2"),  # across cores: a cube core's sums stored for a vector core (a split machine)
 }
 STALLS = ("data", "buffer", "unit")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -297,6 +298,19 @@ class _Flags:
         self.program.add(wait_flag(self.core, source, destination, slot))
 
 
+def tile_order(view: GemmView, tiles: CubeTiles) -> list[tuple[int, int, int, range]]:
+    """``view``'s output tiles ``(batch, first row, first column, depth range)`` in the order the
+    cores take them, round-robin."""
+    batch, m_size, n_size, k_size = view.sizes
+    return [
+        (z, mi, ni, depth)
+        for z in range(batch)
+        for mi in range(0, m_size, tiles.m)
+        for ni in range(0, n_size, tiles.n)
+        for depth in tiles.depth_ranges(k_size)
+    ]
+
+
 def emit_view(
     program: Program,
     view: GemmView,
@@ -310,6 +324,7 @@ def emit_view(
     touch: FirstTouch,
     busiest_only: bool = False,
     on_chip: bool = False,
+    only: Mapping[int, Sequence[int]] | None = None,
 ) -> None:
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
     results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor; with
@@ -318,16 +333,11 @@ def emit_view(
     program, and holds the last result stored from each UB half (the ping-pong halves and their flags
     carry on from one view to the next); ``touch`` which input elements the program has read
     (``loads``); ``busiest_only``: the first core's share alone (the most work items: a trial of the
-    tiles)."""
+    tiles); ``only``: per position in ``cores``, the tiles (positions in ``tile_order``) that core
+    takes instead of its round-robin share, a core left out taking none (views taking turns)."""
     machine = program.machine
-    batch, m_size, n_size, k_size = view.sizes
-    tile_list = [
-        (z, mi, ni, depth)
-        for z in range(batch)
-        for mi in range(0, m_size, tiles.m)
-        for ni in range(0, n_size, tiles.n)
-        for depth in tiles.depth_ranges(k_size)
-    ]
+    _, m_size, n_size, _ = view.sizes
+    tile_list = tile_order(view, tiles)
     accumulate = tiles.splits > 1
     names = (gathers[0].tensor, gathers[1].tensor)
     sizes = {side: dt.numpy_dtype(_tensor(view, names[k]).dtype).itemsize for k, side in enumerate("ab")}
@@ -335,7 +345,7 @@ def emit_view(
     # every buffer in two fixed halves (whatever the tiles, so halves stay apart from one view to the next)
     slot_l1, l0a_slot, l0b_slot, l0c_slot = (machine.buffer(b).capacity // 2 for b in ("L1", "L0A", "L0B", "L0C"))
     for position, core in enumerate(cores[:1] if busiest_only else cores):
-        mine = tile_list[position :: len(cores)]
+        mine = tile_list[position :: len(cores)] if only is None else [tile_list[k] for k in only.get(position, ())]
         if not mine:
             continue
         flags = _Flags(program, core)
@@ -415,7 +425,8 @@ def emit_view(
             target = output if epilogue else workspace
             itemsize = output_itemsize if epilogue else ACCUMULATOR_BYTES
             low, high = int(offsets.min()), int(offsets.max())
-            destination = Region(GM, low * itemsize, (high - low + 1) * itemsize, target)
+            points = None if epilogue else np.unique(offsets)  # a workspace: what a vector core may read
+            destination = Region(GM, low * itemsize, (high - low + 1) * itemsize, target, points)
             moved = offsets.size * itemsize + sum(f.moved_bytes for f in extra)
             program.add(
                 copy(

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from neoflow.errors import CompileError
 from neoflow.targets.npu.machine import GM, Machine
 
@@ -33,6 +35,9 @@ class Region:
     offset: int
     size: int
     tensor: str | None = None
+    #: a GM region's exact elements (flat indices into its tensor, sorted), where the range holds
+    #: others too: what lets a program read a GM tensor it writes (``schedule.dependencies``)
+    points: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def overlaps(self, other: Region) -> bool:
         if self.space != other.space or self.tensor != other.tensor:
@@ -47,8 +52,9 @@ class Region:
 @dataclass(frozen=True)
 class Instruction:
     """One instruction of ``core``: ``opcode`` on ``pipe``, holding it ``cycles`` and done ``latency``
-    cycles after that; ``event`` ``(source pipe, destination pipe, id)`` for a flag; ``args`` what
-    the functional simulator needs (shapes, the vector operation, conversions)."""
+    cycles after that; ``event`` ``(source pipe, destination pipe, id)`` for a flag, and ``peer``
+    the other core of a cross-core flag (a split machine's cube core signalling a vector core);
+    ``args`` what the functional simulator needs (shapes, the vector operation, conversions)."""
 
     opcode: str
     pipe: str
@@ -58,6 +64,7 @@ class Instruction:
     cycles: int = 1
     latency: int = 0
     event: tuple[str, str, int] | None = None
+    peer: int | None = None
     args: tuple[tuple[str, object], ...] = ()
     #: bytes a copy moves (what the counters add up per path), and of those the bytes fetched from HBM
     moved: int = 0
@@ -77,10 +84,20 @@ class Instruction:
         """The instruction as a line of assembly (without its start cycle)."""
         if self.event is not None:
             source, destination, number = self.event
+            if self.peer is not None and self.is_set:  # the other end on another core
+                destination = f"c{self.peer}.{destination}"
+            elif self.peer is not None:
+                source = f"c{self.peer}.{source}"
             return f"{self.opcode} {source}->{destination} #{number}"
         operands = [str(r) for r in self.writes] + [str(r) for r in self.reads]
         extra = [f"{k}={v}" for k, v in self.args]
         return f"{self.opcode} " + ", ".join(operands + extra)
+
+    @property
+    def flag_cores(self) -> tuple[int, int]:
+        """A flag's (signalling core, waiting core): both the instruction's own but for a cross-core flag."""
+        other = self.core if self.peer is None else self.peer
+        return (self.core, other) if self.is_set else (other, self.core)
 
 
 @dataclass
@@ -190,11 +207,15 @@ def vector(
     )
 
 
-def set_flag(core: int, source: str, destination: str, number: int) -> Instruction:
-    """On pipe ``source``: signal ``destination`` once every earlier instruction of ``source`` is done."""
-    return Instruction("set_flag", source, core, cycles=FLAG_CYCLES, event=(source, destination, number))
+def set_flag(core: int, source: str, destination: str, number: int, peer: int | None = None) -> Instruction:
+    """On pipe ``source``: signal ``destination`` (of core ``peer``: a cross-core flag, Ascend C's
+    ``CrossCoreSetFlag``; default: this core's) once every earlier instruction of ``source`` is done."""
+    event = (source, destination, number)
+    return Instruction("set_flag", source, core, cycles=FLAG_CYCLES, event=event, peer=peer)
 
 
-def wait_flag(core: int, source: str, destination: str, number: int) -> Instruction:
-    """On pipe ``destination``: hold it until ``source``'s matching ``set_flag`` has signalled."""
-    return Instruction("wait_flag", destination, core, cycles=FLAG_CYCLES, event=(source, destination, number))
+def wait_flag(core: int, source: str, destination: str, number: int, peer: int | None = None) -> Instruction:
+    """On pipe ``destination``: hold it until ``source``'s matching ``set_flag`` (on core ``peer``, a
+    cross-core flag; default: this core) has signalled."""
+    event = (source, destination, number)
+    return Instruction("wait_flag", destination, core, cycles=FLAG_CYCLES, event=event, peer=peer)

@@ -33,8 +33,18 @@ class FirstTouch:
     core reads for the first time costing its bytes over its readers (rounded so that the
     charges add up to the bytes of the elements read).  ``fetched`` runs both passes."""
 
-    def __init__(self, tensors: dict[str, int], readers: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        tensors: dict[str, int],
+        readers: dict[str, np.ndarray] | None = None,
+        share: float = 1.0,
+        shares: dict[int, list[float]] | None = None,
+    ) -> None:
         self.counting = readers is None
+        # of HBM's bandwidth, what these loads' cores have (the rest serves other cores), or per core
+        # the share of each of its input loads in order (past the list: ``share``)
+        self.share, self.shares = share, shares or {}
+        self.loads: dict[int, int] = {}  # per core, its input loads so far
         counts = {name: np.zeros(size, np.int32) for name, size in tensors.items()} if readers is None else None
         self.readers = counts if readers is None else readers
         self.seen = {name: np.zeros(size, bool) for name, size in tensors.items()}
@@ -43,7 +53,7 @@ class FirstTouch:
         self.rounded = 0
 
     def add(self, program: Program, core: int, footprint: Footprint, load: Instruction, cores: int) -> int:
-        """Append ``load`` (of ``footprint``, by ``core``, ``cores`` cores sharing HBM) to ``program``."""
+        """Append ``load`` (of ``footprint``, by ``core``, ``cores`` cores sharing ``share`` of HBM) to ``program``."""
         seen = self.seen.get(footprint.tensor)
         if seen is None or footprint.offsets.size == 0:
             return program.add(load)
@@ -61,29 +71,53 @@ class FirstTouch:
         self.charged += float(np.sum(footprint.itemsize / np.maximum(readers[fresh], 1)))
         hbm = round(self.charged) - self.rounded
         self.rounded += hbm
-        rate = program.machine.memory.hbm_bytes_per_cycle / max(1, cores)
+        serial = self.loads[core] = self.loads.get(core, -1) + 1
+        own = self.shares.get(core, ())
+        share = own[serial] if serial < len(own) else self.share
+        rate = program.machine.memory.hbm_bytes_per_cycle * share / max(1, cores)
         charged = dataclasses.replace(
             load, cycles=max(load.cycles, math.ceil(hbm / rate)), hbm=hbm, args=(*load.args, ("hbm_bytes", hbm))
         )
         return program.add(charged)
 
 
-def fetched(program: Program, tensors: dict[str, int], emit: Callable[[Program, FirstTouch], None], cores: int) -> None:
-    """``emit(program, touch)`` the instructions of ``program`` (its loads on ``cores`` cores) whose
-    input loads ``touch`` charges their HBM fetches: on several cores a first pass into a scratch
-    program counts each element's readers (on one, each element has one)."""
+def count_readers(
+    program: Program, tensors: dict[str, int], emit: Callable[[Program, FirstTouch], None], cores: int
+) -> dict[str, np.ndarray]:
+    """Per input tensor, how many cores read each element, from a pass of ``emit`` into a scratch
+    copy of ``program`` (on one core, each element has one reader)."""
     if cores == 1:
-        emit(program, FirstTouch(tensors, {name: np.ones(size, np.int32) for name, size in tensors.items()}))
-        return
+        return {name: np.ones(size, np.int32) for name, size in tensors.items()}
     counting = FirstTouch(tensors)
     emit(Program(program.machine, dict(program.tensors)), counting)
-    emit(program, FirstTouch(tensors, counting.readers))
+    return counting.readers
+
+
+def fetched_bytes(readers: dict[str, np.ndarray], itemsizes: dict[str, int]) -> int:
+    """The HBM bytes of the elements ``readers`` (``count_readers``) says some core reads."""
+    return sum(int(np.count_nonzero(counts)) * itemsizes[name] for name, counts in readers.items())
+
+
+def fetched(
+    program: Program,
+    tensors: dict[str, int],
+    emit: Callable[[Program, FirstTouch], None],
+    cores: int,
+    readers: dict[str, np.ndarray] | None = None,
+    share: float = 1.0,
+) -> None:
+    """``emit(program, touch)`` the instructions of ``program`` (its loads on ``cores`` cores, with
+    ``share`` of HBM's bandwidth) whose input loads ``touch`` charges their HBM fetches, each
+    element's readers counted first (``count_readers``) unless given."""
+    if readers is None:
+        readers = count_readers(program, tensors, emit, cores)
+    emit(program, FirstTouch(tensors, readers, share))
 
 
 def gm_region(footprint: Footprint) -> Region:
     """The GM range ``footprint``'s elements lie in."""
     low, size = footprint.span
-    return Region(GM, low, max(size, footprint.itemsize), footprint.tensor)
+    return Region(GM, low, max(size, footprint.itemsize), footprint.tensor, footprint.offsets)
 
 
 def gm_load(machine: Machine, core: int, footprint: Footprint, destination: Region) -> Instruction:

@@ -141,7 +141,7 @@ def replay(program: Program, against: Schedule | None = None) -> Schedule:
         if instruction.is_set:
             key = flag_key(instruction)
             signals[key].append(max(pipe_done[pipe], start + instruction.cycles))
-            waiting = (instruction.core, instruction.event[1])
+            waiting = (instruction.flag_cores[1], instruction.event[1])
             if waiting in queues and heads[waiting] < len(queues[waiting]):
                 head = instructions[queues[waiting][heads[waiting]]]
                 if head.is_wait and flag_key(head) == key and consumed[key] == len(signals[key]) - 1:

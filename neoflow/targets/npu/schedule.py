@@ -2,10 +2,12 @@
 
 List scheduling in program order: an instruction starts when its pipe is free
 (each pipe runs its instructions in order), when every earlier instruction it
-depends on through a buffer region (read after write, write after read or
-write; GM carries none inside a program, ``check_gm_roles``) is done, and —
-a ``wait_flag`` — when its ``set_flag`` has signalled
-(a ``set_flag`` signals once every earlier instruction on its pipe is done).
+depends on is done — through a buffer region (read after write, write after
+read or write), or through a GM tensor the program both writes and reads (a
+read after the write of the same elements: a split machine's cube core handing
+a vector core its sums, ``check_gm_roles``) — and, a ``wait_flag``, when its
+``set_flag`` has signalled (a ``set_flag`` signals once every earlier instruction
+on its pipe is done; a cross-core one signals another core's pipe).
 The simulator's replay (``replay``) uses the flags and the pipes alone; the two
 agree exactly when the flags carry every dependency.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from neoflow.errors import CompileError
 from neoflow.targets.npu.isa import Instruction, Program, Region
@@ -36,28 +40,56 @@ class Schedule:
 
 
 def scope(instruction: Instruction, region: Region) -> tuple | None:
-    """Where ``region`` lives: a buffer of the instruction's core, or None for GM.  Within one
-    program GM carries no dependencies: a program reads its inputs and writes each element of
-    its outputs once, from one core (the compiler's invariant, ``check_gm_roles``); programs
-    are ordered by the barrier between them."""
+    """Where ``region`` lives: a buffer of the instruction's core, or None for GM (whose
+    dependencies inside a program ``dependencies`` finds element by element)."""
     return None if region.space == GM else (instruction.core, region.space)
 
 
 def flag_key(instruction: Instruction) -> tuple:
-    return (instruction.core, instruction.event)
+    """What pairs a ``wait_flag`` with its ``set_flag``: the two cores and the event."""
+    return (instruction.flag_cores, instruction.event)
+
+
+def shared_tensors(program: Program) -> set[str]:
+    """The GM tensors ``program`` both writes and reads."""
+    written = {r.tensor for i in program.instructions for r in i.writes if r.space == GM}
+    return {r.tensor for i in program.instructions for r in i.reads if r.space == GM and r.tensor in written}
+
+
+def _element_tables(program: Program, shared: set[str], fill: int, dtype) -> dict[str, np.ndarray]:
+    """Per tensor of ``shared``, an array over the elements the program's regions name, all ``fill``."""
+    sizes: dict[str, int] = {}
+    for instruction in program.instructions:
+        for region in (*instruction.reads, *instruction.writes):
+            if region.tensor in shared and region.points is not None and region.points.size:
+                sizes[region.tensor] = max(sizes.get(region.tensor, 0), int(region.points.max()) + 1)
+    return {name: np.full(sizes.get(name, 0), fill, dtype) for name in shared}
 
 
 def check_gm_roles(program: Program) -> None:
-    """A ``CompileError`` where an instruction reads a GM tensor another writes (a dependency
-    through GM inside one program, which no flag could carry across cores)."""
-    written = {r.tensor for i in program.instructions for r in i.writes if r.space == GM}
+    """A ``CompileError`` where an instruction reads a GM tensor the same program writes, unless
+    every access to it names its exact elements (``Region.points``) and each element is written
+    once, before any read of it: then the only dependency through it is a read after a write,
+    which ``dependencies`` finds and a flag (across cores, a cross-core one) must carry."""
+    shared = shared_tensors(program)
+    state = _element_tables(program, shared, 0, np.int8)  # per element: 0 untouched, 1 written, 2 read
     for index, instruction in enumerate(program.instructions):
-        for region in instruction.reads:
-            if region.space == GM and region.tensor in written:
+        accesses = [(r, 2) for r in instruction.reads] + [(r, 1) for r in instruction.writes]
+        for region, role in accesses:
+            if region.space != GM or region.tensor not in shared:
+                continue
+            what = f"instruction {index} ({instruction.text()})"
+            if region.points is None:
                 raise CompileError(
-                    f"instruction {index} ({instruction.text()}) reads GM tensor '{region.tensor}', "
-                    "which the same program writes"
+                    f"{what} {'reads' if role == 2 else 'writes'} GM tensor '{region.tensor}', which the same "
+                    "program also writes and reads, without naming its elements"
                 )
+            seen = state[region.tensor][region.points]
+            if role == 1 and seen.any():
+                raise CompileError(f"{what} writes elements of GM tensor '{region.tensor}' written or read before")
+            if role == 2 and (seen == 0).any():
+                raise CompileError(f"{what} reads elements of GM tensor '{region.tensor}' before any write of them")
+            state[region.tensor][region.points] = np.maximum(seen, role)
 
 
 def _covers(outer: Region, inner: Region) -> bool:
@@ -65,13 +97,21 @@ def _covers(outer: Region, inner: Region) -> bool:
 
 
 def dependencies(program: Program) -> list[tuple[int, ...]]:
-    """Per instruction, the earlier instructions it depends on through a buffer region: read
-    after write, write after read or write (a write hides the accesses it covers)."""
+    """Per instruction, the earlier instructions it depends on through a buffer region (read
+    after write, write after read or write: a write hides the accesses it covers) or through the
+    elements of a GM tensor the program writes and reads (read after write, ``check_gm_roles``)."""
     writes: dict[tuple, list[tuple[Region, int]]] = defaultdict(list)
     reads: dict[tuple, list[tuple[Region, int]]] = defaultdict(list)
+    writers = _element_tables(program, shared_tensors(program), -1, np.int32)
     found: list[tuple[int, ...]] = []
     for index, instruction in enumerate(program.instructions):
         depends: set[int] = set()
+        for region in instruction.reads:
+            if region.tensor in writers and region.points is not None:  # a GM read after a write (``check_gm_roles``)
+                depends.update(int(i) for i in np.unique(writers[region.tensor][region.points]) if i >= 0)
+        for region in instruction.writes:
+            if region.tensor in writers and region.points is not None:
+                writers[region.tensor][region.points] = index
         for region in instruction.reads:
             where = scope(instruction, region)
             if where is not None:

@@ -12,6 +12,7 @@ op of several reductions (a loss) runs as one step over the whole of its inputs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -153,22 +154,61 @@ def _plan_steps(op: Op, kind: str, slot: int) -> tuple[int, int]:
     return chunk, max(1, (slot - chunk * itemsize) // (chunk * reads * itemsize))
 
 
-def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = None) -> None:
+#: called before a chunk's load of its workspace sums: (program, vector core, the chunk's points)
+BeforeSums = Callable[[Program, int, range], None]
+
+
+def emit_op(
+    program: Program,
+    op: Op,
+    cores: range,
+    accumulator: str | None = None,
+    order: Sequence[int] | None = None,
+    before_sums: BeforeSums | None = None,
+    share: float = 1.0,
+) -> None:
     """Append the vector program of ``op`` (output GM tensor ``op.name``) over ``cores``; the
-    program's first reads of each input element come from HBM (``loads``)."""
+    program's first reads of each input element come from HBM (``loads``; ``share`` of its
+    bandwidth).  An epilogue over the workspace ``accumulator`` may take its chunks (``chunks``) in
+    ``order`` (default: as they lie) and have ``before_sums`` add what must come before a chunk's
+    sums are loaded (a cross-core wait)."""
     inputs = {t.name: t.size for t in op.inputs}
-    fetched(program, inputs, lambda target, touch: _emit_op(target, op, cores, accumulator, touch), len(cores))
+
+    def emit(target: Program, touch: FirstTouch) -> None:
+        _emit_op(target, op, cores, accumulator, touch, order, before_sums)
+
+    fetched(program, inputs, emit, len(cores), share=share)
 
 
-def _emit_op(program: Program, op: Op, cores: range, accumulator: str | None, touch: FirstTouch) -> None:
-    machine: Machine = program.machine
-    kind = mode(op, accumulator)
+def _slots(op: Op, machine: Machine, kind: str) -> tuple[int, int, int, int]:
+    """``(points a chunk, terms a step, input slot bytes, output slot bytes)`` of ``op``'s steps in UB."""
     capacity = machine.buffer("UB").capacity
     out_itemsize = dt.numpy_dtype(op.dtype).itemsize
     slot = (capacity - 4096) // 2
     points_per_chunk, terms_per_step = _plan_steps(op, kind, slot * 3 // 4)
     out_slot = align(points_per_chunk * max(out_itemsize, LANE_BYTES), 32)
-    in_slot = slot - out_slot
+    return points_per_chunk, terms_per_step, slot - out_slot, out_slot
+
+
+def chunks(op: Op, machine: Machine, accumulator: str | None = None) -> list[range]:
+    """The output points of each chunk ``emit_op`` cuts ``op`` into, in order."""
+    points = _slots(op, machine, mode(op, accumulator))[0]
+    return [range(p, min(p + points, op.output.size)) for p in range(0, op.output.size, points)]
+
+
+def _emit_op(
+    program: Program,
+    op: Op,
+    cores: range,
+    accumulator: str | None,
+    touch: FirstTouch,
+    order: Sequence[int] | None = None,
+    before_sums: BeforeSums | None = None,
+) -> None:
+    machine: Machine = program.machine
+    kind = mode(op, accumulator)
+    out_itemsize = dt.numpy_dtype(op.dtype).itemsize
+    _, terms_per_step, in_slot, out_slot = _slots(op, machine, kind)
     if in_slot <= 0 or (
         kind == "whole" and sum(t.size * dt.numpy_dtype(t.dtype).itemsize for t in op.inputs) > in_slot
     ):
@@ -182,17 +222,19 @@ def _emit_op(program: Program, op: Op, cores: range, accumulator: str | None, to
     if kind == "reduce":
         reduce, _ = split_epilogue(op.body, op)
         total_terms = math.prod(e for _, e in _terms_axis(reduce, op))
-    chunks = [range(p, min(p + points_per_chunk, op.output.size)) for p in range(0, op.output.size, points_per_chunk)]
+    cut = chunks(op, machine, accumulator)
+    if order is not None:
+        cut = [cut[k] for k in order]
     per_term = operations(reduce.body) + 1 if reduce is not None else 0
     # an epilogue over a workspace reads the reduction's value: its arithmetic is what lies outside it
     tail = 1 if kind == "epilogue" and isinstance(op.body, Reduce) else operations(op.body)
     for position, core in enumerate(cores):
-        mine = chunks[position :: len(cores)]
+        mine = cut[position :: len(cores)]
         step = 0
         for count, points in enumerate(mine):
             out_half = count % 2
             out_region = Region("UB", 2 * in_slot + out_half * out_slot, max(32, len(points) * out_itemsize))
-            acc_region = Region("UB", 2 * slot, align(max(32, len(points) * LANE_BYTES), 32))
+            acc_region = Region("UB", 2 * (in_slot + out_slot), align(max(32, len(points) * LANE_BYTES), 32))
             starts = range(0, total_terms, terms_per_step) if kind == "reduce" else [None]
             for start in starts:
                 terms = range(start, min(start + terms_per_step, total_terms)) if start is not None else None
@@ -206,6 +248,8 @@ def _emit_op(program: Program, op: Op, cores: range, accumulator: str | None, to
                 for footprint in footprints(chunk):
                     if footprint.offsets.size == 0:
                         continue
+                    if before_sums is not None and footprint.tensor == accumulator:
+                        before_sums(program, core, points)
                     region = Region("UB", offset, align(footprint.bytes, 32))
                     offset += region.size
                     if offset > (half + 1) * in_slot:

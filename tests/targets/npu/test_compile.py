@@ -151,9 +151,9 @@ def test_an_epilogue_reading_other_tensors_runs_on_chip_beside_the_cube(shapes) 
     # the split machine's workspace round trip moves the fp32 sums through GM twice: FIXPIPE out, then
     # the vector phase back in; the coupled machine's FIXPIPE drains into UB alone
     _, (split, _) = _simulate(op, "npu-split")
-    assert [what for what, _ in split.phases] == ["cube", "vector"]
-    drained, tail = (count(p, s) for (_, p), s in zip(split.phases, split.schedules, strict=True))
-    assert drained.paths["L0C->GM"] >= op.output.size * 4 and tail.paths["GM->UB"] >= op.output.size * 4
+    assert [what for what, _ in split.phases] in (["cube", "vector"], ["cube+vector"])  # ``handoff``
+    moved = [count(p, s).paths for (_, p), s in zip(split.phases, split.schedules, strict=True)]
+    assert sum(m["L0C->GM"] for m in moved) >= op.output.size * 4 <= sum(m["GM->UB"] for m in moved)
     assert "L0C->GM" not in count(program, compiled.schedules[0]).paths
     # one core takes every tile: the UB halves ping-pong between tiles
     got, (alone, want) = _simulate(op, _one_core())
@@ -169,7 +169,13 @@ def test_an_epilogue_reading_other_tensors_runs_from_a_workspace_on_a_split_mach
         shapes={"W": (24, 40), "G": (32, 24), "X": (32, 40)},
     )
     got, (compiled, want) = _simulate(op, "npu-split")
-    assert [what for what, _ in compiled.phases] == ["cube", "vector"]
+    phased = compile_op(op, machine("npu-split"), hand_off=False)
+    assert [what for what, _ in phased.phases] == ["cube", "vector"]
+    # handed off tile by tile where that is faster (``test_handoff``), else the same two phases
+    assert compiled.cycles <= phased.cycles
+    assert [what for what, _ in compiled.phases] == (
+        ["cube+vector"] if compiled.cycles < phased.cycles else ["cube", "vector"]
+    )
     assert _relative(got, want) < 2e-3
 
 
