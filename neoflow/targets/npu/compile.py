@@ -189,22 +189,15 @@ def compile_op(op: Op, machine: Machine, hand_off: bool = True) -> OpProgram:
     itemsize = dt.numpy_dtype(op.dtype).itemsize
     handing_off = hand_off and workspace is not None and zeroed is None and machine.layout == "split"
 
+    def emit_piece(target: Program, v: int, touch: FirstTouch, steps: dict, only: dict | None = None) -> None:
+        """Append view (lattice piece) ``v``'s tiles (``only``: those ``cube.emit_view`` names) to ``target``."""
+        piece = (views[v], gathers[v], tiles[v], cores, op.name, itemsize, workspace, steps, touch)
+        cube.emit_view(target, *piece, on_chip=on_chip, only=only)
+
     def emit(target: Program, touch: FirstTouch) -> None:
         steps: dict[int, list[int]] = {}
-        for view, pair, picked in zip(views, gathers, tiles, strict=True):
-            cube.emit_view(
-                target,
-                view,
-                pair,
-                picked,
-                cores,
-                op.name,
-                itemsize,
-                workspace,
-                steps,
-                touch,
-                on_chip=on_chip,
-            )
+        for v in range(len(views)):
+            emit_piece(target, v, touch, steps)
 
     tensors = _tensors(op, extra)
 
@@ -260,19 +253,7 @@ def compile_op(op: Op, machine: Machine, hand_off: bool = True) -> OpProgram:
             steps: dict[int, list[int]] = {}
             for position, mine in enumerate(taken):
                 for v, k in mine:
-                    cube.emit_view(
-                        target,
-                        views[v],
-                        gathers[v],
-                        tiles[v],
-                        cores,
-                        op.name,
-                        itemsize,
-                        workspace,
-                        steps,
-                        touch,
-                        only={position: [k]},
-                    )
+                    emit_piece(target, v, touch, steps, only={position: [k]})
 
         # the vector cores take each tile's sums as soon as a cube core has stored them: kept where
         # its schedule beats the two phases' (a weight update's every chunk waits for the last tiles)

@@ -16,21 +16,11 @@ from neoflow.targets.npu.isa import Program, Region, copy
 from neoflow.targets.npu.machine import GM, machine
 from neoflow.targets.npu.replay import SimulationError, replay
 from neoflow.targets.npu.schedule import check_gm_roles, static_schedule
-from neoflow.targets.npu.simulate import run_program
+from tests.targets.npu.test_compile import run_phases
 
 # a product whose epilogue reads another tensor: on a split machine, the vector cores apply it
 MASKED = "Y[i, j] = X[i, j] * ReduceAdd({k}, A[i, k] * B[k, j])"
 SHAPES = {"X": (1024, 256), "A": (1024, 256), "B": (256, 256)}
-
-
-def _run(compiled, inputs: dict[str, np.ndarray], op) -> np.ndarray:
-    gm = {k: v.reshape(-1).copy() for k, v in inputs.items()}
-    gm[op.name] = np.full(op.output.size, np.nan, np.float32)
-    for _, program in compiled.phases:
-        for name, size in program.tensors.items():
-            gm.setdefault(name, np.full(size // 4, np.nan, np.float32))
-        run_program(program, gm)
-    return gm[op.name].reshape(op.shape)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +57,7 @@ def test_handed_off_sums_compute_what_the_interpreter_does(masked) -> None:
     rng = np.random.default_rng(0)
     inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in op.inputs}
     want = neoflow.evaluate(op, inputs)
-    got = _run(handed, inputs, op)
+    got = run_phases(handed, inputs)
     assert float(np.abs(got - want).max() / np.abs(want).max()) < 2e-3
 
 
