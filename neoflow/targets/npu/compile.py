@@ -231,39 +231,46 @@ def compile_op(op: Op, machine: Machine, hand_off: bool = True) -> OpProgram:
     compiled = _checked(OpProgram(op, phases, known))
     if handing_off:
 
-        def emit_in_turns(target: Program, touch: FirstTouch) -> None:
-            # the views' (lattice pieces') tiles taking turns, the k-th tile of each view after another, each
-            # to the core with the least work so far (pieces differ in depth): the sums of every region of
-            # the output land early and late alike, not piece after piece
-            orders = [cube.tile_order(v, t) for v, t in zip(views, tiles, strict=True)]
-            work = [0] * len(cores)
-            taken: list[list[tuple[int, int]]] = [[] for _ in cores]
-            for k in range(max(len(o) for o in orders)):
-                for v, order in enumerate(orders):
-                    if k < len(order):
-                        position = work.index(min(work))
-                        taken[position].append((v, k))
-                        _, m_size, n_size, _ = views[v].sizes
-                        _, mi, ni, depth = order[k]
-                        work[position] += (
-                            len(range(mi, min(mi + tiles[v].m, m_size)))
-                            * len(range(ni, min(ni + tiles[v].n, n_size)))
-                            * len(depth)
-                        )
+        def emit_side_by_side(target: Program, touch: FirstTouch) -> None:
             steps: dict[int, list[int]] = {}
-            for position, mine in enumerate(taken):
-                for v, k in mine:
-                    emit_piece(target, v, touch, steps, only={position: [k]})
+            for position, (v, mine) in enumerate(pieces_side_by_side(views, tiles, len(cores))):
+                emit_piece(target, v, touch, steps, only={position: mine})
 
         # the vector cores take each tile's sums as soon as a cube core has stored them: kept where
         # its schedule beats the two phases' (a weight update's every chunk waits for the last tiles)
-        in_turns = emit_in_turns if len(views) > 1 else emit  # one view: its tiles in order, b kept resident
-        program = handoff.pipelined(op, Program(machine, dict(tensors)), in_turns, _inputs(op), workspace)
+        side_by_side = emit_side_by_side if 1 < len(views) <= len(cores) else emit
+        program = handoff.pipelined(op, Program(machine, dict(tensors)), side_by_side, _inputs(op), workspace)
         merged = OpProgram(op, [("cube+vector", program)])
         if merged.cycles < compiled.cycles:
             return _checked(merged)
 
     return compiled
+
+
+def _tile_work(view, tiles: cube.CubeTiles, tile: tuple) -> int:
+    """The multiply-adds of ``tile`` (one of ``cube.tile_order``'s) of ``view``."""
+    _, m_size, n_size, _ = view.sizes
+    _, mi, ni, depth = tile
+    return len(range(mi, min(mi + tiles.m, m_size))) * len(range(ni, min(ni + tiles.n, n_size))) * len(depth)
+
+
+def pieces_side_by_side(views, tiles: list[cube.CubeTiles], cores: int) -> list[tuple[int, list[int]]]:
+    """Per core (position), the view it works on and its tiles (positions in ``cube.tile_order``):
+    the cores shared among the views (lattice pieces) so that the most work a core of any view has
+    is least (each view at least one core; ``cores`` at least the views), each view's tiles dealt
+    round-robin over its cores in order.  Every piece's sums then land from first to last at once,
+    so that every region of the output is complete early or late alike, not piece after piece; and
+    a core's tiles, all of one view, keep their ``b`` patches resident as in one view's program."""
+    orders = [cube.tile_order(v, t) for v, t in zip(views, tiles, strict=True)]
+    work = [sum(_tile_work(v, t, tile) for tile in o) for v, t, o in zip(views, tiles, orders, strict=True)]
+    counts = [1] * len(views)
+    for _ in range(cores - len(views)):
+        busiest = max(range(len(views)), key=lambda v: (work[v] / counts[v], -v))
+        counts[busiest] += 1
+    found = []
+    for v, count in enumerate(counts):
+        found += [(v, list(range(k, len(orders[v]), count))) for k in range(count)]
+    return found
 
 
 def _checked(compiled: OpProgram) -> OpProgram:

@@ -8,8 +8,10 @@ mixed cube-vector kernels instead synchronise the two kinds of core per tile
 program in which each vector core, before it loads a chunk's sums, waits on a
 cross-core flag from every cube core that stored some of them, raised by that
 cube core's FIXPIPE right after the store.  The chunks go to the vector cores in
-the order the static schedule lands their sums, and the two kinds of core share
-HBM's bandwidth in proportion to the bytes each fetches from it.  The program
+the order the static schedule lands their sums (an op of several lattice pieces
+runs them side by side, ``compile.pieces_side_by_side``, so that every region of
+the output is complete early or late alike), and the vector cores' loads get the
+share of HBM's bandwidth the cube cores' leave (``_left_to_vector``).  The program
 reads a GM tensor it writes (the workspace), each element written once before
 it is read, with the exact elements named on both sides (``schedule.check_gm_roles``):
 the replay catches a missing cross-core flag like any other.

@@ -10,13 +10,16 @@ import numpy as np
 import pytest
 
 import neoflow
+from neoflow.codegen.hardware import NPU_CUBE
+from neoflow.codegen.implicit_gemm import gemm_views
 from neoflow.errors import CompileError
-from neoflow.targets.npu.compile import compile_op
+from neoflow.targets.npu import cube
+from neoflow.targets.npu.compile import compile_op, pieces_side_by_side
 from neoflow.targets.npu.isa import Program, Region, copy
 from neoflow.targets.npu.machine import GM, machine
 from neoflow.targets.npu.replay import SimulationError, replay
 from neoflow.targets.npu.schedule import check_gm_roles, static_schedule
-from tests.targets.npu.test_compile import run_phases
+from tests.targets.npu.test_compile import CAPSULE, run_phases
 
 # a product whose epilogue reads another tensor: on a split machine, the vector cores apply it
 MASKED = "Y[i, j] = X[i, j] * ReduceAdd({k}, A[i, k] * B[k, j])"
@@ -93,3 +96,24 @@ def test_a_program_reads_a_gm_tensor_it_writes_only_naming_elements_written_once
     with pytest.raises(SimulationError, match="a missing flag"):
         replay(_reads_what_it_writes(points=True))
     assert static_schedule(_reads_what_it_writes(points=True)).starts[1] > 0  # the schedule waits for the write
+
+
+def test_lattice_pieces_share_the_cube_cores_by_their_work() -> None:
+    op = neoflow.op(CAPSULE.replace("{s}", "2"), shapes={"In": (4, 8, 17, 17, 4, 4), "W": (16, 8, 3, 3, 4, 4)})
+    layer = neoflow.compile(op, target="npu-split", grad=True)
+    adjoint = next(p.op for p in layer._backward.programs.values() if len(gemm_views(p.op, NPU_CUBE) or ()) == 4)
+    views = gemm_views(adjoint, NPU_CUBE)  # the stride-2 input adjoint's four lattice pieces, 4, 2, 2 and 1 taps
+    npu = machine("npu-split")
+    cores = len(npu.cores("cube"))
+    tiles = [cube.choose_tiles(v, npu, cube.cube_operands(v), cores) for v in views]
+    found = pieces_side_by_side(views, tiles, cores)
+    assert len(found) == cores
+    for v, view in enumerate(views):  # every tile of every piece, once
+        assert sorted(k for w, mine in found if w == v for k in mine) == list(
+            range(len(cube.tile_order(view, tiles[v])))
+        )
+    share = {v: sum(w == v for w, _ in found) for v in range(len(views))}
+    depth = {v: view.sizes[3] for v, view in enumerate(views)}
+    assert min(share.values()) >= 1
+    deepest, shallowest = max(depth, key=depth.get), min(depth, key=depth.get)
+    assert depth[deepest] > depth[shallowest] and share[deepest] > share[shallowest]
