@@ -16,6 +16,11 @@ integer ``v`` with ``f(v) = z``:
    rational coefficients; where a denominator ``L`` remains, the pivot is
    ``floor(N/L)`` under the lattice condition ``N mod L == 0``.  Rows without a
    pivot give consistency conditions on ``z`` (a diagonal read ``X[i, i]``).
+4. Where such a condition fixes a free variable ``u`` — ``N = rest +- u`` with
+   ``u``'s extent ``L`` and ``rest`` free of free variables — exactly one ``u``
+   meets it: ``u`` is solved (``(-+rest) mod L``) instead of enumerated under the
+   condition.  A grouped convolution's input adjoint then sums over the group's
+   kernels alone, not over every channel of the group keeping one in ``L``.
 
 The free variables become the adjoint's new reduction axes; every integer point
 that satisfies the conditions corresponds to exactly one forward point, so an
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from neoflow.ir import index
-from neoflow.ir.expr import Binary, Const, Expr, Index, Read
+from neoflow.ir.expr import Binary, Const, Expr, Index, Read, map_indices
 
 
 class NotAffine(Exception):
@@ -144,6 +149,8 @@ def solve(
 
     substitution: dict[sympy.Symbol, sympy.Expr] = {u: u for u in free}
     conditions: list[Expr] = []
+    known = {**extents, **new_extents}
+    determined: dict[sympy.Symbol, sympy.Expr] = {}
     for row in range(len(rows)):
         col = pivot_of_row.get(row)
         value = sympy.expand(transformed[row])
@@ -156,9 +163,19 @@ def solve(
         denominator = index.denominator(value)
         if denominator > 1:
             numerator = sympy.expand(value * denominator)
-            conditions.append(Binary("==", Index(index.mod(numerator, denominator)), Const(0)))
-            value = index.floordiv(numerator, denominator)
+            solved = _determined(numerator, denominator, free, known) if not determined else None
+            if solved is not None:
+                u, u_value, value = solved
+                determined[u] = u_value
+            else:
+                conditions.append(Binary("==", Index(index.mod(numerator, denominator)), Const(0)))
+                value = index.floordiv(numerator, denominator)
         substitution[preference[col]] = value
+    if determined:  # a free variable the lattice condition fixes is no reduction axis: its value, everywhere
+        substitution = {k: sympy.expand(v.xreplace(determined)) for k, v in substitution.items()}
+        substitution.update(determined)
+        conditions = [map_indices(c, lambda e: e.xreplace(determined)) for c in conditions]
+        free = [u for u in free if u not in determined]
     for s, expr in eliminated.items():
         substitution[s] = sympy.expand(expr.xreplace(substitution))
     return Solution(
@@ -170,6 +187,27 @@ def solve(
         extents=new_extents,
         new_variables=[s.name for s in quotients + remainders],
     )
+
+
+def _determined(
+    numerator: sympy.Expr, modulus: int, free: Sequence[sympy.Symbol], extents: Mapping[str, int]
+) -> tuple[sympy.Symbol, sympy.Expr, sympy.Expr] | None:
+    """Where the lattice condition ``numerator mod modulus == 0`` fixes a free variable ``u`` (its
+    coefficient +-1, its extent ``modulus``, the rest of ``numerator`` free of every free variable:
+    one value of ``u`` in its range meets it, a grouped convolution's channel within its group),
+    ``(u, u's value, numerator / modulus)`` with ``u``'s value put in; else None (the condition
+    stays and ``u`` is enumerated)."""
+    for u in free:
+        sign = numerator.coeff(u)
+        if sign not in (1, -1) or extents.get(u.name) != modulus:
+            continue
+        rest = sympy.expand(numerator - sign * u)
+        if rest.free_symbols & set(free):
+            continue
+        value = index.mod(-sign * rest, modulus)  # sign * u = -rest (mod modulus), 0 <= u < modulus
+        quotient = index.floordiv(rest, modulus) if sign == -1 else -index.floordiv(-rest, modulus)
+        return u, value, quotient
+    return None
 
 
 def _affine_coefficients(expr: sympy.Expr, unknowns: Sequence[sympy.Symbol]) -> dict:

@@ -12,6 +12,7 @@ import torch.nn.functional as tf
 import neoflow
 from neoflow.autodiff import grad
 from neoflow.ir.expr import Reduce
+from neoflow.ir.printer import to_text
 
 from .gradcheck import adjoints, check
 
@@ -39,6 +40,16 @@ def test_conv2d(stride: int, pad: int, dilation: int, groups: int) -> None:
         {"X": (1, channels, 6, 6), "W": (kernels, channels // groups, 3, 3), "Y": (1, kernels, out, out)},
         lambda X, W: tf.conv2d(X, W, stride=stride, padding=pad, dilation=dilation, groups=groups),
     )
+
+
+def test_a_grouped_conv_s_input_adjoint_solves_for_the_channel_within_its_group() -> None:
+    # X[n, k//4*4 + c, ...]: the dX point's channel z fixes c = z % 4 (its extent is the group's 4), so
+    # the adjoint sums over the group's kernels and the window, not over c under a condition on c
+    shapes = {"X": (1, 16, 6, 6), "W": (16, 4, 3, 3), "Y": (1, 16, 6, 6)}
+    reduce = grad(neoflow.op(conv2d_text(1, 1, 1, 4, 16, 16), shapes=shapes))["X"].body
+    assert isinstance(reduce, Reduce) and len(reduce.axes) == 3 and "c" not in reduce.axes
+    assert reduce.where is None or "%" not in to_text(reduce.where)  # no lattice condition
+    assert "%4" in to_text(reduce.body)  # W's channel: the dX point's, modulo the group's 4
 
 
 def test_conv1d_strided() -> None:
