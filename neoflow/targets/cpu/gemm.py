@@ -85,8 +85,15 @@ _THREADS = """#ifdef _OPENMP
 GENERIC_CYCLES_PER_POINT = 2.0
 #: the blocked kernel's structures: ``panel`` (blocks of ``b`` packed ahead into a shared buffer, each thread
 #: packing its own blocks of ``a``), ``narrow`` (all of ``a`` packed once, each task packing one strip of
-#: ``b``: ``_narrow``), ``split`` (the depth shared out among the threads: ``_split_depth``)
-STRUCTURES = ("panel", "narrow", "split")
+#: ``b``: ``_narrow``), ``split`` (the depth shared out among the threads: ``_split_depth``), ``batched``
+#: (each thread whole batch items, packing and multiplying each alone: ``_batched``)
+STRUCTURES = ("panel", "narrow", "split", "batched")
+#: a batch item's product this small (multiply-adds), over at least ``BATCHED_MIN_ITEMS`` items, runs as
+#: ``batched``: a panel's parallel regions and barriers a depth block of every item cost more than its work
+#: (attention's 65 x 65 x 32 products per head, a grouped convolution's 16 x 256 x 144 per group)
+BATCHED_MAX_MACS, BATCHED_MIN_ITEMS = 1 << 21, 8
+#: ... and its packed operands fit a thread's share of the cache together
+BATCHED_PACK_BYTES = 512 * 1024
 #: cycles per output element written back after a depth block, and extra ones for storing it alone
 WRITE_CYCLES, SCATTER_CYCLES = 1.5, 2.5
 VECTOR_PACK_CYCLES = 1.0  # per element of a strip copied with vector loads
@@ -771,6 +778,36 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
     tables = f"""{output}
         {built_once([*all_tables, row_steps])}
 {_THREADS}"""
+    if structure == "batched":
+        strips = -(-n // NR)
+        return (
+            packers,
+            f"""
+        {tables}
+        /* each thread whole batch items: an item's product is small, packed and multiplied by one thread */
+        #pragma omp parallel
+        {{
+            NF_SCRATCH(float, apack, {round_up(k * round_up(m, MR), 16)});
+            NF_SCRATCH(float, bpack, {k * strips * NR});
+            float tile[{MR * NR}] __attribute__((aligned(64)));
+            const int64_t ic = 0, jc = 0, mc = {m}, nc = {n}, pc = 0, kc = {k}, strips = {strips};
+            const int last_ = 1;
+            (void)last_;
+            #pragma omp for schedule(static)
+            for (int64_t batch_ = 0; batch_ < {batches}; ++batch_) {{
+                {unflatten_index("batch_", batch)}
+                float *restrict to_batch = outp + {offset(batch)};
+                {pack_a}
+                {pack_b("0", b_outer)}
+                for (int64_t jr = 0; jr < nc; jr += {NR}) {{
+                    const int64_t width = nc - jr < {NR} ? nc - jr : {NR};
+                    int dense = width == {NR};
+                    for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
+{row_strips("bpack + jr * kc")}
+                }}
+            }}
+        }}""",
+        )
     if structure == "narrow":
         a_whole = f"{prefix}_pack_a(apack, 0, {m}, 0, {k}, 0, {k if a_inner else m}, {pack_a_code.arguments}"
         a_whole += "".join(f", in{i}" for i in range(len(op.inputs))) + ", 0" * len(batch) + ");"
@@ -1026,9 +1063,25 @@ def _structure(wanted: str, sizes: tuple[int, int, int], batch: list[tuple[str, 
         return wanted
     if wanted == "split" and m * n <= 1 << 20:
         return wanted
+    if wanted == "batched" and _batched(sizes, batch, any_size=True):
+        return wanted
     if _split_depth(m, n, k):
         return "split"
-    return "narrow" if _narrow(m, k, batch, factor_a) else "panel"
+    if _narrow(m, k, batch, factor_a):
+        return "narrow"
+    return "batched" if _batched(sizes, batch) else "panel"
+
+
+def _batched(sizes: tuple[int, int, int], batch: list[tuple[str, int]], any_size: bool = False) -> bool:
+    """Whether each thread should take whole batch items (``batched``): at least ``BATCHED_MIN_ITEMS``
+    of them (any number, with ``any_size``), each a product of at most ``BATCHED_MAX_MACS`` (any, with
+    ``any_size``) whose packed operands fit ``BATCHED_PACK_BYTES``."""
+    m, n, k = sizes
+    items = math.prod(e for _, e in batch)
+    packed = (round_up(m, MR) + round_up(n, NR)) * k * 4
+    if packed > BATCHED_PACK_BYTES or items < 2:
+        return False
+    return any_size or (items >= BATCHED_MIN_ITEMS and m * n * k <= BATCHED_MAX_MACS)
 
 
 def _split_depth(m: int, n: int, k: int) -> bool:

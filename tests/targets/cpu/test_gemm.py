@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import sympy
 
 import neoflow
 from neoflow.codegen.hardware import cpu_flags
-from neoflow.targets.cpu import gemm
+from neoflow.targets.cpu import gemm, tuning
 from neoflow.targets.cpu.gemm import GATHER_PACK_CYCLES, STEP_CYCLES, VECTOR_PACK_CYCLES, blocked_form, gemm_plan
-from neoflow.targets.cpu.lower import lower_op, lowering_paths
+from neoflow.targets.cpu.lower import KernelChoice, lower_op, lowering_paths
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from tests.on_targets import NEEDS_CC, assert_compiled_matches_interpreter, compiler_defines
 
@@ -389,3 +390,40 @@ def test_two_operands_read_from_one_tensor_run_on_the_blocked_kernel() -> None:
     assert blocked_form(scores) is not None and "blocked" in lowering_paths(scores)
     assert "_b(out, in0, in0)" in lower_op(scores, "kernel")
     assert_compiled_matches_interpreter(scores, 6)
+
+
+BATCHED = "each thread whole batch items"
+
+
+def test_many_small_products_of_a_batch_each_go_to_one_thread_whole() -> None:
+    # attention's products per head (a 4-head 65-token block at batch 2), with an epilogue: batched
+    heads = neoflow.op(
+        "S[b, h, i, j] = ReduceAdd({d}, Q[b, h, i, d] * K[b, h, j, d]) * 0.125 + M[i, j]",
+        shapes={"Q": (2, 4, 65, 32), "K": (2, 4, 65, 32), "M": (65, 65)},
+    )
+    assert BATCHED in lower_op(heads, "kernel")
+    # a grouped convolution's input adjoint (the dX point's channel within its group solved): batched
+    grouped = neoflow.op(
+        "Y[n, k, h, w] = ReduceAdd({c, r, s}, Select(h + r >= 1 && h + r <= 8 && w + s >= 1 && w + s <= 8, "
+        "X[n, (k // 8) * 8 + c, h + r - 1, w + s - 1], 0) * W[k, c, r, s])",
+        shapes={"X": (2, 32, 8, 8), "W": (32, 8, 3, 3), "Y": (2, 32, 8, 8)},
+    )
+    (adjoint,) = [a for name, a in neoflow.grad(grouped).items() if name == "X"]
+    assert BATCHED in lower_op(adjoint, "kernel")
+    # too few items, or items too large, keep the panels; forced, a product of a few items is batched
+    few = neoflow.op(
+        "C[b, i, j] = ReduceAdd({k}, A[b, i, k] * B[b, k, j])", shapes={"A": (4, 20, 64), "B": (4, 64, 70)}
+    )
+    large = neoflow.op(
+        "C[b, i, j] = ReduceAdd({k}, A[b, i, k] * B[b, k, j])", shapes={"A": (8, 200, 256), "B": (8, 256, 200)}
+    )
+    assert BATCHED not in lower_op(few, "kernel") and BATCHED not in lower_op(large, "kernel")
+    forced = KernelChoice("blocked", gemm.Blocking(structure="batched"))
+    code = lower_op(few, "KERNEL", forced)
+    assert BATCHED in code
+    for op in (heads, adjoint, few):
+        assert_compiled_matches_interpreter(op, 4)
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(t.shape).astype(np.float32) for t in few.inputs]
+    expected = neoflow.evaluate(few, {t.name: a for t, a in zip(few.inputs, inputs, strict=True)})
+    np.testing.assert_allclose(tuning._Candidate(few, forced, code, inputs)(), expected, rtol=2e-4, atol=2e-4)
