@@ -100,8 +100,7 @@ def test_a_program_reads_a_gm_tensor_it_writes_only_naming_elements_written_once
 
 def test_lattice_pieces_share_the_cube_cores_by_their_work() -> None:
     op = neoflow.op(CAPSULE.replace("{s}", "2"), shapes={"In": (4, 8, 17, 17, 4, 4), "W": (16, 8, 3, 3, 4, 4)})
-    layer = neoflow.compile(op, target="npu-split", grad=True)
-    adjoint = next(p.op for p in layer._backward.programs.values() if len(gemm_views(p.op, NPU_CUBE) or ()) == 4)
+    adjoint = neoflow.grad(op)["In"]
     views = gemm_views(adjoint, NPU_CUBE)  # the stride-2 input adjoint's four lattice pieces, 4, 2, 2 and 1 taps
     npu = machine("npu-split")
     cores = len(npu.cores("cube"))
