@@ -90,7 +90,7 @@ GENERIC_CYCLES_PER_POINT = 2.0
 STRUCTURES = ("panel", "narrow", "split", "batched")
 #: a batch item's product this small (multiply-adds), over at least ``BATCHED_MIN_ITEMS`` items, runs as
 #: ``batched``: a panel's parallel regions and barriers a depth block of every item cost more than its work
-#: (attention's 65 x 65 x 32 products per head, a grouped convolution's 16 x 256 x 144 per group)
+#: (attention's 64 x 64 x 16 products per head in the benchmark's ViT, a grouped convolution's 16 x 256 x 144 per group)
 BATCHED_MAX_MACS, BATCHED_MIN_ITEMS = 1 << 21, 8
 #: ... and its packed operands fit a thread's share of the cache together
 BATCHED_PACK_BYTES = 512 * 1024
