@@ -1074,8 +1074,8 @@ def _structure(wanted: str, sizes: tuple[int, int, int], batch: list[tuple[str, 
 
 def _batched(sizes: tuple[int, int, int], batch: list[tuple[str, int]], any_size: bool = False) -> bool:
     """Whether each thread should take whole batch items (``batched``): at least ``BATCHED_MIN_ITEMS``
-    of them (any number, with ``any_size``), each a product of at most ``BATCHED_MAX_MACS`` (any, with
-    ``any_size``) whose packed operands fit ``BATCHED_PACK_BYTES``."""
+    of them, each a product of at most ``BATCHED_MAX_MACS`` (with ``any_size``, a structure asked for:
+    two items or more, of any size) whose packed operands fit ``BATCHED_PACK_BYTES``."""
     m, n, k = sizes
     items = math.prod(e for _, e in batch)
     packed = (round_up(m, MR) + round_up(n, NR)) * k * 4

@@ -334,7 +334,8 @@ def emit_view(
     carry on from one view to the next); ``touch`` which input elements the program has read
     (``loads``); ``busiest_only``: the first core's share alone (the most work items: a trial of the
     tiles); ``only``: per position in ``cores``, the tiles (positions in ``tile_order``) that core
-    takes instead of its round-robin share, a core left out taking none (views taking turns)."""
+    takes instead of its round-robin share, a core left out taking none (lattice pieces side by side:
+    ``compile.pieces_side_by_side``)."""
     machine = program.machine
     _, m_size, n_size, _ = view.sizes
     tile_list = tile_order(view, tiles)

@@ -29,7 +29,7 @@ from neoflow.ir.op import Op
 from neoflow.targets.npu import vector
 from neoflow.targets.npu.isa import Instruction, Program, set_flag, wait_flag
 from neoflow.targets.npu.loads import FirstTouch, count_readers, fetched_bytes
-from neoflow.targets.npu.machine import GM
+from neoflow.targets.npu.machine import GM, Machine
 from neoflow.targets.npu.schedule import Schedule, static_schedule
 
 #: the cross-core flag's id (the event that pairs a cube core's FIXPIPE with a vector core's MTE2)
@@ -76,13 +76,15 @@ class _Handoff:
             self.sets[store].append((int(cube_core), core))
 
 
-def _chunk_order(op: Op, program: Program, schedule: Schedule, workspace: str) -> list[int]:
-    """The epilogue's chunks (``vector.chunks``) in the order ``schedule`` (of the cube's
-    ``program``) lands the last of each one's sums (ties as they lie)."""
+def _chunk_order(
+    op: Op, machine: Machine, stores: list[tuple[int, Instruction]], schedule: Schedule, workspace: str
+) -> list[int]:
+    """The epilogue's chunks (``vector.chunks``) in the order ``schedule`` (of the cube's program,
+    whose ``stores`` write the sums) lands the last of each one's sums (ties as they lie)."""
     landed = np.zeros(op.output.size, np.int64)
-    for position, store in _stores(program, workspace):
+    for position, store in stores:
         landed[store.writes[0].points] = schedule.dones[position]
-    ready = [int(landed[c.start : c.stop].max()) for c in vector.chunks(op, program.machine, workspace)]
+    ready = [int(landed[c.start : c.stop].max()) for c in vector.chunks(op, machine, workspace)]
     return sorted(range(len(ready)), key=lambda k: (ready[k], k))
 
 
@@ -108,36 +110,40 @@ def pipelined(
     cube = Program(machine, dict(program.tensors))
     emit_cube(cube, FirstTouch(cube_inputs, cube_readers))
     alone = static_schedule(cube)
-    order = _chunk_order(op, cube, alone, workspace)
+    stores = _stores(cube, workspace)
+    order = _chunk_order(op, machine, stores, alone, workspace)
     left = _left_to_vector(cube, alone)
     bandwidth = machine.memory.hbm_bytes_per_cycle
     vector_share = max(MIN_SHARE, 1 - fetched_bytes(cube_readers, itemsizes) / max(1, alone.cycles) / bandwidth)
 
-    def merged(shares: dict[int, list[float]] | None, readers=None) -> tuple[Program, dict]:
-        handoff = _Handoff(_stores(cube, workspace), op.output.size)
+    def emit_vector(target: Program, touch: FirstTouch, before_sums: vector.BeforeSums | None = None) -> None:
+        vector.emit_steps(target, op, vector_cores, workspace, touch, order, before_sums)
 
-        def emit_vector(target: Program, touch: FirstTouch) -> None:
-            before_sums = None if touch.counting else handoff.before_sums  # the counting pass's program is scratch
-            vector._emit_op(target, op, vector_cores, workspace, touch, order, before_sums)
+    readers = count_readers(program, inputs, emit_vector, len(vector_cores))
 
-        readers = readers or count_readers(program, inputs, emit_vector, len(vector_cores))
+    def merged(shares: dict[int, list[float]] | None) -> tuple[Program, FirstTouch, int]:
+        """The cube's instructions with their cross-core flags, then the vector cores' (their loads
+        charged ``shares``); the touch that charged them, and where the vector cores' part starts."""
+        handoff = _Handoff(stores, op.output.size)
+        touch = FirstTouch(inputs, readers, vector_share, shares)
         tail = Program(machine, dict(program.tensors))
-        emit_vector(tail, FirstTouch(inputs, readers, vector_share, shares))
+        emit_vector(tail, touch, handoff.before_sums)
         result = Program(machine, dict(program.tensors))
         for position, instruction in enumerate(cube.instructions):
             result.add(instruction)
             for cube_core, vector_core in sorted(handoff.sets.get(position, ())):
                 result.add(set_flag(cube_core, "FIXPIPE", "MTE2", HANDOFF_FLAG, peer=vector_core))
+        start = len(result.instructions)
         result.instructions.extend(tail.instructions)
-        return result, readers
+        return result, touch, start
 
-    first, readers = merged(None)
+    first, touch, start = merged(None)
     schedule = static_schedule(first)
-    shares: dict[int, list[float]] = {}
-    for start, instruction in zip(schedule.starts, first.instructions, strict=True):
-        if instruction.core in vector_cores and instruction.pipe == "MTE2" and _is_input_load(instruction, inputs):
-            shares.setdefault(instruction.core, []).append(left(start))
-    program.instructions.extend(merged(shares, readers)[0].instructions)
+    shares = {
+        core: [left(schedule.starts[start + position]) for position in positions]
+        for core, positions in touch.charged_loads.items()
+    }
+    program.instructions.extend(merged(shares)[0].instructions)
     return program
 
 
@@ -160,13 +166,3 @@ def _left_to_vector(cube: Program, schedule: Schedule) -> Callable[[int], float]
             windows[edges] += instruction.hbm * overlap / (last - first)
     share = np.maximum(MIN_SHARE, 1 - windows / WINDOW / cube.machine.memory.hbm_bytes_per_cycle)
     return lambda cycle: float(share[cycle // WINDOW]) if cycle // WINDOW < share.size else 1.0
-
-
-def _is_input_load(instruction: Instruction, inputs: dict[str, int]) -> bool:
-    """Whether ``instruction`` is a load ``FirstTouch`` charges: of an input tensor's elements."""
-    return (
-        instruction.event is None
-        and bool(instruction.reads)
-        and instruction.reads[0].space == GM
-        and instruction.reads[0].tensor in inputs
-    )

@@ -44,7 +44,7 @@ class FirstTouch:
         # of HBM's bandwidth, what these loads' cores have (the rest serves other cores), or per core
         # the share of each of its input loads in order (past the list: ``share``)
         self.share, self.shares = share, shares or {}
-        self.loads: dict[int, int] = {}  # per core, its input loads so far
+        self.charged_loads: dict[int, list[int]] = {}  # per core, the positions of the loads it charged
         counts = {name: np.zeros(size, np.int32) for name, size in tensors.items()} if readers is None else None
         self.readers = counts if readers is None else readers
         self.seen = {name: np.zeros(size, bool) for name, size in tensors.items()}
@@ -71,14 +71,15 @@ class FirstTouch:
         self.charged += float(np.sum(footprint.itemsize / np.maximum(readers[fresh], 1)))
         hbm = round(self.charged) - self.rounded
         self.rounded += hbm
-        serial = self.loads[core] = self.loads.get(core, -1) + 1
+        positions = self.charged_loads.setdefault(core, [])
         own = self.shares.get(core, ())
-        share = own[serial] if serial < len(own) else self.share
+        share = own[len(positions)] if len(positions) < len(own) else self.share
         rate = program.machine.memory.hbm_bytes_per_cycle * share / max(1, cores)
         charged = dataclasses.replace(
             load, cycles=max(load.cycles, math.ceil(hbm / rate)), hbm=hbm, args=(*load.args, ("hbm_bytes", hbm))
         )
-        return program.add(charged)
+        positions.append(program.add(charged))
+        return positions[-1]
 
 
 def count_readers(
@@ -98,20 +99,11 @@ def fetched_bytes(readers: dict[str, np.ndarray], itemsizes: dict[str, int]) -> 
     return sum(int(np.count_nonzero(counts)) * itemsizes[name] for name, counts in readers.items())
 
 
-def fetched(
-    program: Program,
-    tensors: dict[str, int],
-    emit: Callable[[Program, FirstTouch], None],
-    cores: int,
-    readers: dict[str, np.ndarray] | None = None,
-    share: float = 1.0,
-) -> None:
-    """``emit(program, touch)`` the instructions of ``program`` (its loads on ``cores`` cores, with
-    ``share`` of HBM's bandwidth) whose input loads ``touch`` charges their HBM fetches, each
-    element's readers counted first (``count_readers``) unless given."""
-    if readers is None:
-        readers = count_readers(program, tensors, emit, cores)
-    emit(program, FirstTouch(tensors, readers, share))
+def fetched(program: Program, tensors: dict[str, int], emit: Callable[[Program, FirstTouch], None], cores: int) -> None:
+    """``emit(program, touch)`` the instructions of ``program`` (its loads on ``cores`` cores) whose
+    input loads ``touch`` charges their HBM fetches, each element's readers counted first
+    (``count_readers``)."""
+    emit(program, FirstTouch(tensors, count_readers(program, tensors, emit, cores)))
 
 
 def gm_region(footprint: Footprint) -> Region:

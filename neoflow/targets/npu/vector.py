@@ -158,26 +158,11 @@ def _plan_steps(op: Op, kind: str, slot: int) -> tuple[int, int]:
 BeforeSums = Callable[[Program, int, range], None]
 
 
-def emit_op(
-    program: Program,
-    op: Op,
-    cores: range,
-    accumulator: str | None = None,
-    order: Sequence[int] | None = None,
-    before_sums: BeforeSums | None = None,
-    share: float = 1.0,
-) -> None:
+def emit_op(program: Program, op: Op, cores: range, accumulator: str | None = None) -> None:
     """Append the vector program of ``op`` (output GM tensor ``op.name``) over ``cores``; the
-    program's first reads of each input element come from HBM (``loads``; ``share`` of its
-    bandwidth).  An epilogue over the workspace ``accumulator`` may take its chunks (``chunks``) in
-    ``order`` (default: as they lie) and have ``before_sums`` add what must come before a chunk's
-    sums are loaded (a cross-core wait)."""
+    program's first reads of each input element come from HBM (``loads``)."""
     inputs = {t.name: t.size for t in op.inputs}
-
-    def emit(target: Program, touch: FirstTouch) -> None:
-        _emit_op(target, op, cores, accumulator, touch, order, before_sums)
-
-    fetched(program, inputs, emit, len(cores), share=share)
+    fetched(program, inputs, lambda target, touch: emit_steps(target, op, cores, accumulator, touch), len(cores))
 
 
 def _slots(op: Op, machine: Machine, kind: str) -> tuple[int, int, int, int]:
@@ -196,7 +181,7 @@ def chunks(op: Op, machine: Machine, accumulator: str | None = None) -> list[ran
     return [range(p, min(p + points, op.output.size)) for p in range(0, op.output.size, points)]
 
 
-def _emit_op(
+def emit_steps(
     program: Program,
     op: Op,
     cores: range,
@@ -205,6 +190,9 @@ def _emit_op(
     order: Sequence[int] | None = None,
     before_sums: BeforeSums | None = None,
 ) -> None:
+    """The steps of ``emit_op``, their input loads charged by ``touch``; an epilogue over the workspace
+    ``accumulator`` may take its chunks (``chunks``) in ``order`` (default: as they lie), and have
+    ``before_sums`` add what must come before a chunk's sums are loaded (a cross-core wait)."""
     machine: Machine = program.machine
     kind = mode(op, accumulator)
     out_itemsize = dt.numpy_dtype(op.dtype).itemsize

@@ -156,7 +156,12 @@ def test_an_epilogue_reading_other_tensors_runs_on_chip_beside_the_cube(shapes) 
     # the split machine's workspace round trip moves the fp32 sums through GM twice: FIXPIPE out, then
     # the vector phase back in; the coupled machine's FIXPIPE drains into UB alone
     _, (split, _) = _simulate(op, "npu-split")
-    assert [what for what, _ in split.phases] in (["cube", "vector"], ["cube+vector"])  # ``handoff``
+    phased = compile_op(op, machine("npu-split"), hand_off=False)
+    # tile by tile (``handoff``) where that is faster, else the two phases; never slower than them
+    assert split.cycles <= phased.cycles
+    assert [what for what, _ in split.phases] == (
+        ["cube+vector"] if split.cycles < phased.cycles else ["cube", "vector"]
+    )
     moved = [count(p, s).paths for (_, p), s in zip(split.phases, split.schedules, strict=True)]
     assert sum(m["L0C->GM"] for m in moved) >= op.output.size * 4 <= sum(m["GM->UB"] for m in moved)
     assert "L0C->GM" not in count(program, compiled.schedules[0]).paths
