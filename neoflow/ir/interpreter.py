@@ -92,6 +92,9 @@ class _OpEvaluator:
         self.extent = op.extent
         self.axes = list(dict.fromkeys([*op.indices, *op.reduce_axes]))
         self.rank = len(self.axes)
+        self.chunk: dict[str, tuple[int, int]] = {}  # each index variable's range in the chunk evaluated
+        self.gathered: dict[tuple, np.ndarray] = {}  # this chunk's gathers, and the last one's (``cached_gather``)
+        self.earlier: dict[tuple, np.ndarray] = {}
 
     def grid(self, name: str, start: int, stop: int) -> np.ndarray:
         shape = [1] * self.rank
@@ -103,6 +106,9 @@ class _OpEvaluator:
         for axis in self.axes[len(self.op.indices) :]:
             env[axis] = self.grid(axis, 0, self.extent[axis])
         self.env = env
+        self.chunk = {name: (s.start, s.stop) for name, s in zip(self.op.indices, chunk, strict=True)}
+        self.chunk |= {axis: (0, self.extent[axis]) for axis in self.axes[len(self.op.indices) :]}
+        self.earlier, self.gathered = self.gathered, {}
         with np.errstate(all="ignore"):
             target = dt.numpy_dtype(self.op.dtype)
             value = np.asarray(self.eval(self.op.body, None, target), dtype=target)
@@ -133,7 +139,7 @@ class _OpEvaluator:
             return np.asarray(index.evaluate(node.expr, self.env, self.read_data), dtype=np.int64)
         if isinstance(node, Read):
             indices = [np.asarray(index.evaluate(i, self.env, self.read_data)) for i in node.indices]
-            return self.gather(node.tensor, indices, live, node)
+            return self.cached_gather(node, indices, live)
         if isinstance(node, Unary):
             work = target if node.dtype == dt.WEAK_FLOAT else dt.compute_dtype(node.dtype)
             x = self.eval(node.x, live, work)
@@ -203,21 +209,44 @@ class _OpEvaluator:
         combine = {"ReduceAdd": np.sum, "ReduceMul": np.prod, "ReduceMax": np.max, "ReduceMin": np.min}[node.kind]
         return combine(body, axis=positions, keepdims=True, initial=initial).astype(target, copy=False)
 
+    def cached_gather(self, node: Read, indices: list[np.ndarray], live: Mask) -> np.ndarray:
+        """``gather`` of ``node`` at ``indices``, taken from the chunk before where the index
+        variables it reads over span the same ranges (a convolution's input window, the same for
+        every chunk of output channels, is gathered once): its bounds still checked where ``live``.
+        A chunk holds at most its own gathers and the chunk before's."""
+        over = {name for i in node.indices for name in index.variables(i)}
+        key = (id(node), *sorted((name, self.chunk[name]) for name in over))
+        found = self.earlier.get(key)
+        if found is None:
+            found = self.gather(node.tensor, indices, live, node)
+        else:
+            self.check_bounds(node.tensor, indices, live, node)
+        self.gathered[key] = found
+        return found
+
     def read_data(self, tensor: str, indices: tuple[np.ndarray, ...]) -> np.ndarray:
         return self.gather(tensor, list(indices), None, None).astype(np.int64)
 
-    def gather(self, tensor: str, indices: list[np.ndarray], live: Mask, node: Read | None) -> np.ndarray:
+    def check_bounds(self, tensor: str, indices: list[np.ndarray], live: Mask, node: Read | None) -> bool:
+        """Whether some of ``indices`` fall outside ``tensor`` (raising where such a read's value
+        is used: where ``live``)."""
         array = self.arrays[tensor]
         outside = None
         for dim, idx in enumerate(indices):
             bad = (idx < 0) | (idx >= array.shape[dim])
             if bad.any():
                 outside = bad if outside is None else outside | bad
-        if outside is not None:
-            used = outside if live is None else outside & live
-            if used.any():
-                text = tensor if node is None else f"{tensor}[{', '.join(index.to_text(i) for i in node.indices)}]"
-                raise ShapeError(f"read {text} is out of bounds where its value is used", op=self.op.name)
+        if outside is None:
+            return False
+        used = outside if live is None else outside & live
+        if used.any():
+            text = tensor if node is None else f"{tensor}[{', '.join(index.to_text(i) for i in node.indices)}]"
+            raise ShapeError(f"read {text} is out of bounds where its value is used", op=self.op.name)
+        return True
+
+    def gather(self, tensor: str, indices: list[np.ndarray], live: Mask, node: Read | None) -> np.ndarray:
+        array = self.arrays[tensor]
+        if self.check_bounds(tensor, indices, live, node):
             indices = [np.clip(idx, 0, n - 1) for idx, n in zip(indices, array.shape, strict=True)]
         # pad every index to full rank so the gather broadcasts over the grid
         full = [i.reshape(i.shape + (1,) * (self.rank - i.ndim)) if 0 < i.ndim < self.rank else i for i in indices]
@@ -236,6 +265,9 @@ class _PointEvaluator(_OpEvaluator):
         self.rank = len(shape)
         self.env = {name: np.broadcast_to(np.asarray(v, dtype=np.int64), shape) for name, v in env.items()}
         self.value = reduction
+
+    def cached_gather(self, node: Read, indices: list[np.ndarray], live: Mask) -> np.ndarray:
+        return self.gather(node.tensor, indices, live, node)  # evaluated once: nothing to reuse
 
     def reduce(self, node: Reduce, live: Mask, target: np.dtype) -> np.ndarray:
         if self.value is None:

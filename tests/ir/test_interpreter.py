@@ -153,6 +153,44 @@ def test_chunked_evaluation_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     np.testing.assert_allclose(neoflow.evaluate(op, {"A": a, "B": b}), whole, rtol=1e-12)
 
 
+def test_a_read_the_same_over_chunks_is_gathered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a convolution's input window does not move with the output channel: chunked over channels,
+    # the window is gathered once and every chunk reads it; the weights, read per channel, again
+    x, w = rand(1, 3, 10, 10), rand(6, 3, 3, 3, seed=1)
+    op = neoflow.op(
+        "Y[n, k, p, q] = ReduceAdd({c, r, s}, X[n, c, p + r, q + s] * W[k, c, r, s])",
+        shapes={"X": x.shape, "W": w.shape},
+        dtype="float64",
+    )
+    whole = neoflow.evaluate(op, {"X": x, "W": w})
+    monkeypatch.setattr(interpreter, "CHUNK_POINTS", 8 * 8 * 27)  # one output channel a chunk
+    gathered: list[str] = []
+    real = interpreter._OpEvaluator.gather
+
+    def counted(self, tensor, indices, live, node):
+        gathered.append(tensor)
+        return real(self, tensor, indices, live, node)
+
+    monkeypatch.setattr(interpreter._OpEvaluator, "gather", counted)
+    np.testing.assert_allclose(neoflow.evaluate(op, {"X": x, "W": w}), whole, rtol=1e-12)
+    assert gathered.count("X") == 1 and gathered.count("W") == 6
+
+
+def test_a_read_reused_over_chunks_is_still_checked_where_it_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    # X[idx[i]] leaves X at i == 2; only the chunk of k == 3 uses it there, after chunks that reuse it unused
+    op = neoflow.op(
+        "Y[k, i] = Select(k == 3, X[idx[i]], 0.0) + T[k]",
+        shapes={"X": (8,), "idx": (4,), "T": (4,)},
+        dtypes={"idx": "int64"},
+    )
+    monkeypatch.setattr(interpreter, "CHUNK_POINTS", 4)  # one k a chunk
+    inputs = {"X": np.ones(8, np.float32), "idx": np.array([0, 1, 9, 2]), "T": np.zeros(4, np.float32)}
+    with pytest.raises(ShapeError, match="out of bounds where its value is used"):
+        neoflow.evaluate(op, inputs)
+    inputs["idx"][2] = 7
+    np.testing.assert_array_equal(neoflow.evaluate(op, inputs), [[0] * 4] * 3 + [[1] * 4])
+
+
 def test_chunks_cover_the_output_exactly() -> None:
     covered = np.zeros((3, 5, 7), int)
     for chunk in interpreter._chunks((3, 5, 7), 1_000_000):
