@@ -69,3 +69,14 @@ def test_the_cpu_kernel_workloads_compute_what_they_are_named() -> None:
     close(neoflow.evaluate(found["LayerNorm rows"], arrays)["Y"], expected)
     arrays = inputs("channel shuffle transpose")
     close(neoflow.evaluate(found["channel shuffle transpose"], arrays)["Y"], arrays["X"].transpose(0, 2, 1, 3, 4))
+
+
+def test_the_cpu_benchmark_runs_only_the_workloads_asked_for(capsys) -> None:
+    import pytest
+
+    from benchmarks import run
+
+    with pytest.raises(SystemExit) as stopped:  # before any workload is built or timed
+        run.main(["--only", "no such workload"])
+    assert stopped.value.code == 2
+    assert "capsule conv stride 2" in capsys.readouterr().err  # the labels it knows are listed
