@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from neoflow.ir.graph import Graph
 from neoflow.targets.cuda.plan import OpPlan
 from neoflow.targets.memory import nbytes
 
@@ -25,6 +26,25 @@ Region = tuple[int, int]
 
 #: streams a graph's tasks spread over at most (each one a CUDA stream)
 MAX_LANES = 8
+
+
+def ops_beside_others(graph: Graph) -> set[str]:
+    """The ops of ``graph`` whose kernels run beside other work: those no op reads (they end their
+    chain: a weight's update) on a chain of ops shorter than the graph's longest, which runs on
+    after them.  Their kernels are planned for the GPU's time they take, not their own: other work
+    fills a wave they leave part empty (capsule28's second weight gradient ran the step in
+    0.2011 ms with 8 depth splits, 0.2073 with the 32 it took alone, 0.2115 with 64, on an H200)."""
+    producer = {op.name: op for op in graph.ops}
+    depth: dict[str, int] = {}
+    for op in graph.ops:
+        depth[op.name] = 1 + max((depth[t.name] for t in op.inputs if t.name in producer), default=0)
+    height = dict.fromkeys(depth, 1)
+    for op in reversed(graph.ops):
+        for tensor in op.inputs:
+            if tensor.name in producer:
+                height[tensor.name] = max(height[tensor.name], height[op.name] + 1)
+    longest = max((depth[name] + height[name] - 1 for name in depth), default=0)
+    return {name for name in depth if height[name] == 1 and depth[name] < longest}
 
 
 def _overlaps(first: Sequence[Region], second: Sequence[Region]) -> bool:

@@ -18,7 +18,7 @@ from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 from neoflow.targets.base import OpByOpExecutor, run_graph, sequential_call
-from neoflow.targets.cuda.concurrency import MAX_LANES, plan_schedule
+from neoflow.targets.cuda.concurrency import MAX_LANES, ops_beside_others, plan_schedule
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.model import run_plan
 from neoflow.targets.cuda.plan import DEFAULT_ARCH, DEFAULT_PRECISION, MmaKernel, OpPlan, check_precision, plan_op
@@ -27,8 +27,10 @@ from neoflow.targets.memory import nbytes
 
 
 def graph_plans(graph: Graph, precision: str, arch: str = DEFAULT_ARCH) -> list[OpPlan]:
-    """The kernel plan of every op of ``graph`` for a GPU of ``arch`` (kernels named ``nf_<position>``)."""
-    return [plan_op(op, f"nf_op{k}", precision, arch) for k, op in enumerate(graph.ops)]
+    """The kernel plan of every op of ``graph`` for a GPU of ``arch`` (kernels named ``nf_<position>``),
+    those running beside other work (``ops_beside_others``) planned for it."""
+    beside = ops_beside_others(graph)
+    return [plan_op(op, f"nf_op{k}", precision, arch, beside=op.name in beside) for k, op in enumerate(graph.ops)]
 
 
 class PlannedExecutor(OpByOpExecutor):

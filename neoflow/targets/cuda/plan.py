@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, partial
 
 import numpy as np
 import sympy
@@ -806,12 +806,19 @@ def choose_kernel(
 
 
 def tensor_core_plan(
-    op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH, use_table: bool = True
+    op: Op,
+    name: str,
+    precision: str = DEFAULT_PRECISION,
+    arch: str = DEFAULT_ARCH,
+    use_table: bool = True,
+    beside: bool = False,
 ) -> OpPlan | None:
     """``op``'s contraction pieces on the tensor cores of ``arch`` (kernels named ``name``,
     ``name_1``, ...), each with the instruction, tiles and splits measured on the GPU where the
-    tuning table has them (``use_table``), else those the timing model likes best; None where the
-    precision has no MMA, an operand is not floating or the op is no contraction the mapper places."""
+    tuning table has them (``use_table``), else those the timing model likes best (``beside``: for
+    an op running beside other work, the least of the GPU's time, ``predict_kernel``'s ``beside``,
+    and no table: it measures kernels alone); None where the precision has no MMA, an operand is not
+    floating or the op is no contraction the mapper places."""
     check_precision(precision)
     if PRECISIONS[precision] is None or any(t.dtype not in ("float32", "float16", "bfloat16") for t in op.inputs):
         return None
@@ -823,9 +830,9 @@ def tensor_core_plan(
             name if k == 0 else f"{name}_{k}",
             view,
             precision,
-            predict_kernel,
+            partial(predict_kernel, beside=beside),
             arch,
-            tuning.measured(op, k, precision, arch) if use_table else None,
+            tuning.measured(op, k, precision, arch) if use_table and not beside else None,
         )
         for k, view in enumerate(views)
     )
@@ -833,7 +840,12 @@ def tensor_core_plan(
 
 
 def plan_op(
-    op: Op, name: str, precision: str = DEFAULT_PRECISION, arch: str = DEFAULT_ARCH, measured: bool = True
+    op: Op,
+    name: str,
+    precision: str = DEFAULT_PRECISION,
+    arch: str = DEFAULT_ARCH,
+    measured: bool = True,
+    beside: bool = False,
 ) -> OpPlan:
     """The kernels of ``op`` (named ``name``, ``name_1``, ...) for a GPU of ``arch``: its ``tensor_core_plan`` where
     it has one, else one SIMT kernel; a long sum with few outputs runs a block per output
@@ -841,15 +853,16 @@ def plan_op(
     would be decoded variable by variable at every element (no index tables: capsule28's k1
     update took 0.48 ms on the tensor cores, 0.17 ms a block per output, on an H100).  ``measured``:
     with the kernels the tuning table records (False: the timing model's own choices, which the fusion
-    cost model plans with, so that a table never changes the fusion plan whose ops it was measured on)."""
-    return _plan_op(op, name, precision, arch, table_digest(tuning.table_path(arch)) if measured else "off")
+    cost model plans with, so that a table never changes the fusion plan whose ops it was measured on).
+    ``beside``: the op runs beside other work of its graph (``tensor_core_plan``)."""
+    return _plan_op(op, name, precision, arch, table_digest(tuning.table_path(arch)) if measured else "off", beside)
 
 
 @lru_cache(maxsize=512)
-def _plan_op(op: Op, name: str, precision: str, arch: str, table: str) -> OpPlan:
+def _plan_op(op: Op, name: str, precision: str, arch: str, table: str, beside: bool = False) -> OpPlan:
     """``plan_op`` for the tuning table whose digest is ``table`` (a new table plans afresh; ``off``:
     none)."""
-    plan = tensor_core_plan(op, name, precision, arch, use_table=table != "off")
+    plan = tensor_core_plan(op, name, precision, arch, use_table=table != "off", beside=beside)
     simt = simt_kernel(name, op)
     if plan is None:
         return OpPlan(op, (simt,), op.scatter is not None)

@@ -124,19 +124,23 @@ def _waves(blocks: int, resident: int, gpu: GpuFigures) -> float:
     return math.ceil(blocks / max(1, resident * gpu.sms))
 
 
-def predict_kernel(kernel, gpu: GpuFigures = H100) -> float:
-    """Predicted seconds of one ``MmaKernel`` or ``SimtKernel`` (launch included)."""
+def predict_kernel(kernel, gpu: GpuFigures = H100, beside: bool = False) -> float:
+    """Predicted seconds of one ``MmaKernel`` or ``SimtKernel`` (launch included).  ``beside``: of the
+    GPU's time an ``mma.sync`` kernel takes while other work runs beside it (``_mma_seconds``)."""
     from neoflow.targets.cuda.plan import MmaKernel
 
     if isinstance(kernel, MmaKernel):
         finish = 0.0
         if kernel.splits > 1:  # the finishing kernel reads the workspace and writes the output
             finish = gpu.graph_launch_seconds + kernel.finish_points * 8.0 / gpu.hbm_bytes_per_s
-        return gpu.launch_seconds + _mma_seconds(kernel, gpu) + finish
+        return gpu.launch_seconds + _mma_seconds(kernel, gpu, beside) + finish
     return gpu.launch_seconds + _simt_seconds(kernel, gpu)
 
 
-def _mma_seconds(kernel, gpu: GpuFigures) -> float:
+def _mma_seconds(kernel, gpu: GpuFigures, beside: bool = False) -> float:
+    """An MMA kernel's blocks in waves (alone on the GPU), or ``beside`` other work: its blocks'
+    share of every SM's places (a wave it fills only in part leaves the rest to the work beside
+    it), but no less than one block's own time, instructions and latency."""
     tiles = kernel.tiles
     gx, gy, gz = kernel.grid
     blocks = gx * gy * gz
@@ -156,14 +160,19 @@ def _mma_seconds(kernel, gpu: GpuFigures) -> float:
         copy = WGMMA_COPY_CYCLES if computed else WGMMA_TABLE_COPY_CYCLES
         tile_cycles = max(2.0 * tiles.block_m * tiles.block_n * tiles.block_k / rate, loads * copy)
         per_wave = (kernel.split_tiles * tile_cycles + kernel.stages * TILE_CYCLES) / gpu.clock_hz
+        compute = _waves(blocks, resident, gpu) * per_wave
     else:
         per_load = COPY_CYCLES if kernel.direct else GATHER_CYCLES
         tile_cycles = mmas * MMA_CYCLES[kernel.precision] + loads * per_load
         # the blocks resident on an SM share its issue slots, and hide one another's latency: a wave lasts
         # as long as their instructions or one block's instructions and latency, whichever is longer
-        sharing = min(resident, math.ceil(blocks / gpu.sms))
-        per_wave = kernel.split_tiles * max(sharing * tile_cycles, tile_cycles + TILE_CYCLES) / gpu.clock_hz
-    compute = _waves(blocks, resident, gpu) * per_wave
+        if beside:
+            share = blocks / (resident * gpu.sms) * max(resident * tile_cycles, tile_cycles + TILE_CYCLES)
+            compute = kernel.split_tiles * max(share, tile_cycles + TILE_CYCLES) / gpu.clock_hz
+        else:
+            sharing = min(resident, math.ceil(blocks / gpu.sms))
+            per_wave = kernel.split_tiles * max(sharing * tile_cycles, tile_cycles + TILE_CYCLES) / gpu.clock_hz
+            compute = _waves(blocks, resident, gpu) * per_wave
     if kernel.splits > 1:  # each block adds its tile into the workspace, atomically
         compute += blocks * tiles.block_m * tiles.block_n / gpu.atomic_adds_per_s
     # gathers: each block reads its operand tiles once per depth tile, from L2 (4-byte elements as fitted to

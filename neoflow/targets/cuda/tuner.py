@@ -25,6 +25,7 @@ from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.op import Op
 from neoflow.targets.cache import read_table, within_budget
+from neoflow.targets.cuda.concurrency import ops_beside_others
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.executor import CudaExecutor
 from neoflow.targets.cuda.nvrtc import compile_cubin
@@ -131,8 +132,15 @@ def time_in_turns(graphs: Sequence, rounds: int = ROUNDS) -> list[float]:
 
 
 def tensor_core_ops(graph: Graph, precision: str, arch: str) -> list[Op]:
-    """The ops of ``graph`` with pieces on the tensor cores, the most arithmetic first."""
-    ops = [op for op in graph.ops if tensor_core_plan(op, "nf_op0", precision, arch, use_table=False) is not None]
+    """The ops of ``graph`` with pieces on the tensor cores, the most arithmetic first; not those
+    running beside other work (``concurrency.ops_beside_others``), planned for that without the
+    table, whose kernels timed alone would not say how they run in the graph."""
+    beside = ops_beside_others(graph)
+    ops = [
+        op
+        for op in graph.ops
+        if op.name not in beside and tensor_core_plan(op, "nf_op0", precision, arch, use_table=False) is not None
+    ]
     return sorted(ops, key=lambda op: -op_work(op).flops)
 
 

@@ -4,10 +4,14 @@ split depth's atomics, and the plans it picks on its figures."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import neoflow
+from neoflow.ir.graph import Graph
 from neoflow.targets.cuda.plan import MmaKernel, plan_op, simt_kernel
 from neoflow.targets.cuda.timing import H100, predict_kernel, sectors_per_read
+
+MODELS = Path(__file__).resolve().parents[3] / "models"
 
 
 def _gemv(transposed: bool):
@@ -72,3 +76,45 @@ def test_hgemm_on_hopper_takes_the_widest_wgmma_tile() -> None:
     assert isinstance(kernel, MmaKernel) and kernel.wgmma
     assert (kernel.tiles.block_m, kernel.tiles.block_n) == (128, 256) and kernel.splits == 1
     assert 0.2e-3 < predict_kernel(kernel) < 0.35e-3
+
+
+def test_beside_other_work_a_kernel_costs_its_share_of_the_sms_not_its_waves() -> None:
+    import math
+
+    from neoflow.targets.cuda.timing import mma_registers, resident_blocks
+
+    kernel = _gemm_kernel()
+    assert predict_kernel(kernel, beside=True) <= predict_kernel(kernel)
+    resident = resident_blocks(kernel.block_threads, mma_registers(kernel), kernel.shared_bytes)
+    blocks = math.prod(kernel.grid)
+    # SMs for a wave and part of another: alone the grid takes two waves, beside other work the
+    # part it fills, the rest of the second wave left to that work
+    gpu = dataclasses.replace(H100, sms=math.ceil(blocks / (1.5 * resident)))
+    fill = blocks / (resident * gpu.sms)
+    assert 1 < fill < 2
+    alone, beside = (predict_kernel(kernel, gpu, beside=b) - gpu.launch_seconds for b in (False, True))
+    assert abs(alone / beside - 2 / fill) < 1e-6
+    # never less than one block's own time: a grid of a block an SM costs that beside other work too
+    one_block = dataclasses.replace(H100, sms=blocks)
+    assert predict_kernel(kernel, one_block, beside=True) == predict_kernel(kernel, one_block)
+
+
+def test_a_weight_gradient_beside_the_input_gradients_chain_is_planned_for_the_gpus_time() -> None:
+    from neoflow.targets.cuda.concurrency import ops_beside_others
+    from neoflow.targets.cuda.executor import graph_plans
+
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd")
+    compiled = neoflow.compile(MODELS / "capsule28.onnx", target="tensorcore", train=spec, fusion="neoflow")
+    graph = compiled.executor_and_feed(compiled.example_batch(training=True), True)[0].graph
+    # the second layer's weight update runs beside the input gradient's chain; the first layer's ends the step
+    assert ops_beside_others(graph) == {"k2__next", "w_next", "b_next", "loss_value"}
+    plans = {plan.op.name: plan for plan in graph_plans(graph, "tf32", "sm_90")}
+    op = plans["k2__next"].op
+    alone = plan_op(op, "k", "tf32", "sm_90", measured=False).kernels[0]
+    beside = plans["k2__next"].kernels[0]
+    assert beside.splits < alone.splits  # fewer, longer blocks: less split overhead on a shared GPU
+    assert predict_kernel(beside, beside=True) < predict_kernel(alone, beside=True)
+    first = plans["k1__next"]
+    assert first.kernels == plan_op(first.op, first.kernels[0].name, "tf32", "sm_90").kernels
+    single = Graph.from_ops([op])  # alone in its graph: nothing beside it
+    assert not ops_beside_others(single)
