@@ -93,8 +93,9 @@ class _OpEvaluator:
         self.axes = list(dict.fromkeys([*op.indices, *op.reduce_axes]))
         self.rank = len(self.axes)
         self.chunk: dict[str, tuple[int, int]] = {}  # each index variable's range in the chunk evaluated
-        self.gathered: dict[tuple, np.ndarray] = {}  # this chunk's gathers, and the last one's (``cached_gather``)
-        self.earlier: dict[tuple, np.ndarray] = {}
+        # per read (by node), the index ranges of its gather and the gather: this chunk's, and the last one's
+        self.gathered: dict[int, tuple[tuple, np.ndarray]] = {}
+        self.earlier: dict[int, tuple[tuple, np.ndarray]] = {}
 
     def grid(self, name: str, start: int, stop: int) -> np.ndarray:
         shape = [1] * self.rank
@@ -213,15 +214,17 @@ class _OpEvaluator:
         """``gather`` of ``node`` at ``indices``, taken from the chunk before where the index
         variables it reads over span the same ranges (a convolution's input window, the same for
         every chunk of output channels, is gathered once): its bounds still checked where ``live``.
-        A chunk holds at most its own gathers and the chunk before's."""
+        A read's gather from the chunk before is released before it is gathered anew."""
         over = {name for i in node.indices for name in index.variables(i)}
-        key = (id(node), *sorted((name, self.chunk[name]) for name in over))
-        found = self.earlier.get(key)
-        if found is None:
-            found = self.gather(node.tensor, indices, live, node)
-        else:
+        ranges = tuple(sorted((name, self.chunk[name]) for name in over))
+        before = self.earlier.pop(id(node), None)  # released before a new gather
+        if before is not None and before[0] == ranges:
+            found = before[1]
             self.check_bounds(node.tensor, indices, live, node)
-        self.gathered[key] = found
+        else:
+            before = None
+            found = self.gather(node.tensor, indices, live, node)
+        self.gathered[id(node)] = (ranges, found)
         return found
 
     def read_data(self, tensor: str, indices: tuple[np.ndarray, ...]) -> np.ndarray:
