@@ -10,14 +10,17 @@ training ``--model`` on a batch of ``--batch`` per rank (weak scaling: the globa
 the ranks).  Rank 0 reports, as medians over ``--rounds`` rounds of ``--block`` steps in a row with
 the systems taking turns:
 
-- ``step``: a data-parallel step (gradient buckets all-reduced, overlapping the reverse pass); on the
-  cuda target steps are queued without waiting for each one's loss (``train_step(wait=False)``), as a
-  training loop that reads its loss now and then runs, so the median of a block is the steady rate;
+- ``step``: a data-parallel step (gradient buckets all-reduced, overlapping the reverse pass and,
+  for the deferred bucket, the next step's forward); on the cuda target steps are queued without
+  waiting for each one's loss (``train_step(wait=False)``), as a training loop that reads its loss
+  now and then runs;
 - ``no all-reduce``: the same pieces with every collective skipped;
-- ``all-reduce alone``: the step's bucket all-reduces one after another with nothing to hide them,
-  timed from the host (each started, then all waited for): what a step that did not overlap them
-  would add, the cost of starting them included (a step captured as a CUDA graph does not pay that
-  cost, so ``hidden`` reads higher than a comparison of device times alone would).
+- ``all-reduce alone``: the step's bucket all-reduces one after another with nothing to hide them.
+
+On the cuda target all three are timed on the GPU: a block of calls between two CUDA events on
+the step's stream, divided by its calls (the all-reduces captured as one CUDA graph, as the step
+captures them, so that neither pays for launching them from the host).  On the cpu target they are
+timed on the host, call by call.
 
 ``hidden`` is ``1 - (step - no all-reduce) / all-reduce alone``; ``speedup`` is the global batch's
 throughput against one rank's (``ranks x step(1) / step(N)``), ``efficiency`` that over the ranks.
@@ -59,25 +62,30 @@ def worker(args: argparse.Namespace) -> None:
         step = distributed.DataParallel(model, world, check_every=0)
         alone = distributed.DataParallel(model, world, check_every=0, reduce=False)
         batch = model.example_batch(training=True, seed=world.rank)
-        step.train_step(batch)
+        for _ in range(2):  # the second step averages the deferred bucket: every buffer exists
+            step.train_step(batch)
         buffers = _flat_buffers(step)
         torch, dist = step.torch, step.dist
+        on_device = args.target in distributed.DEVICE_TARGETS
 
         def all_reduces() -> None:
             for buffer in buffers:
                 dist.all_reduce(step.arrays.shared(buffer), op=step.average)
-            if args.target in distributed.DEVICE_TARGETS:
-                torch.cuda.synchronize()
 
         systems = {  # steps queued as a training loop does that reads its loss now and then (the cuda target)
             "step": lambda: step.train_step(batch, wait=False),
             "no all-reduce": lambda: alone.train_step(batch, wait=False),
             "all-reduce alone": all_reduces,
         }
-        rounds = interleaved_rounds(systems, args.rounds, warmup=3, block=args.block)
+        if on_device:
+            with step.arrays.on_stream():
+                systems["all-reduce alone"] = _captured(torch, step.arrays.stream, all_reduces)
+                rounds = _device_rounds(torch, step.arrays.stream, systems, args.rounds, args.block)
+        else:
+            rounds = interleaved_rounds(systems, args.rounds, warmup=3, block=args.block)
         medians = {name: statistics.median(t for calls in times for t in calls) for name, times in rounds.items()}
         if world.rank == 0:
-            gpu = torch.cuda.get_device_name() if args.target in distributed.DEVICE_TARGETS else None
+            gpu = torch.cuda.get_device_name() if on_device else None
             report = {
                 "ranks": world.size,
                 "backend": world.backend,
@@ -90,7 +98,46 @@ def worker(args: argparse.Namespace) -> None:
             }
             Path(args.worker).write_text(json.dumps(report))
     finally:
+        _GRAPHS.clear()  # NCCL's leave waits for ever while a graph holding its kernels lives
         distributed.leave()
+
+
+#: the CUDA graphs ``_captured`` made, dropped before the process group is left
+_GRAPHS: list = []
+
+
+def _captured(torch, stream, work):
+    """``work`` (run 3 times first) captured on ``stream`` as a CUDA graph: its replay."""
+    for _ in range(3):
+        work()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        work()
+    _GRAPHS.append(graph)
+    return graph.replay
+
+
+def _device_rounds(torch, stream, systems: dict, rounds: int, block: int, warmup: int = 3) -> dict:
+    """``systems`` timed on the GPU: ``rounds`` rounds, each running every system's ``block``
+    calls in a row (round k starting with the k-th system) between two events on ``stream``;
+    per system and round, the block's time a call (as ``interleaved_rounds`` gives, one a block)."""
+    for work in systems.values():
+        for _ in range(warmup):
+            work()
+    times: dict[str, list[list[float]]] = {name: [] for name in systems}
+    names = list(systems)
+    for k in range(rounds):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            stream.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(block):
+                systems[name]()
+            end.record(stream)
+            end.synchronize()
+            times[name].append([start.elapsed_time(end) / 1e3 / block])
+    return times
 
 
 def _row(result: dict, base: dict | None, batch: int) -> list[str]:
