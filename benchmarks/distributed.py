@@ -98,7 +98,8 @@ def worker(args: argparse.Namespace) -> None:
             }
             Path(args.worker).write_text(json.dumps(report))
     finally:
-        _GRAPHS.clear()  # NCCL's leave waits for ever while a graph holding its kernels lives
+        while _GRAPHS:  # NCCL's leave waits for ever while a graph holding its kernels lives
+            _GRAPHS.pop().reset()
         distributed.leave()
 
 
