@@ -10,10 +10,9 @@ training ``--model`` on a batch of ``--batch`` per rank (weak scaling: the globa
 the ranks).  Rank 0 reports, as medians over ``--rounds`` rounds of ``--block`` steps in a row with
 the systems taking turns:
 
-- ``step``: a data-parallel step (gradient buckets all-reduced, overlapping the reverse pass and,
-  for the deferred bucket, the next step's forward); on the cuda target steps are queued without
-  waiting for each one's loss (``train_step(wait=False)``), as a training loop that reads its loss
-  now and then runs;
+- ``step``: a data-parallel step (gradient buckets all-reduced, overlapping the reverse pass); on
+  the cuda target steps are queued without waiting for each one's loss (``train_step(wait=False)``),
+  as a training loop that reads its loss now and then runs;
 - ``no all-reduce``: the same pieces with every collective skipped;
 - ``all-reduce alone``: the step's bucket all-reduces one after another with nothing to hide them.
 
@@ -62,8 +61,7 @@ def worker(args: argparse.Namespace) -> None:
         step = distributed.DataParallel(model, world, check_every=0)
         alone = distributed.DataParallel(model, world, check_every=0, reduce=False)
         batch = model.example_batch(training=True, seed=world.rank)
-        for _ in range(2):  # the second step averages the deferred bucket: every buffer exists
-            step.train_step(batch)
+        step.train_step(batch)  # makes the buckets' buffers
         buffers = _flat_buffers(step)
         torch, dist = step.torch, step.dist
         on_device = args.target in distributed.DEVICE_TARGETS

@@ -377,8 +377,6 @@ class CompiledModel:
         if not np.isfinite(loss):
             raise NumericError(f"training step {number}: the loss is {loss}")
         for target, next_value in training.updates.items():
-            if next_value not in outputs:  # a data-parallel step's deferred update: checked when applied
-                continue
             value = outputs[next_value]
             if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
                 bad = int(np.size(value) - np.isfinite(value).sum())

@@ -3,13 +3,8 @@
 Each rank runs the training step on its shard of the global batch.  The step is split where the
 reverse pass completes a *bucket* of gradients (the reverse pass's order is known at compile
 time): each piece is compiled as its own executor, and after it the bucket's all-reduce (mean) is
-started without waiting, so communication overlaps the rest of the backward pass; each bucket's
-optimizer update runs once it has arrived.  The last bucket would have nothing left to hide
-behind, so it holds the parameters the forward pass reads last (the classifier's): the reverse
-pass computes their gradients last, and their all-reduce and update are *deferred* to the next
-step, where they overlap the forward pass up to the first op reading those parameters (the
-results are those of updating at once; ``DataParallel.synchronize`` applies an update still
-pending).  With ``sync_bn`` a BatchNorm's batch mean and variance
+started without waiting, so communication overlaps the rest of the backward pass; the optimizer
+update runs after every bucket has arrived.  With ``sync_bn`` a BatchNorm's batch mean and variance
 (and, in the reverse pass, their adjoints) are averaged across ranks where they are computed, so
 the step normalises with the global batch's statistics.  ``split_step`` is the split (no torch);
 ``DataParallel`` runs it; ``join`` joins the process group a ``torchrun`` launch describes and
@@ -83,21 +78,10 @@ class StepSplit:
     """A training step split for data-parallel runs: ``segments`` run in order, the last ones
     being the optimizer update's pieces; ``buckets`` are the gradient buckets (gradient tensor
     names, in the order the reverse pass completes them; the first also carries the loss and the
-    running statistics).  ``deferred``: the last bucket's all-reduce and update piece (the
-    segment numbered ``deferred``) run in the next step, the all-reduce at its start and the
-    update just before segment ``resume`` (the first to read a parameter it updates); None:
-    every update in its own step."""
+    running statistics)."""
 
     segments: tuple[Segment, ...]
     buckets: tuple[tuple[str, ...], ...]
-    deferred: int | None = None
-    resume: int = 0
-
-    @property
-    def reductions(self) -> tuple[tuple[str, ...], ...]:
-        """Every group of tensors averaged together: each piece's, then a deferred bucket."""
-        pieces = tuple(s.reduce for s in self.segments if s.reduce)
-        return pieces + ((self.buckets[-1],) if self.deferred is not None else ())
 
     @property
     def updates(self) -> tuple[Segment, ...]:
@@ -112,11 +96,7 @@ def default_bucket_bytes(gradient_bytes: int) -> int:
 
 
 def split_step(
-    training: TrainingGraph,
-    results: Sequence[str],
-    bucket_bytes: int | None = None,
-    sync_bn: bool = False,
-    defer: bool = True,
+    training: TrainingGraph, results: Sequence[str], bucket_bytes: int | None = None, sync_bn: bool = False
 ) -> StepSplit:
     """Split ``training``'s graph for a data-parallel step handing back ``results``.
 
@@ -126,12 +106,7 @@ def split_step(
     ``default_bucket_bytes``) and, with ``sync_bn``, after each batch statistic and each of their
     adjoints.  The loss and the running statistics' next values travel in the first bucket.  The
     update is split by the last bucket each op reads (through the update's own ops), so the
-    parameters of the first buckets are updated while the last bucket's average travels.
-
-    ``defer``: the parameters the forward pass reads last (a bucket's worth, ``deferred_parameters``)
-    form the last bucket; the ops only their gradients need run at the end of the reverse pass,
-    and a piece starts at the first op reading them, before which the next step applies their
-    deferred update.  A split where that leaves nothing before it is made without deferring."""
+    parameters of the first buckets are updated while the last bucket's average travels."""
     graph = training.graph
     gradients = set(training.gradients.values())
     if not gradients:
@@ -144,14 +119,9 @@ def split_step(
             update_ops.append(op)
         else:
             early_ops.append(op)
-    total = sum(nbytes(graph.tensors[g]) for g in gradients)
-    cap = bucket_bytes or default_bucket_bytes(total)
-    held_back = deferred_parameters(training, early_ops, cap) if defer else ()
-    late_gradients = {training.gradients[p] for p in held_back}
-    if late_gradients:
-        early_ops = _last(early_ops, late_gradients, [*results, *(n for op in update_ops for n in op.input_names)])
     position = {op.name: k for k, op in enumerate(early_ops)}
-    ordered = sorted(gradients - late_gradients, key=position.__getitem__)
+    ordered = sorted(gradients, key=position.__getitem__)
+    cap = bucket_bytes or default_bucket_bytes(sum(nbytes(graph.tensors[g]) for g in ordered))
     buckets: list[list[str]] = [[]]
     size = 0
     for name in ordered:
@@ -165,32 +135,15 @@ def split_step(
     extras = [training.loss] + [v for t, v in training.updates.items() if v in position and t not in training.state]
     first = [*dict.fromkeys(extras), *buckets[0]]
     buckets[0] = first
-    if late_gradients:
-        buckets.append(sorted(late_gradients, key=position.__getitem__))
-    # the deferred bucket is averaged at the start of the next step, not after a piece of this one
-    closing = {
-        max(position[n] for n in bucket): tuple(bucket) for bucket in buckets[: len(buckets) - bool(late_gradients)]
-    }
+    closing = {max(position[n] for n in bucket): tuple(bucket) for bucket in buckets}
     synced: dict[int, tuple[str, ...]] = {}
     if sync_bn:
         for statistic, adjoint in training.batch_statistics.items():
             for name in (statistic, adjoint):
                 if name is not None and name in position:
                     synced[position[name]] = (name,)
-    pieces = _update_pieces(update_ops, buckets)
-    resume_at = None
-    if late_gradients:  # the first op reading what the deferred piece updates starts a piece
-        updated = {t for t, n in training.updates.items() if n in {op.name for op in pieces[-1].ops}}
-        resume_at = min((k for k, op in enumerate(early_ops) if updated.intersection(op.input_names)), default=0)
-        if resume_at == 0 or pieces[-1].after != len(buckets) - 1:
-            return split_step(training, results, bucket_bytes, sync_bn, defer=False)
     cut: list[tuple[list[Op], tuple[str, ...], bool]] = [([], (), True)]  # ops, reduced after them, overlap
-    resume = 0
     for k, op in enumerate(early_ops):
-        if k == resume_at and cut[-1][0]:
-            cut.append(([], (), True))
-        if k == resume_at:
-            resume = len(cut) - 1
         cut[-1][0].append(op)
         for reduced, overlap in ((synced.get(k), False), (closing.get(k), True)):
             if reduced:
@@ -198,54 +151,15 @@ def split_step(
                 cut.append(([], (), True))
     if not cut[-1][0]:
         cut.pop()
-    pieces = [Segment(tuple(ops), (), reduced, overlap) for ops, reduced, overlap in cut] + pieces
+    pieces = [Segment(tuple(ops), (), reduced, overlap) for ops, reduced, overlap in cut]
+    pieces += _update_pieces(update_ops, buckets)
     wanted = set(results)
     segments = []
     for k, piece in enumerate(pieces):
         later = {name for other in pieces[k + 1 :] for op in other.ops for name in op.input_names}
         keep = [op.name for op in piece.ops if op.name in later or op.name in wanted or op.name in piece.reduce]
         segments.append(replace(piece, keep=tuple(keep)))
-    deferred = len(segments) - 1 if late_gradients else None
-    return StepSplit(tuple(segments), tuple(tuple(b) for b in buckets), deferred, resume)
-
-
-def deferred_parameters(training: TrainingGraph, forward: Sequence[Op], cap: int) -> tuple[str, ...]:
-    """The parameters whose update can wait for the next step: those the ops ``forward`` (in
-    order) first read last, taken latest first (all of one op's at once) until they hold ``cap``
-    bytes or half the gradients' bytes; none where that would be every parameter, or where the
-    first op reads one."""
-    tensors = training.graph.tensors
-    cap = min(cap, sum(nbytes(tensors[g]) for g in training.gradients.values()) // 2)
-    first = {}
-    for k, op in enumerate(forward):
-        for name in op.input_names:
-            if name in training.gradients:
-                first.setdefault(name, k)
-    chosen: list[str] = []
-    size = 0
-    for position in sorted(set(first.values()), reverse=True):
-        if size >= cap or position == 0:
-            break
-        group = sorted(name for name, k in first.items() if k == position)
-        chosen += group
-        size += sum(nbytes(tensors[name]) for name in group)
-    return () if len(chosen) >= len(training.gradients) else tuple(chosen)
-
-
-def _last(ops: Sequence[Op], gradients: set[str], read_elsewhere: Sequence[str]) -> list[Op]:
-    """``ops`` (in a valid order) with those only ``gradients`` need moved to the end (the
-    ``gradients``' ops and the ops nothing else reads, neither another op nor ``read_elsewhere``),
-    each part keeping its order."""
-    readers: dict[str, set[str]] = {}
-    for op in ops:
-        for name in op.input_names:
-            readers.setdefault(name, set()).add(op.name)
-    outside = set(read_elsewhere) - gradients
-    moved: set[str] = set()
-    for op in reversed(ops):
-        if op.name in gradients or (op.name in readers and op.name not in outside and readers[op.name] <= moved):
-            moved.add(op.name)
-    return [op for op in ops if op.name not in moved] + [op for op in ops if op.name in moved]
+    return StepSplit(tuple(segments), tuple(tuple(b) for b in buckets))
 
 
 def _update_pieces(update_ops: Sequence[Op], buckets: Sequence[Sequence[str]]) -> list[Segment]:
@@ -346,8 +260,6 @@ class _HostArrays:
     whether a step can be queued without waiting for it (here not: host work runs as called)."""
 
     queues = False
-    #: which of the device's two sets of parameters a step reads (one set here: the model's arrays)
-    parity = 0
 
     def __init__(self, runner: DataParallel) -> None:
         self.runner = runner
@@ -367,18 +279,10 @@ class _HostArrays:
         """The step's results: ``body(values)``."""
         return body(values)
 
-    def run(self, number: int, values: dict, parity: int | None = None) -> dict:
-        """Piece ``number``'s kept tensors from ``values`` (``parity``: the set of parameters of
-        the step it belongs to, where not the current one: a deferred update)."""
+    def run(self, number: int, values: dict) -> dict:
         runner = self.runner
         inputs = {t.name: values[t.name] for t in runner.graphs[number].inputs}
         return runner.executors[number].run(inputs, recycle=True)
-
-    def hold(self, name: str, value):
-        """``value`` as the next step's deferred update reads it: the value itself (a piece's
-        recycled results stay valid until its run after next; the model's arrays are replaced,
-        never written)."""
-        return value
 
     def flat(self, names: tuple[str, ...], arrays: Sequence[np.ndarray]) -> np.ndarray:
         key = (names, arrays[0].dtype.str)
@@ -407,15 +311,9 @@ class _HostArrays:
         return np.asarray(value)
 
     def keep_updates(self, outputs: Mapping[str, object]) -> None:
-        """The step's updated values become the model's (a deferred one's when it is applied)."""
         model = self.runner.model
         for target, next_value in model.training.updates.items():
-            if next_value in outputs:
-                model._values[target] = outputs[next_value]
-
-    def keep_deferred(self, outputs: Mapping[str, object]) -> None:
-        """Keep what a deferred update applied between steps gave (``DataParallel.synchronize``)."""
-        self.keep_updates(outputs)
+            model._values[target] = outputs[next_value]
 
     def current(self, name: str):
         return self.torch.from_numpy(np.ascontiguousarray(self.runner.model._values[name]))
@@ -458,8 +356,6 @@ class _DeviceArrays(_HostArrays):
         tensors = model.training.graph.tensors
         self.layouts: dict[tuple, list] = {}  # a placed buffer's key -> its tensors' views
         placed = self._place_reductions(tensors)
-        self.placed = set(placed)
-        self.held: dict[str, object] = {}  # copies of what the next step's deferred update reads
         shared = [
             {name: placed[name] if name in placed else self.empty(graph.tensors[name]) for name in segment.keep}
             for graph, segment in zip(runner.graphs, runner.split.segments, strict=True)
@@ -487,8 +383,8 @@ class _DeviceArrays(_HostArrays):
         as an allocation would (the kernels load 16 bytes at a time); the gaps stay zero."""
         torch = self.torch
         placed: dict[str, object] = {}
-        for reduced in self.runner.split.reductions:
-            groups = _by_dtype(reduced, lambda name: str(_torch_dtype(torch, tensors[name].dtype)))
+        for segment in self.runner.split.segments:
+            groups = _by_dtype(segment.reduce, lambda name: str(_torch_dtype(torch, tensors[name].dtype)))
             for kind, group in groups.items():
                 dtype = _torch_dtype(torch, tensors[group[0]].dtype)
                 step = max(1, self.ALIGN // dtype.itemsize)
@@ -559,27 +455,11 @@ class _DeviceArrays(_HostArrays):
         self.graphs[parity].replay()
         return self.captured[parity]
 
-    def run(self, number: int, values: dict, parity: int | None = None) -> dict:
+    def run(self, number: int, values: dict) -> dict:
         runner = self.runner
-        outputs = self.outputs[self.parity if parity is None else parity][number]
+        outputs = self.outputs[self.parity][number]
         runner.executors[number].enqueue({t.name: values[t.name] for t in runner.graphs[number].inputs}, outputs)
         return outputs
-
-    def hold(self, name: str, value):
-        """``value`` as the next step's deferred update reads it: a parameter or state tensor of
-        this step's set (the next step writes the other) and a bucket's place as they are; any
-        other (the learning rate's buffer, a piece's result) copied, as the next step writes
-        those again before the update reads them."""
-        if name in self.sets[0] or name in self.placed:
-            return value
-        if name not in self.held:
-            self.held[name] = self.torch.empty_like(value)
-        return self.held[name].copy_(value)
-
-    def keep_deferred(self, outputs: Mapping[str, object]) -> None:
-        """A deferred update applied between steps wrote the current set: the captured steps,
-        which apply one, are dropped (the next steps run as queued until captured again)."""
-        self.close()
 
     def flat(self, names: tuple[str, ...], arrays: Sequence) -> object:
         key = (names, str(arrays[0].dtype))
@@ -698,7 +578,6 @@ class DataParallel:
         sync_bn: bool = False,
         check_every: int = CHECK_EVERY,
         reduce: bool = True,
-        defer: bool = True,
     ) -> None:
         training = model._require_training()
         self.dist = _torch_distributed()
@@ -712,7 +591,7 @@ class DataParallel:
         self.results = [training.loss, *training.updates.values()]
         if model.spec.keep_prediction:
             self.results.append(training.prediction)
-        self.split = split_step(training, self.results, bucket_bytes, sync_bn, defer)
+        self.split = split_step(training, self.results, bucket_bytes, sync_bn)
         self.graphs = [Graph.from_ops(list(s.ops), outputs=list(s.keep)) for s in self.split.segments]
         self.executors = [
             build_executor(model.target, graph, segment.keep, model.fusion, model.precision)
@@ -723,11 +602,6 @@ class DataParallel:
         self.average = self.arrays.reduce_op
         _RUNNERS.add(self)
         self._loss = None
-        #: the deferred update's inputs from the last step (its bucket not yet averaged), or None,
-        #: and the parity of the step that left them; per parity, what a step of it leaves
-        self._held: dict[str, object] | None = None
-        self._held_parity = 0
-        self._held_after: dict[int, dict[str, object]] = {}
         self.check_consistent()
 
     def train_step(self, batch: Mapping[str, np.ndarray], check: bool = False, wait: bool = True) -> float | None:
@@ -749,10 +623,7 @@ class DataParallel:
 
     def _step(self, batch: Mapping[str, np.ndarray], check: bool, wait: bool) -> float | None:
         model, training = self.model, self.model.training
-        parity = self.arrays.parity
         outputs = self.arrays.step(self.arrays.feed(model._training_feed(batch)), self._pieces)
-        if self.split.deferred is not None:  # a replayed step leaves what its capture left
-            self._held, self._held_parity = self._held_after[parity], parity
         if check:
             model._check_finite(training, {name: self.arrays.to_host(v) for name, v in outputs.items()})
         self.arrays.keep_updates(outputs)
@@ -768,17 +639,10 @@ class DataParallel:
 
     def _pieces(self, values: dict) -> dict:
         """Run the step's pieces on ``values`` (every input), averaging each piece's reductions
-        (an update piece waits for the buckets it reads); the step's results by name (a deferred
-        update's: those of the last step's, applied in this one)."""
-        split = self.split
-        late = self._start_deferred()
+        (an update piece waits for the buckets it reads); the step's results by name."""
         pending: list[_Pending] = []  # the buckets' reductions, in bucket order
         arrived = 0
-        for number, segment in enumerate(split.segments):
-            if number == split.deferred:
-                continue
-            if number == split.resume and self._held is not None:
-                values.update(self._apply_deferred(late))
+        for number, segment in enumerate(self.split.segments):
             if segment.after is not None:
                 while arrived <= segment.after and arrived < len(pending):
                     self._finish(pending[arrived], values)
@@ -790,35 +654,7 @@ class DataParallel:
                     pending.append(started)
                 else:
                     self._finish(started, values)
-        if split.deferred is not None:
-            inputs = self.graphs[split.deferred].inputs
-            self._held_after[self.arrays.parity] = {t.name: self.arrays.hold(t.name, values[t.name]) for t in inputs}
-        return {name: values[name] for name in self.results if name in values}
-
-    def _start_deferred(self) -> _Pending | None:
-        """Start averaging the last step's deferred bucket (None: no reduction to wait for)."""
-        if self._held is None or not self.reduce_enabled:
-            return None
-        return self._start(self.split.buckets[-1], self._held)
-
-    def _apply_deferred(self, started: _Pending | None) -> dict:
-        """The last step's deferred update, run once its bucket (``started``) has arrived; its
-        results, and the parameters and state it updates under their own names (what the rest
-        of this step reads)."""
-        held, self._held = self._held, None
-        if started is not None:
-            self._finish(started, held)
-        outputs = dict(self.arrays.run(self.split.deferred, held, self._held_parity))
-        updates = self.model.training.updates.items()
-        outputs.update({target: outputs[name] for target, name in updates if name in outputs})
-        return outputs
-
-    def _flush(self) -> None:
-        """Apply a deferred update still pending (its results kept as a step's are)."""
-        if self._held is None:
-            return
-        with self.arrays.on_stream():
-            self.arrays.keep_deferred(self._apply_deferred(self._start_deferred()))
+        return {name: values[name] for name in self.results}
 
     def _start(self, names: Sequence[str], values: dict) -> _Pending:
         """Start averaging ``names`` across ranks (one flat buffer per dtype), not waiting."""
@@ -866,10 +702,8 @@ class DataParallel:
         self.arrays.close()
 
     def synchronize(self) -> None:
-        """Apply the deferred update still pending, and copy the parameters and optimizer state
-        held on the GPU back into the model (what its ``parameters``, ``save`` and
-        ``export_onnx`` read; a host-memory run keeps them there)."""
-        self._flush()
+        """Copy the parameters and optimizer state held on the GPU back into the model (what its
+        ``parameters``, ``save`` and ``export_onnx`` read); a host-memory run keeps them there."""
         self.arrays.write_back()
 
 

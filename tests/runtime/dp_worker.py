@@ -18,14 +18,8 @@ from neoflow.runtime.distributed import DEVICE_TARGETS, DataParallel, Distribute
 
 STEPS = 3
 #: a GPU case's steps: 2 run as queued, then the step captured as a CUDA graph for each of the two
-#: sets of parameters taken in turn, and each graph replayed; after ``SYNC_AFTER`` of them the
-#: deferred update is applied (the captured steps dropped) and 2 more run as queued, 1 captured
-GPU_STEPS = 9
-#: cases whose runner applies its deferred update (``synchronize``) after this many steps, then
-#: goes on training
-SYNC_AFTER = {"capsule_sgd": 2, "cnn_adam": 1, "capsule28_momentum": 6}
-#: cases trained with every update in its own step (``defer=False``)
-UNDEFERRED = {"cnn_momentum"}
+#: sets of parameters taken in turn, and each graph replayed
+GPU_STEPS = 6
 #: case -> (model, global input shape, optimizer, sync_bn, bucket bytes)
 CASES = {
     "mlp_sgd": ("mlp", (32, 64), "sgd", False, 4096),
@@ -88,27 +82,24 @@ def run(case: str, out: Path, world, target: str) -> DataParallel:
     _, shape, _, sync_bn, bucket = CASES[case]
     local = shape[0] // world.size
     model = compile_case(case, target, local)
-    runner = DataParallel(model, world, bucket_bytes=bucket, sync_bn=sync_bn, defer=case not in UNDEFERRED)
+    runner = DataParallel(model, world, bucket_bytes=bucket, sync_bn=sync_bn)
     try:
         runner.last_loss()
         raise AssertionError("last_loss() before any step answered")
     except InputError as err:
         assert "no training step has run yet" in str(err), err
     losses = []
-    for number, batch in enumerate(batches(case), 1):
+    for batch in batches(case):
         shard = {k: v[world.rank * local : (world.rank + 1) * local] for k, v in batch.items()}
         returned = runner.train_step(shard, wait=False)  # a GPU run queues the step and returns
         losses.append(runner.last_loss())
         assert returned is None if target in DEVICE_TARGETS else returned == losses[-1], returned
-        if SYNC_AFTER.get(case) == number:
-            runner.synchronize()
     runner.synchronize()  # parameters kept on a GPU back into the model
     if target in DEVICE_TARGETS:  # the pieces write a bucket's tensors into its buffer, each aligned
         views = [view for layout in runner.arrays.layouts.values() for view in layout]
         assert views and all(view.data_ptr() % runner.arrays.ALIGN == 0 for view in views)
     np.savez(out / f"{case}_{world.rank}.npz", losses=np.array(losses), **state(model))
-    deferred = "deferred" if runner.split.deferred is not None else "undeferred"
-    (out / f"{case}_{world.rank}.segments").write_text(f"{len(runner.split.segments)} {deferred}")
+    (out / f"{case}_{world.rank}.segments").write_text(str(len(runner.split.segments)))
     return runner
 
 

@@ -19,7 +19,6 @@ from neoflow.runtime.distributed import (
     MIN_BUCKET_BYTES,
     DistributedError,
     default_bucket_bytes,
-    deferred_parameters,
     launch,
     split_step,
 )
@@ -40,11 +39,10 @@ def _training(case: str, batch: int | None = None):
 
 @pytest.mark.parametrize("case", ["mlp_sgd", "cnn_adam", "capsule_sgd", "bn_sync"])
 @pytest.mark.parametrize("bucket", [None, 512])
-@pytest.mark.parametrize("defer", [True, False])
-def test_split_runs_every_op_once_and_reads_only_what_came_before(case: str, bucket: int | None, defer: bool) -> None:
+def test_split_runs_every_op_once_and_reads_only_what_came_before(case: str, bucket: int | None) -> None:
     training = _training(case)
     results = [training.loss, *training.updates.values()]
-    split = split_step(training, results, bucket, sync_bn=dp_worker.CASES[case][3], defer=defer)
+    split = split_step(training, results, bucket, sync_bn=dp_worker.CASES[case][3])
     ops = [op.name for segment in split.segments for op in segment.ops]
     assert sorted(ops) == sorted(op.name for op in training.graph.ops)
     available = {t.name for t in training.graph.inputs}
@@ -57,11 +55,8 @@ def test_split_runs_every_op_once_and_reads_only_what_came_before(case: str, buc
         assert set(segment.reduce) <= available  # a bucket is reduced once its last member exists
     assert set(results) <= available
     gradients = set(training.gradients.values())
-    reduced = [name for group in split.reductions for name in group]
+    reduced = [name for segment in split.segments for name in segment.reduce]
     assert gradients <= set(reduced) and len(reduced) == len(set(reduced))
-    assert (split.deferred is not None) == defer
-    if defer:
-        _check_deferred(training, split)
     assert {n for b in split.buckets for n in b} >= gradients
     # the update reads the gradients; nothing before it does; each of its ops reads one, or a result of one
     updates = split.updates
@@ -81,48 +76,6 @@ def test_split_runs_every_op_once_and_reads_only_what_came_before(case: str, buc
         assert len(updates) > 1  # the first buckets' parameters are updated while the last travels
     if bucket == 512 and case != "bn_sync":
         assert len(split.buckets) > 1  # small buckets: communication starts before the reverse pass ends
-
-
-def _check_deferred(training, split) -> None:
-    """The deferred bucket: the parameters the forward reads last, their gradients computed after
-    every other, their update the last piece, and no piece before ``resume`` reads them."""
-    deferred = split.segments[split.deferred]
-    assert split.deferred == len(split.segments) - 1 and deferred.after == len(split.buckets) - 1
-    assert not any(deferred.ops[0].name in s.reduce for s in split.segments)  # averaged in the next step
-    updated = {t for t, n in training.updates.items() if n in {op.name for op in deferred.ops}}
-    parameters = {p for p, g in training.gradients.items() if g in split.buckets[-1]}
-    assert parameters and parameters <= updated and len(parameters) < len(training.gradients)
-    early = [op for s in split.segments[: -len(split.updates)] for op in s.ops]
-    first = {p: min(k for k, op in enumerate(early) if p in op.input_names) for p in training.gradients}
-    assert min(first[p] for p in parameters) > max(first[p] for p in first if p not in parameters)
-    made = [op.name for op in early]
-    assert min(made.index(g) for g in split.buckets[-1]) > max(made.index(g) for b in split.buckets[:-1] for g in b)
-    before = [op for s in split.segments[: split.resume] for op in s.ops]
-    assert before and not any(updated.intersection(op.input_names) for op in before)
-    assert updated.intersection(split.segments[split.resume].ops[0].input_names)
-
-
-def test_a_split_defers_nothing_where_the_first_op_reads_every_parameter() -> None:
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    weights = [
-        numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in (("w", (8, 3)), ("b", (3,)))
-    ]
-    graph = helper.make_graph(
-        [helper.make_node("Gemm", ["x", "w", "b"], ["y"])],
-        "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])],
-        weights,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    training = neoflow.compile(model, train=neoflow.TrainSpec(optimizer="sgd")).training
-    results = [training.loss, *training.updates.values()]
-    assert split_step(training, results).deferred is None
-    assert deferred_parameters(training, training.graph.ops, 1 << 30) == ()
-    mlp = _training("mlp_sgd")  # its second layer waits, but never both layers
-    assert deferred_parameters(mlp, mlp.graph.ops, 1 << 30) == ("b2", "w2")
 
 
 def test_sync_bn_waits_on_the_batch_statistics_and_their_adjoints() -> None:
@@ -174,9 +127,7 @@ def check_against_one_process(out: Path, case: str, target: str, tolerance: floa
         return
     assert _max_relative(got, expected) < tolerance
     np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=tolerance)
-    segments, deferred = (out / f"{case}_0.segments").read_text().split()
-    assert int(segments) >= 2
-    assert deferred == ("undeferred" if case in dp_worker.UNDEFERRED else "deferred")
+    assert int((out / f"{case}_0.segments").read_text()) >= 2
 
 
 def test_a_rank_whose_parameters_diverge_is_named(two_ranks: Path) -> None:
