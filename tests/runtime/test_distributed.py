@@ -20,6 +20,7 @@ from neoflow.runtime.distributed import (
     DistributedError,
     default_bucket_bytes,
     launch,
+    nccl_environment,
     split_step,
 )
 from tests.runtime import dp_worker
@@ -86,6 +87,11 @@ def test_sync_bn_waits_on_the_batch_statistics_and_their_adjoints() -> None:
     expected = [*training.batch_statistics, *training.batch_statistics.values()]
     assert sorted(n for r in blocking for n in r) == sorted(expected)
     assert not any(not s.overlap for s in split_step(training, results, sync_bn=False).segments if s.reduce)
+
+
+def test_nccl_runs_without_graph_mixing_support_unless_the_user_says_otherwise() -> None:
+    assert nccl_environment({}) == {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
+    assert nccl_environment({"NCCL_GRAPH_MIXING_SUPPORT": "1"}) == {}
 
 
 def test_default_buckets() -> None:
