@@ -80,3 +80,41 @@ def test_the_cpu_benchmark_runs_only_the_workloads_asked_for(capsys) -> None:
         run.main(["--only", "no such workload"])
     assert stopped.value.code == 2
     assert "capsule conv stride 2" in capsys.readouterr().err  # the labels it knows are listed
+
+
+def test_the_distributed_benchmark_times_each_block_between_two_events_on_the_stream() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.distributed import _device_rounds
+
+    clock, calls = [0.0], []
+
+    class Event:  # a CUDA event on a clock in milliseconds that each call of a system moves on
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self, stream) -> None:
+            self.at = clock[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return end.at - self.at
+
+    def system(name: str, milliseconds: float):
+        def call() -> None:
+            calls.append(name)
+            clock[0] += milliseconds
+
+        return call
+
+    torch = SimpleNamespace(cuda=SimpleNamespace(Event=Event))
+    stream = SimpleNamespace(synchronize=lambda: None)
+    systems = {"step": system("step", 2.0), "alone": system("alone", 0.5), "other": system("other", 1.0)}
+    times = _device_rounds(torch, stream, systems, rounds=3, block=4, warmup=1)
+    import pytest
+
+    assert times == {name: [[pytest.approx(t)]] * 3 for name, t in (("step", 2e-3), ("alone", 5e-4), ("other", 1e-3))}
+    firsts = [calls[3 + 12 * k] for k in range(3)]  # after the warm-up, each round's first call
+    assert firsts == ["step", "alone", "other"]  # round k starts with the k-th system
