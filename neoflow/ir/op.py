@@ -119,6 +119,15 @@ def given_shape(shape: object, name: str) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
+def positional_names(op: Op) -> Op:
+    """``op`` with its tensors named by position (its inputs ``_0``, ``_1``, ... in order, its output
+    ``_out``): two ops that compute alike, each from tensors of its own, come out equal (what a
+    schedule of the op depends on, asked of many copies of one layer, can then be worked out once)."""
+    names = {tensor.name: f"_{k}" for k, tensor in enumerate(op.inputs)}
+    names.setdefault(op.name, "_out")
+    return rename_tensors(op, names)
+
+
 def rename_tensors(op: Op, names: Mapping[str, str]) -> Op:
     """A copy of ``op`` with tensors renamed by ``names`` (old → new) wherever
     they appear: the output, the inputs, reads, and data-dependent indices."""

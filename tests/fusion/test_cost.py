@@ -65,6 +65,24 @@ def test_the_cpu_schedule_names_each_kind_of_code() -> None:
     assert schedule(chain).flops == 2 * 512 * 512 * (64 + 64)
 
 
+def test_the_cpu_schedule_is_worked_out_once_for_ops_that_differ_in_their_tensors_names_alone() -> None:
+    from neoflow.ir.op import positional_names
+    from neoflow.targets.cpu.estimate import _schedule_once
+
+    text = "{C}[i, j] = ReduceAdd({{k}}, {A}[i, k] * {B}[k, j])"
+    shapes = {"A": (96, 80), "B": (80, 112)}
+    first = neoflow.op(text.format(C="C", A="A", B="B"), shapes=shapes)
+    second = neoflow.op(text.format(C="D", A="E", B="F"), shapes={"E": (96, 80), "F": (80, 112)})
+    swapped = neoflow.op(text.format(C="C", A="B", B="A"), shapes={"B": (96, 80), "A": (80, 112)})
+    assert positional_names(first) == positional_names(second) == positional_names(swapped)
+    square = {"A": (96, 96), "B": (96, 96)}
+    one = neoflow.op(text.format(C="C", A="A", B="A"), shapes={"A": (96, 96)})
+    assert positional_names(one) != positional_names(neoflow.op(text.format(C="C", A="A", B="B"), shapes=square))
+    _schedule_once.cache_clear()
+    assert schedule(first) == schedule(second) == schedule(swapped)
+    assert _schedule_once.cache_info().misses == 1  # the other two found it
+
+
 def test_ops_in_one_loop_nest_read_what_they_share_once() -> None:
     # Y and Z both stored (kept), Z reading Y at its own point: as one nest, X is read once
     # and Y is not read back; apart, Z reads Y from memory
