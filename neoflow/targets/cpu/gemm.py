@@ -52,6 +52,7 @@ from neoflow.targets.cpu.packing import (
     affine_operand,
     affine_packer,
     batch_base,
+    direct_strips,
     gather_fraction,
     gather_step,
     operand_tables,
@@ -247,6 +248,47 @@ static inline void nf_micro_6x16_to(int64_t kc, const float *restrict a, const f
     }
 }
 """
+
+
+def _rows_variants(microkernel: str) -> str:
+    """The AVX-512 micro-kernel reading ``b``'s depth rows where they lie, ``rows[k]`` floats
+    past ``b`` (``packing.direct_strips``), made from the packed one's own text:
+    ``nf_micro_6x16_rows_from`` and ``nf_micro_6x16_rows_to``."""
+    signature = (
+        "const float *restrict b, float *restrict c,",
+        "const float *restrict b,\n    const int64_t *restrict rows, float *restrict c,",
+    )
+    start = microkernel.index("static inline void nf_micro_6x16_from(")
+    body = _edited(
+        microkernel[start : microkernel.index("#elif", start)],
+        ("nf_micro_6x16_from(", "nf_micro_6x16_rows_from("),
+        signature,
+        (
+            "_mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16)",
+            "_mm512_loadu_ps(b + rows[k]), b1 = _mm512_loadu_ps(b + rows[k + 1])",
+        ),
+        ("        b += 32;\n", ""),
+        ("const __m512 b0 = _mm512_loadu_ps(b);", "const __m512 b0 = _mm512_loadu_ps(b + rows[k]);"),
+    )
+    to = _edited(
+        microkernel[microkernel.index("static inline void nf_micro_6x16_to(") :],
+        ("nf_micro_6x16_to(", "nf_micro_6x16_rows_to("),
+        signature,
+        ("nf_micro_6x16(kc, a, b, tile);", "nf_micro_6x16_rows_from(kc, a, b, rows, tile, 0);"),
+    )
+    return f"#if defined(__AVX512F__)\n{body}{to}#endif\n"
+
+
+def _edited(text: str, *edits: tuple[str, str]) -> str:
+    """``text`` with each ``(old, new)`` of ``edits`` replaced (each must be there)."""
+    for old, new in edits:
+        if old not in text:
+            raise AssertionError(f"the micro-kernel's text no longer has '{old}'")
+        text = text.replace(old, new)
+    return text
+
+
+MICROKERNEL += _rows_variants(MICROKERNEL)
 
 
 def fold_domain(op: Op) -> Op:
@@ -739,17 +781,27 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str, blocki
 #endif""",
         )
 
-    def row_strips(b_strip: str) -> str:
+    def row_strips(b_strip: str, direct: bool = False) -> str:
         """C running the micro-kernel down rows ``[ic, ic + mc)`` against the packed
-        column strip at ``b_strip``, storing (or adding) each tile, then the epilogue."""
+        column strip at ``b_strip`` (``direct``: the strip where it lies in the operand's
+        tensor, at ``direct_``, its depth rows at the ``b_dep[0]`` offsets), storing (or adding)
+        each tile, then the epilogue."""
+        to, tile = "nf_micro_6x16_to(kc, apack + ir * kc, ", "nf_micro_6x16(kc, apack + ir * kc, "
+        b_args = b_strip
+        if direct:
+            to, tile, b_args = (
+                "nf_micro_6x16_rows_to(kc, apack + ir * kc, ",
+                "nf_micro_6x16_rows_from(kc, apack + ir * kc, ",
+                "direct_, b_dep[0] + pc",
+            )
         return f"""                                for (int64_t ir = 0; ir < mc; ir += {MR}) {{
                                     const int64_t row_step = row_steps[(ic + ir) / {MR}];
                                     if (dense && row_step) {{
-                                        nf_micro_6x16_to(kc, apack + ir * kc, {b_strip},
+                                        {to}{b_args},
                                                          to_batch + row_off[ic + ir] + col_off[jc + jr],
                                                          row_step, pc != 0);{epilogue_loop}
                                     }} else {{
-                                        nf_micro_6x16(kc, apack + ir * kc, {b_strip}, tile);{tile_epilogue}
+                                        {tile}{b_args}, tile{", 0" if direct else ""});{tile_epilogue}
                                         for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
                                             const float *from = tile + ii * {NR};
                                             float *to = to_batch + row_off[ic + ir + ii];
@@ -816,6 +868,39 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
         tasks = -(-strips // together)
         b_strip = f"{prefix}_pack_b(bpack, j0, span, 0, {k}, 0, {k if b_inner else 'span'}, {pack_b_code.arguments}"
         b_strip += f"{arguments});"
+        # a strip the micro-kernel can read where it lies is not packed (AVX-512; one strip a task)
+        operand_b = affine_operand(factor_b, shapes, extent)
+        extremes, direct_check = "", ""
+        if operand_b is not None and not operand_b.clamps and together == 1 and b_inner:
+            tensor = names[operand_b.tensor]
+            extremes, direct_check = direct_strips(operand_b, tensor, math.prod(shapes[operand_b.tensor]), batch)
+            extremes = f"\n#if defined(__AVX512F__)\n        const int64_t kc = {k};\n        {extremes}\n#endif"
+            direct_check = f"""
+#if defined(__AVX512F__)
+                {direct_check}
+#else
+                const float *const direct_ = 0;
+#endif"""
+        packed_strips = f"""                for (int64_t jr = j0; jr < j0 + span; jr += {NR}) {{
+                    const int64_t width = j0 + span - jr < {NR} ? j0 + span - jr : {NR};
+                    int dense = width == {NR};
+                    for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
+{{strips}}
+                }}"""
+        pack_and_multiply = f"""{b_strip}
+                for (int64_t j = span; j < (span + {NR - 1}) / {NR} * {NR}; ++j)
+                    for (int64_t p = 0; p < kc; ++p) {zero_b} = 0.0f;
+{packed_strips.replace("{strips}", row_strips(f"bpack + (jr - j0) * {k}"))}"""
+        if direct_check:
+            pack_and_multiply = f"""{direct_check}
+#if defined(__AVX512F__)
+                if (direct_) {{
+{packed_strips.replace("{strips}", row_strips("", direct=True))}
+                }} else
+#endif
+                {{
+                {pack_and_multiply}
+                }}"""
         return (
             packers,
             f"""
@@ -824,7 +909,7 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
         NF_SCRATCH(float, apack, {round_up(k * round_up(m, MR), 16)});
         {a_whole}
         for (int64_t i = {m}; i < {round_up(m, MR)}; ++i)
-            for (int64_t p = 0; p < {k}; ++p) apack[(i / {MR}) * {MR} * {k} + p * {MR} + i % {MR}] = 0.0f;
+            for (int64_t p = 0; p < {k}; ++p) apack[(i / {MR}) * {MR} * {k} + p * {MR} + i % {MR}] = 0.0f;{extremes}
         #pragma omp parallel
         {{
             NF_SCRATCH(float, bpack, {k} * {NR * together});
@@ -840,15 +925,7 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
                 {unflatten_index("batch_", batch)}
                 float *restrict to_batch = outp + {offset(batch)};
                 const int64_t span = {n} - j0 < {NR * together} ? {n} - j0 : {NR * together};
-                {b_strip}
-                for (int64_t j = span; j < (span + {NR - 1}) / {NR} * {NR}; ++j)
-                    for (int64_t p = 0; p < kc; ++p) {zero_b} = 0.0f;
-                for (int64_t jr = j0; jr < j0 + span; jr += {NR}) {{
-                    const int64_t width = j0 + span - jr < {NR} ? j0 + span - jr : {NR};
-                    int dense = width == {NR};
-                    for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
-{row_strips(f"bpack + (jr - j0) * {k}")}
-                }}
+                {pack_and_multiply}
             }}
         }}""",
         )

@@ -524,6 +524,55 @@ def _side_runs(
 }}"""
 
 
+def direct_strips(
+    operand: AffineOperand, tensor_name: str, tensor_size: int, batch: list[tuple[str, int]]
+) -> tuple[str, str]:
+    """C letting the micro-kernel read a side-inner operand's ``VECTOR_WIDTH``-column strip
+    straight from its tensor instead of packing it (AVX-512: ``nf_micro_6x16_rows_*``, each
+    depth row at its offset in the ``<side>_dep[0]`` table): a strip whose reads are
+    consecutive, inside the tensor and inside every guard at every depth step reads the very
+    values a packed strip would hold.  Returns the code finding each depth table's lowest and
+    highest entry (``dlo_``/``dhi_``, once, over the depth ``[0, kc)``) and the code setting
+    ``direct_`` (the strip's first element, or null: pack it) for the strip at column ``j0``
+    of ``span``; both read the ``b_side``/``b_dep`` tables.  Not for clamped operands (a packed
+    strip holds the clamped values)."""
+    quantities = operand.quantities()
+    count = len(quantities)
+    extremes = f"""int64_t dlo_[{count}], dhi_[{count}];
+        for (int q = 0; q < {count}; ++q) {{
+            dlo_[q] = dhi_[q] = b_dep[q][0];
+            for (int64_t f = 1; f < kc; ++f) {{
+                dlo_[q] = b_dep[q][f] < dlo_[q] ? b_dep[q][f] : dlo_[q];
+                dhi_[q] = b_dep[q][f] > dhi_[q] ? b_dep[q][f] : dhi_[q];
+            }}
+        }}"""
+    bases = [batch_base(quantity, batch) for quantity in quantities]
+    guards = list(enumerate(operand.ranges, start=1))
+    inside = "".join(
+        f" && {_in_range(bound, f'(lo_[{q}] + dlo_[{q}] + {bases[q]})')}"
+        f" && {_in_range(bound, f'(hi_[{q}] + dhi_[{q}] + {bases[q]})')}"
+        for q, bound in guards
+    )
+    check = f"""const float *direct_ = 0;
+                if (span == {VECTOR_WIDTH}) {{
+                    /* the strip's lanes' lowest and highest value of each quantity */
+                    int64_t lo_[{count}], hi_[{count}];
+                    int ok_ = 1;
+                    for (int q = 0; q < {count}; ++q) lo_[q] = hi_[q] = b_side[q][j0];
+                    for (int64_t ii = 1; ii < {VECTOR_WIDTH}; ++ii) {{
+                        ok_ = ok_ && b_side[0][j0 + ii] == b_side[0][j0] + ii;
+                        for (int q = 1; q < {count}; ++q) {{
+                            lo_[q] = b_side[q][j0 + ii] < lo_[q] ? b_side[q][j0 + ii] : lo_[q];
+                            hi_[q] = b_side[q][j0 + ii] > hi_[q] ? b_side[q][j0 + ii] : hi_[q];
+                        }}
+                    }}
+                    const int64_t at_ = b_side[0][j0] + {bases[0]};
+                    if (ok_ && at_ + dlo_[0] >= 0 && at_ + dhi_[0] <= {tensor_size - VECTOR_WIDTH}{inside})
+                        direct_ = {tensor_name} + at_;
+                }}"""
+    return extremes, check
+
+
 def _plain_strips(tensor_name: str, tensor_size: int) -> str:
     """C copying the plain strips of an unguarded, unclamped operand first: those whose
     reads are consecutive (or, on AVX-512, every other element: ``nf_load_pairs``) and

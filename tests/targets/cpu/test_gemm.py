@@ -323,6 +323,25 @@ def test_a_task_of_the_narrow_kernel_packs_neighbouring_column_strips_together(
     assert_compiled_matches_interpreter(op, 5)
 
 
+def test_a_task_reads_a_column_strip_where_it_lies_when_its_reads_keep_inside_the_tensor_and_guards() -> None:
+    # a padded 3x3 convolution of 48-wide rows, a task a strip (depth 576): the strip of columns
+    # 16-31 of an inner row is read from X in place, the strips at the padding packed (with zeros)
+    guards = "p + r - 1 >= 0 && p + r - 1 < 32 && q + s - 1 >= 0 && q + s - 1 < 48"
+    text = f"Y[n, k, p, q] = ReduceAdd({{c, r, s}}, Select({guards}, X[n, c, p + r - 1, q + s - 1], 0) * W[k, c, r, s])"
+    conv = neoflow.op(text, shapes={"X": (1, 64, 32, 48), "W": (16, 64, 3, 3)}, out_shape=(1, 16, 32, 48))
+    source = lower_op(conv, "kernel")
+    assert "a task packs 1 column strip(s) together" in source
+    assert "direct_ = in0 + at_" in source and "nf_micro_6x16_rows_to(kc" in source
+    assert_compiled_matches_interpreter(conv, 6)
+    # a ReLU read inside the product clamps what a packed strip holds: such an operand is always packed
+    clamped = neoflow.op(
+        text.replace("X[n, c, p + r - 1, q + s - 1], 0)", "max(X[n, c, p + r - 1, q + s - 1], 0), 0)"),
+        shapes={"X": (1, 64, 32, 48), "W": (16, 64, 3, 3)},
+        out_shape=(1, 16, 32, 48),
+    )
+    assert "direct_" not in lower_op(clamped, "kernel")
+
+
 def test_the_cost_model_counts_the_micro_kernel_the_build_runs() -> None:
     # the kernels are built for this machine: with AVX-512 the micro-kernel's zmm branch runs and a
     # depth step costs 3 cycles in the model, else 6 (the AVX2 or portable branch; elsewhere than
