@@ -261,7 +261,9 @@ def _rows_variants(microkernel: str) -> str:
     start = microkernel.index("static inline void nf_micro_6x16_from(")
     body = _edited(
         microkernel[start : microkernel.index("#elif", start)],
-        ("nf_micro_6x16_from(", "nf_micro_6x16_rows_from("),
+        # one copy a library, called: inlined at each call site it cost every build of a convolution
+        # a tenth more compile time, for calls of a few thousand cycles each
+        ("static inline void nf_micro_6x16_from(", "__attribute__((noinline)) static void nf_micro_6x16_rows_from("),
         signature,
         (
             "_mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16)",
@@ -276,7 +278,17 @@ def _rows_variants(microkernel: str) -> str:
         signature,
         ("nf_micro_6x16(kc, a, b, tile);", "nf_micro_6x16_rows_from(kc, a, b, rows, tile, 0);"),
     )
-    return f"#if defined(__AVX512F__)\n{body}{to}#endif\n"
+    absent = (
+        "/* without AVX-512 no strip is read in place (``direct_`` stays null): these are never called */\n"
+        "#define nf_micro_6x16_rows_from(kc, a, b, rows, c, from_c) ((void)0)\n"
+        "#define nf_micro_6x16_rows_to(kc, a, b, rows, c, ldc, accumulate) ((void)0)\n"
+    )
+    return f"#if defined(__AVX512F__)\n{body}{to}#else\n{absent}#endif\n"
+
+
+#: the store arguments of ``nf_micro_6x16_to`` (and ``_rows_to``) in the blocked kernels' row loops
+_TO_ARGUMENTS = "to_batch + row_off[ic + ir] + col_off[jc + jr], row_step, pc != 0"
+_INDENT = " " * 40
 
 
 def _edited(text: str, *edits: tuple[str, str]) -> str:
@@ -783,25 +795,21 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str, blocki
 
     def row_strips(b_strip: str, direct: bool = False) -> str:
         """C running the micro-kernel down rows ``[ic, ic + mc)`` against the packed
-        column strip at ``b_strip`` (``direct``: the strip where it lies in the operand's
-        tensor, at ``direct_``, its depth rows at the ``b_dep[0]`` offsets), storing (or adding)
-        each tile, then the epilogue."""
-        to, tile = "nf_micro_6x16_to(kc, apack + ir * kc, ", "nf_micro_6x16(kc, apack + ir * kc, "
-        b_args = b_strip
+        column strip at ``b_strip`` (``direct``: or, where ``direct_`` is set, the strip where
+        it lies in the operand's tensor, its depth rows at the ``b_dep[0]`` offsets), storing
+        (or adding) each tile, then the epilogue."""
+        to = f"nf_micro_6x16_to(kc, apack + ir * kc, {b_strip}, "
+        tile = f"nf_micro_6x16(kc, apack + ir * kc, {b_strip}, tile)"
         if direct:
-            to, tile, b_args = (
-                "nf_micro_6x16_rows_to(kc, apack + ir * kc, ",
-                "nf_micro_6x16_rows_from(kc, apack + ir * kc, ",
-                "direct_, b_dep[0] + pc",
-            )
+            rows = "kc, apack + ir * kc, direct_, b_dep[0] + pc"
+            to = f"if (direct_) nf_micro_6x16_rows_to({rows}, {_TO_ARGUMENTS});\n{_INDENT}else {to}"
+            tile = f"if (direct_) nf_micro_6x16_rows_from({rows}, tile, 0);\n{_INDENT}else {tile}"
         return f"""                                for (int64_t ir = 0; ir < mc; ir += {MR}) {{
                                     const int64_t row_step = row_steps[(ic + ir) / {MR}];
                                     if (dense && row_step) {{
-                                        {to}{b_args},
-                                                         to_batch + row_off[ic + ir] + col_off[jc + jr],
-                                                         row_step, pc != 0);{epilogue_loop}
+                                        {to}{_TO_ARGUMENTS});{epilogue_loop}
                                     }} else {{
-                                        {tile}{b_args}, tile{", 0" if direct else ""});{tile_epilogue}
+                                        {tile};{tile_epilogue}
                                         for (int64_t ii = 0; ii < {MR} && ir + ii < mc; ++ii) {{
                                             const float *from = tile + ii * {NR};
                                             float *to = to_batch + row_off[ic + ir + ii];
@@ -881,25 +889,20 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
 #else
                 const float *const direct_ = 0;
 #endif"""
-        packed_strips = f"""                for (int64_t jr = j0; jr < j0 + span; jr += {NR}) {{
+        pack = f"""{b_strip}
+                for (int64_t j = span; j < (span + {NR - 1}) / {NR} * {NR}; ++j)
+                    for (int64_t p = 0; p < kc; ++p) {zero_b} = 0.0f;"""
+        if direct_check:
+            pack = f"""{direct_check}
+                if (!direct_) {{
+                {pack}
+                }}"""
+        pack_and_multiply = f"""{pack}
+                for (int64_t jr = j0; jr < j0 + span; jr += {NR}) {{
                     const int64_t width = j0 + span - jr < {NR} ? j0 + span - jr : {NR};
                     int dense = width == {NR};
                     for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
-{{strips}}
-                }}"""
-        pack_and_multiply = f"""{b_strip}
-                for (int64_t j = span; j < (span + {NR - 1}) / {NR} * {NR}; ++j)
-                    for (int64_t p = 0; p < kc; ++p) {zero_b} = 0.0f;
-{packed_strips.replace("{strips}", row_strips(f"bpack + (jr - j0) * {k}"))}"""
-        if direct_check:
-            pack_and_multiply = f"""{direct_check}
-#if defined(__AVX512F__)
-                if (direct_) {{
-{packed_strips.replace("{strips}", row_strips("", direct=True))}
-                }} else
-#endif
-                {{
-                {pack_and_multiply}
+{row_strips(f"bpack + (jr - j0) * {k}", direct=bool(direct_check))}
                 }}"""
         return (
             packers,
