@@ -222,7 +222,6 @@ class _OpEvaluator:
             found = before[1]
             self.check_bounds(node.tensor, indices, live, node)
         else:
-            before = None
             found = self.gather(node.tensor, indices, live, node)
         self.gathered[id(node)] = (ranges, found)
         return found

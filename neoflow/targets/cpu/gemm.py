@@ -835,15 +835,19 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
     row_steps[s] = step;
 }}""",
     )
-    tables = f"""{output}
-        {built_once([*all_tables, row_steps])}
+
+    def tables(*extra: Table) -> str:
+        """C with the output's pointer, every table (``extra`` last) built once, the thread count."""
+        return f"""{output}
+        {built_once([*all_tables, row_steps, *extra])}
 {_THREADS}"""
+
     if structure == "batched":
         strips = -(-n // NR)
         return (
             packers,
             f"""
-        {tables}
+        {tables()}
         /* each thread whole batch items: an item's product is small, packed and multiplied by one thread */
         #pragma omp parallel
         {{
@@ -878,11 +882,11 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
         b_strip += f"{arguments});"
         # a strip the micro-kernel can read where it lies is not packed (AVX-512; one strip a task)
         operand_b = affine_operand(factor_b, shapes, extent)
-        extremes, direct_check = "", ""
+        extremes, direct_check = [], ""
         if operand_b is not None and not operand_b.clamps and together == 1 and b_inner:
-            tensor = names[operand_b.tensor]
-            extremes, direct_check = direct_strips(operand_b, tensor, math.prod(shapes[operand_b.tensor]), batch)
-            extremes = f"\n#if defined(__AVX512F__)\n        const int64_t kc = {k};\n        {extremes}\n#endif"
+            size = math.prod(shapes[operand_b.tensor])
+            table, direct_check = direct_strips(operand_b, names[operand_b.tensor], size, batch, k)
+            extremes = [table]
             direct_check = f"""
 #if defined(__AVX512F__)
                 {direct_check}
@@ -907,12 +911,12 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
         return (
             packers,
             f"""
-        {tables}
+        {tables(*extremes)}
         /* the whole of a (rows x depth) packed once, each column strip packed and multiplied by the task owning it */
         NF_SCRATCH(float, apack, {round_up(k * round_up(m, MR), 16)});
         {a_whole}
         for (int64_t i = {m}; i < {round_up(m, MR)}; ++i)
-            for (int64_t p = 0; p < {k}; ++p) apack[(i / {MR}) * {MR} * {k} + p * {MR} + i % {MR}] = 0.0f;{extremes}
+            for (int64_t p = 0; p < {k}; ++p) apack[(i / {MR}) * {MR} * {k} + p * {MR} + i % {MR}] = 0.0f;
         #pragma omp parallel
         {{
             NF_SCRATCH(float, bpack, {k} * {NR * together});
@@ -939,7 +943,7 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
     return (
         packers,
         f"""
-        {tables}
+        {tables()}
         NF_SCRATCH(float, bpack, {blocking.kc} * {min(blocking.nc, round_up(n, NR))});
         NF_SCRATCH(char, contiguous, {-(-min(blocking.nc, n) // NR)});
         /* row blocks: a multiple of the thread count when there are enough rows, otherwise

@@ -525,27 +525,29 @@ def _side_runs(
 
 
 def direct_strips(
-    operand: AffineOperand, tensor_name: str, tensor_size: int, batch: list[tuple[str, int]]
-) -> tuple[str, str]:
+    operand: AffineOperand, tensor_name: str, tensor_size: int, batch: list[tuple[str, int]], depth: int
+) -> tuple[Table, str]:
     """C letting the micro-kernel read a side-inner operand's ``VECTOR_WIDTH``-column strip
     straight from its tensor instead of packing it (AVX-512: ``nf_micro_6x16_rows_*``, each
     depth row at its offset in the ``<side>_dep[0]`` table): a strip whose reads are
     consecutive, inside the tensor and inside every guard at every depth step reads the very
-    values a packed strip would hold.  Returns the code finding each depth table's lowest and
-    highest entry (``dlo_``/``dhi_``, once, over the depth ``[0, kc)``) and the code setting
-    ``direct_`` (the strip's first element, or null: pack it) for the strip at column ``j0``
-    of ``span``; both read the ``b_side``/``b_dep`` tables.  Not for clamped operands (a packed
-    strip holds the clamped values)."""
+    values a packed strip would hold.  Returns the table of each depth table's lowest and
+    highest entry over the ``depth`` steps (``dlo_``/``dhi_``, built once after the
+    ``b_dep`` tables) and the code setting ``direct_`` (the strip's first element, or null: pack
+    it) for the strip at column ``j0`` of ``span``, reading the ``b_side`` tables.  Not for
+    clamped operands (a packed strip holds the clamped values)."""
     quantities = operand.quantities()
     count = len(quantities)
-    extremes = f"""int64_t dlo_[{count}], dhi_[{count}];
-        for (int q = 0; q < {count}; ++q) {{
-            dlo_[q] = dhi_[q] = b_dep[q][0];
-            for (int64_t f = 1; f < kc; ++f) {{
-                dlo_[q] = b_dep[q][f] < dlo_[q] ? b_dep[q][f] : dlo_[q];
-                dhi_[q] = b_dep[q][f] > dhi_[q] ? b_dep[q][f] : dhi_[q];
-            }}
-        }}"""
+    extremes = Table(
+        f"static int64_t dlo_[{count}], dhi_[{count}];",
+        f"""for (int q = 0; q < {count}; ++q) {{
+    dlo_[q] = dhi_[q] = b_dep[q][0];
+    for (int64_t f = 1; f < {depth}; ++f) {{
+        dlo_[q] = b_dep[q][f] < dlo_[q] ? b_dep[q][f] : dlo_[q];
+        dhi_[q] = b_dep[q][f] > dhi_[q] ? b_dep[q][f] : dhi_[q];
+    }}
+}}""",
+    )
     bases = [batch_base(quantity, batch) for quantity in quantities]
     guards = list(enumerate(operand.ranges, start=1))
     inside = "".join(
