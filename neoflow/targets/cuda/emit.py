@@ -634,9 +634,21 @@ def _indented(lines: str, spaces: int) -> str:
 
 
 #: the C variables of the fragment and tile loops that shared-memory places are printed in
-FM, FP, FN, KK, ROW, COL, WARP_M, WARP_N, WARPGROUP, STEP = sympy.symbols(
-    "fm fp fn kk nf_row nf_col nf_warp_m nf_warp_n nf_warpgroup nf_step", integer=True, nonnegative=True
+FM, FP, FN, KK, ROW, COL, WARP_M, WARP_N, WARP_K, WARPGROUP, STEP = sympy.symbols(
+    "fm fp fn kk nf_row nf_col nf_warp_m nf_warp_n nf_warp_k nf_warpgroup nf_step", integer=True, nonnegative=True
 )
+
+
+def _warp_coordinates(tiles) -> str:
+    """C giving a warp its place in the block: its row and column of warp tiles and, where the block's
+    warps split each depth tile (``Tiles.warps_k``), its slice of the depth."""
+    across = tiles.warps_m * tiles.warps_n
+    if tiles.warps_k == 1:
+        return f"    const int nf_warp_m = nf_warp / {tiles.warps_n}, nf_warp_n = nf_warp % {tiles.warps_n};\n"
+    return (
+        f"    const int nf_warp_m = (nf_warp % {across}) / {tiles.warps_n}, nf_warp_n = nf_warp % {tiles.warps_n};\n"
+        f"    const int nf_warp_k = nf_warp / {across};\n"
+    )
 
 
 def _at(kernel: MmaKernel, side: str, row: sympy.Expr, col: sympy.Expr) -> str:
@@ -762,7 +774,7 @@ def _fragments(kernel: MmaKernel) -> str:
     tiles = kernel.tiles
     tf32 = kernel.storage == "tf32" and kernel.direct
     unit = kernel.ldmatrix_unit
-    lines = [f"            uint32_t nf_af[{tiles.frags_m}][4], nf_bf[{tiles.frags_n}][2];"]
+    lines: list[str] = []
 
     def rounded(registers: str) -> str:
         """A loop rounding the four tf32 registers ``registers[reg]`` (``nf_tf32``: to nearest even)."""
@@ -823,7 +835,13 @@ def _fragments(kernel: MmaKernel) -> str:
     else:
         b_row, b_col = tf32_b_coords()
         lines += by_element("b", "nf_bf", "fn", tiles.frags_n, 2, _at(kernel, "b", FN * 8 + b_row, KK + b_col))
-    lines += [
+    return "\n".join(lines) + "\n"
+
+
+def _products(kernel: MmaKernel) -> str:
+    """C multiplying the warp's fragments ``nf_af`` and ``nf_bf`` of one depth step into its accumulators."""
+    tiles = kernel.tiles
+    lines = [
         f"            #pragma unroll\n            for (int fm = 0; fm < {tiles.frags_m}; ++fm)",
         f"                #pragma unroll\n                for (int fn = 0; fn < {tiles.frags_n}; ++fn)",
         f'                    asm volatile("{_MMA[kernel.storage]} {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, '
@@ -980,8 +998,9 @@ def mma_source(kernel: MmaKernel) -> str:
     op = view.op
     printer = _printer(op, lambda node: _refuse(op))
     storage = _STORAGE[kernel.storage][0]
-    a_warp = _at(kernel, "a", WARP_M * tiles.warp_m, sympy.Integer(0))
-    b_warp = _at(kernel, "b", WARP_N * tiles.warp_n, sympy.Integer(0))
+    depth = WARP_K * tiles.slice_k if tiles.warps_k > 1 else sympy.Integer(0)
+    a_warp = _at(kernel, "a", WARP_M * tiles.warp_m, depth)
+    b_warp = _at(kernel, "b", WARP_N * tiles.warp_n, depth)
     splits = kernel.splits
     batch = _decode("nf_bb", f"(int64_t)(blockIdx.z / {splits})", view.batch) if view.batch else ""
     first = f"(blockIdx.z % {splits}) * {kernel.split_tiles}"
@@ -1000,7 +1019,7 @@ def mma_source(kernel: MmaKernel) -> str:
         f"    {storage} *nf_sa = reinterpret_cast<{storage} *>(nf_smem);\n"
         f"    {storage} *nf_sb = nf_sa + {kernel.stages * kernel.stage_elements('a')};\n"
         f"    const int tid = threadIdx.x, lane = tid & 31, nf_warp = tid >> 5;\n"
-        f"    const int nf_warp_m = nf_warp / {tiles.warps_n}, nf_warp_n = nf_warp % {tiles.warps_n};\n"
+        f"{_warp_coordinates(tiles)}"
         f"    const int64_t nf_m0 = (int64_t)blockIdx.y * {tiles.block_m};\n"
         f"    const int64_t nf_n0 = (int64_t)blockIdx.x * {tiles.block_n};\n"
         f"    {batch}\n"
@@ -1011,21 +1030,61 @@ def mma_source(kernel: MmaKernel) -> str:
         f"    const int nf_first = {first};\n"
         f"    const int nf_last = min(nf_first + {kernel.split_tiles}, {kernel.depth_tiles});\n"
         + main
+        + _slices_summed(kernel)
         + f"{_epilogue(kernel)}"
         "}\n",
     )
 
 
 def _compute(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
-    """C multiplying the warp's fragments of stage ``stage``."""
+    """C multiplying the warp's fragments of stage ``stage`` (its slice of the depth tile, where the
+    block's warps split it: ``Tiles.warps_k``)."""
     storage = _STORAGE[kernel.storage][0]
+    tiles = kernel.tiles
     return (
         f"        const {storage} *nf_wa = nf_sa + stage * {kernel.stage_elements('a')} + {a_warp};\n"
         f"        const {storage} *nf_wb = nf_sb + stage * {kernel.stage_elements('b')} + {b_warp};\n"
         f"        #pragma unroll\n"
-        f"        for (int kk = 0; kk < {kernel.tiles.block_k}; kk += {kernel.mma_shape[2]}) {{\n"
+        f"        for (int kk = 0; kk < {tiles.slice_k}; kk += {kernel.mma_shape[2]}) {{\n"
+        f"            uint32_t nf_af[{tiles.frags_m}][4], nf_bf[{tiles.frags_n}][2];\n"
         f"{_fragments(kernel)}"
+        f"{_products(kernel)}"
         f"        }}\n"
+    )
+
+
+def _slices_summed(kernel: MmaKernel) -> str:
+    """C adding the accumulators of a block's depth slices (``Tiles.warps_k``) into those of slice 0,
+    through shared memory once the main loop is done (slice by slice, in order; a register a thread at
+    a time, so that a warp's lanes touch neighbouring words), then leaving the epilogue to slice 0."""
+    tiles = kernel.tiles
+    if tiles.warps_k == 1:
+        return ""
+    threads = tiles.threads // tiles.warps_k
+    count = tiles.frags_m * tiles.frags_n * 4
+    place = f"((nf_slice * {count}) + (fm * {tiles.frags_n} + fn) * 4 + reg) * {threads} + nf_slot"
+    loops = (
+        f"        #pragma unroll\n        for (int fm = 0; fm < {tiles.frags_m}; ++fm)\n"
+        f"        #pragma unroll\n        for (int fn = 0; fn < {tiles.frags_n}; ++fn)\n"
+        f"        #pragma unroll\n        for (int reg = 0; reg < 4; ++reg)\n"
+    )
+    return (
+        "    nf_copy_wait<0>();\n"
+        "    __syncthreads();\n"
+        "    {\n"
+        "        float *nf_sums = reinterpret_cast<float *>(nf_smem);\n"
+        f"        const int nf_slot = tid % {threads};\n"
+        "        if (nf_warp_k > 0) {\n"
+        "            const int nf_slice = nf_warp_k - 1;\n"
+        + _indented(loops, 4)
+        + f"                nf_sums[{place}] = nf_acc[fm][fn][reg];\n"
+        "        }\n"
+        "        __syncthreads();\n"
+        "        if (nf_warp_k > 0) return;\n"
+        f"        for (int nf_slice = 0; nf_slice < {tiles.warps_k - 1}; ++nf_slice)\n"
+        + loops
+        + f"            nf_acc[fm][fn][reg] += nf_sums[{place}];\n"
+        "    }\n"
     )
 
 

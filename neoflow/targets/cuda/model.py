@@ -225,13 +225,17 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
     for z in range(gz):
         batch_env = unravel(np.asarray(z // kernel.splits), view.batch) if view.batch else {}
         first = (z % kernel.splits) * kernel.split_tiles
-        acc = np.zeros((gy, gx, tiles.warps_m, tiles.warps_n, tiles.frags_m, tiles.frags_n, 16, 8), np.float32)
+        # a block's sets of warps (``warps_k``) each accumulate their slice of every depth tile
+        sliced = np.zeros(
+            (tiles.warps_k, gy, gx, tiles.warps_m, tiles.warps_n, tiles.frags_m, tiles.frags_n, 16, 8), np.float32
+        )
         for kt in range(first, min(first + kernel.split_tiles, kernel.depth_tiles)):
             a_tile = _gather(kernel, "a", m_origins, kt * tiles.block_k, batch_env, arrays, owner)
             b_tile = _gather(kernel, "b", n_origins, kt * tiles.block_k, batch_env, arrays, owner)
             if kernel.wgmma:  # warp w holds rows 16w .. 16w + 15 as m16n8 fragments (PTX's wgmma D layout)
                 full = _wgmma_products(kernel, a_tile, b_tile)
-                acc += full.reshape(gy, gx, tiles.warps_m, 1, 1, 16, tiles.frags_n, 8).transpose(0, 1, 2, 3, 4, 6, 5, 7)
+                fragments = full.reshape(gy, gx, tiles.warps_m, 1, 1, 16, tiles.frags_n, 8)
+                sliced[0] += fragments.transpose(0, 1, 2, 3, 4, 6, 5, 7)
                 continue
             for kk in range(0, tiles.block_k, mk):
                 wm = np.arange(tiles.warps_m)[:, None, None, None]
@@ -250,9 +254,12 @@ def run_mma(kernel: MmaKernel, arrays: Mapping[str, np.ndarray], out: np.ndarray
                         fragment_row = (f // 2) * 16
                     places = kernel.smem_index("b", wn * tiles.warp_n + fragment_row + rows, kk + cols)
                     b[:, :, f] = fragment_values(kernel, "b", b_tile, places)
-                acc += np.einsum(
+                sliced[kk // tiles.slice_k] += np.einsum(
                     "ywfik,xvgkj->yxwvfgij", a, b, optimize=True, dtype=np.float32
                 )  # 16 x 8 fragments, fp32
+        acc = sliced[0]
+        for later in sliced[1:]:  # the slices' sums added into the first's, in order
+            acc = acc + later
         _store(kernel, acc, dest_row, dest_col, hw_row, hw_col, batch_env, arrays, out, workspace)
     if kernel.splits > 1:
         _finish(kernel, arrays, out, workspace)

@@ -74,17 +74,26 @@ def check_precision(precision: str) -> str:
 
 @dataclass(frozen=True)
 class Tiles:
-    """A block tile ``block_m x block_n`` stepping ``block_k`` deep, ``warps_m x warps_n`` warps."""
+    """A block tile ``block_m x block_n`` stepping ``block_k`` deep, ``warps_m x warps_n`` warps, and
+    ``warps_k`` such sets of warps each multiplying its slice of every depth tile (``slice_k`` deep)
+    into accumulators of its own, summed through shared memory at the end: more warps to hide one
+    another's latency where a product has few output tiles for its depth (sliced depth)."""
 
     block_m: int
     block_n: int
     block_k: int
     warps_m: int
     warps_n: int
+    warps_k: int = 1
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
+        return 32 * self.warps_m * self.warps_n * self.warps_k
+
+    @property
+    def slice_k(self) -> int:
+        """The depth of a depth tile each set of warps multiplies."""
+        return self.block_k // self.warps_k
 
     @property
     def warp_m(self) -> int:
@@ -118,6 +127,18 @@ TILE_CHOICES = (
 #: tiles only a kernel copying its operands by cp.async may take (64 x 32 warp tiles: the register
 #: path's gathers would spill)
 DIRECT_TILES = (Tiles(128, 128, 32, 2, 4), Tiles(128, 128, 64, 2, 4), Tiles(128, 64, 64, 4, 2))
+#: warp layouts only the tuner tries (cp.async kernels): the timing model does not tell them from the
+#: layouts above, but alone on an H200 some ran faster for capsule28's tf32 step (64 x 64 tiles of two
+#: 64 x 32 warp tiles, the depth tile sliced in two: its forward 52.7 -> 45.7 us, its second weight
+#: gradient 70.0 -> 57.8; 64 x 32 tiles sliced in four: its first weight gradient 25.4 -> 18.6 us)
+TUNER_TILES = (
+    Tiles(128, 64, 32, 2, 2),
+    Tiles(64, 64, 32, 1, 2, 2),
+    Tiles(64, 64, 32, 2, 2, 2),
+    Tiles(128, 64, 32, 4, 2, 2),
+    Tiles(64, 32, 32, 2, 1, 4),
+    Tiles(32, 64, 32, 1, 2, 4),
+)
 #: shared memory rows are padded by this many bytes (one 16-byte vector) against bank conflicts
 ROW_PAD_BYTES = 16
 #: the tiles of a Hopper ``wgmma`` kernel: two warpgroups (eight warps) one above the other, each a
@@ -414,9 +435,11 @@ class MmaKernel:
     @property
     def shared_bytes(self) -> int:
         """``stages`` stages of both operand tiles (and a ``wgmma`` kernel's mbarriers after them:
-        per stage, one that its copies have landed and one that its multiplies are done)."""
+        per stage, one that its copies have landed and one that its multiplies are done), or where
+        more, the float32 sums of a sliced depth's slices past the first (``Tiles.warps_k``)."""
         tiles = self.stages * (self.stage_elements("a") + self.stage_elements("b")) * self.element_bytes
-        return tiles + (2 * 8 * self.stages if self.wgmma else 0)
+        sums = (self.tiles.warps_k - 1) * self.tiles.block_m * self.tiles.block_n * 4
+        return max(tiles + (2 * 8 * self.stages if self.wgmma else 0), sums)
 
     @property
     def direct(self) -> bool:
@@ -756,18 +779,46 @@ def copy_footprint(kernel: MmaKernel, side: str) -> tuple[float, float]:
     return totals[0] / requests, totals[1] / requests
 
 
-def allowed_tiles(kernel: MmaKernel) -> tuple[Tiles, ...]:
-    """The tiles ``kernel``'s main loop may take (``DIRECT_TILES`` only with cp.async)."""
-    return TILE_CHOICES + DIRECT_TILES if kernel.direct else TILE_CHOICES
+def allowed_tiles(kernel: MmaKernel, tuner: bool = False) -> tuple[Tiles, ...]:
+    """The tiles ``kernel``'s main loop may take (``DIRECT_TILES``, and for the tuner ``TUNER_TILES``,
+    only with cp.async)."""
+    if not kernel.direct:
+        return TILE_CHOICES
+    return TILE_CHOICES + DIRECT_TILES + (TUNER_TILES if tuner else ())
 
 
-def _candidate_kernels(name: str, view: GemmView, precision: str, arch: str):
-    """Every kernel of ``view`` a plan may choose among: ``mma.sync`` with each allowed tile, and
-    on ``WGMMA_ARCHS`` ``wgmma`` with ``WGMMA_TILES`` where the operands allow it."""
+def whole_copies(kernel: MmaKernel) -> bool:
+    """Whether ``kernel``'s threads copy each operand tile in whole vectors, every thread as many,
+    and its warps' depth slices are whole MMA steps deep."""
+    tiles = kernel.tiles
+    if tiles.block_k % (tiles.warps_k * kernel.mma_shape[2]) or kernel.block_threads > 1024:
+        return False
+    copied = {side: kernel.load_coords(side)[2] * kernel.vector(side) * kernel.copy_threads for side in ("a", "b")}
+    return all(copied[side] == kernel.tile_rows(side) * tiles.block_k for side in ("a", "b"))
+
+
+def retiled(plan: OpPlan, tiles: Tiles) -> OpPlan | None:
+    """``plan`` with every tensor-core kernel in ``tiles`` (the same depth splits), or None where one
+    cannot take them (a ``TUNER_TILES`` layout needs cp.async copies, every layout whole copies)."""
+    kernels = tuple(
+        dataclasses.replace(make_kernel(k.name, k.view, tiles, k.precision), splits=k.splits)
+        if isinstance(k, MmaKernel)
+        else k
+        for k in plan.kernels
+    )
+    mma = [k for k in kernels if isinstance(k, MmaKernel)]
+    if not all(whole_copies(k) and tiles in allowed_tiles(k, tuner=True) for k in mma):
+        return None
+    return OpPlan(plan.op, kernels, plan.zero_first)
+
+
+def _candidate_kernels(name: str, view: GemmView, precision: str, arch: str, tuner: bool = False):
+    """Every kernel of ``view`` a plan may choose among: ``mma.sync`` with each allowed tile (``tuner``:
+    ``TUNER_TILES`` too), and on ``WGMMA_ARCHS`` ``wgmma`` with ``WGMMA_TILES`` where the operands allow it."""
     shared = operands(view)
-    for tiles in TILE_CHOICES + DIRECT_TILES:
+    for tiles in TILE_CHOICES + DIRECT_TILES + (TUNER_TILES if tuner else ()):
         kernel = make_kernel(name, view, tiles, precision, shared)
-        if tiles in allowed_tiles(kernel):
+        if tiles in allowed_tiles(kernel, tuner) and whole_copies(kernel):
             yield kernel
     if arch not in WGMMA_ARCHS:
         return
@@ -777,11 +828,14 @@ def _candidate_kernels(name: str, view: GemmView, precision: str, arch: str):
             yield kernel
 
 
-def candidates(name: str, view: GemmView, precision: str, arch: str = DEFAULT_ARCH) -> list[MmaKernel]:
+def candidates(
+    name: str, view: GemmView, precision: str, arch: str = DEFAULT_ARCH, tuner: bool = False
+) -> list[MmaKernel]:
     """Every kernel a plan of ``view`` may take: each of ``_candidate_kernels`` within the shared
-    memory a block may have, with each depth split (``SPLITS``) its depth tiles allow."""
+    memory a block may have, with each depth split (``SPLITS``) its depth tiles allow (``tuner``: with
+    the warp layouts only the tuner tries)."""
     found = []
-    for kernel in _candidate_kernels(name, view, precision, arch):
+    for kernel in _candidate_kernels(name, view, precision, arch, tuner):
         if kernel.shared_bytes > H100.shared_bytes_per_block:
             continue
         for splits in SPLITS:
@@ -797,11 +851,11 @@ def choose_kernel(
     """The kernel of ``view`` among its ``candidates``: the one a measured ``entry`` (``tuning``)
     records where it is one of them, else the one the timing model ``predict(kernel) -> seconds``
     likes best."""
-    found = candidates(name, view, precision, arch)
     if entry is not None:
-        for kernel in found:
+        for kernel in candidates(name, view, precision, arch, tuner=True):
             if tuning.matches(kernel, entry):
                 return kernel
+    found = candidates(name, view, precision, arch)
     return min(found, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
 
 

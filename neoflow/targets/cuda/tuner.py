@@ -29,7 +29,7 @@ from neoflow.targets.cuda.concurrency import ops_beside_others
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.executor import CudaExecutor
 from neoflow.targets.cuda.nvrtc import compile_cubin
-from neoflow.targets.cuda.plan import OpPlan, candidates, tensor_core_plan
+from neoflow.targets.cuda.plan import TUNER_TILES, OpPlan, candidates, tensor_core_plan
 from neoflow.targets.cuda.timing import predict_kernel
 from neoflow.targets.cuda.tuning import piece_key, record, table_path
 
@@ -61,7 +61,8 @@ def describe(kernel) -> str:
     """A kernel's instruction, tiles and splits in a few characters."""
     t = kernel.tiles
     instruction = "wgmma" if kernel.wgmma else "mma"
-    return f"{instruction} {t.block_m}x{t.block_n}x{t.block_k}/{t.warps_m}x{t.warps_n} s{kernel.splits}"
+    sliced = f"x{t.warps_k}" if t.warps_k > 1 else ""
+    return f"{instruction} {t.block_m}x{t.block_n}x{t.block_k}/{t.warps_m}x{t.warps_n}{sliced} s{kernel.splits}"
 
 
 def _inputs(op: Op, seed: int) -> dict[str, np.ndarray]:
@@ -90,6 +91,12 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
         chosen = planned.kernels[piece]
         ranked = sorted(candidates(chosen.name, view, precision, arch), key=predict_kernel)
         trial = [chosen, *[k for k in ranked if k != chosen][: CANDIDATES - 1]]
+        # the warp layouts the model cannot rank, at the chosen kernel's depth splits
+        trial += [
+            k
+            for k in candidates(chosen.name, view, precision, arch, tuner=True)
+            if k.tiles in TUNER_TILES and k.splits == chosen.splits and k not in trial
+        ]
         plans = [
             OpPlan(op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)
             for kernel in trial

@@ -17,7 +17,7 @@ from neoflow.ir.op import Op
 from neoflow.targets.cache import cache_dir, read_table, tuning_enabled, update_table
 
 #: bump when the meaning of an entry changes: older tables are then ignored
-TUNING_VERSION = 1
+TUNING_VERSION = 2
 
 
 def table_path(arch: str) -> Path:
@@ -36,7 +36,7 @@ def kernel_entry(kernel) -> dict:
     """What a table records of a chosen ``MmaKernel``: its instruction, tiles and splits."""
     tiles = kernel.tiles
     return {
-        "tiles": [tiles.block_m, tiles.block_n, tiles.block_k, tiles.warps_m, tiles.warps_n],
+        "tiles": [tiles.block_m, tiles.block_n, tiles.block_k, tiles.warps_m, tiles.warps_n, tiles.warps_k],
         "wgmma": kernel.wgmma,
         "splits": kernel.splits,
     }

@@ -17,14 +17,17 @@ from neoflow.targets.cuda.emit import mma_source
 from neoflow.targets.cuda.model import round_to, run_plan
 from neoflow.targets.cuda.plan import (
     TILE_CHOICES,
+    TUNER_TILES,
     WGMMA_TILES,
     MmaKernel,
     OpPlan,
     make_kernel,
     output_parts,
     plan_op,
+    retiled,
     swizzle128,
     tensor_core_plan,
+    whole_copies,
 )
 from tests.targets.cuda.gpu_cases import WGMMA_PRODUCTS, all_ops, capsule, conv_relu, inputs_for, wgmma_plan
 
@@ -64,6 +67,39 @@ def test_every_tiling_and_split_computes_the_same(tiles) -> None:
     for splits in (1, 3):
         kernels = tuple(dataclasses.replace(k, tiles=tiles, splits=splits) for k in plan.kernels)
         _close(run_plan(OpPlan(op, kernels, splits > 1 or plan.zero_first), inputs), want)
+
+
+@pytest.mark.parametrize("precision, dtype", [("tf32", "float32"), ("fp16", "float16")])
+def test_warps_slicing_each_depth_tile_sum_their_slices_to_the_same(precision: str, dtype: str) -> None:
+    # the tuner's warp layouts: sets of warps each multiply a slice of every depth tile into their own
+    # accumulators, added through shared memory at the end (lattice pieces and depth splits included)
+    sliced = 0
+    for op in all_ops(capsule(2, batch=3, channels=16, out=6, dtype=dtype)):
+        inputs = {name: value.astype(dt.numpy_dtype(dtype)) for name, value in _exact_inputs(op, seed=5).items()}
+        plan = plan_op(op, "k", precision)
+        want = run_plan(plan, inputs).astype(np.float32)  # the model's own plan (float16 outputs rounded)
+        for tiles in TUNER_TILES:
+            layout = retiled(plan, tiles)
+            if layout is None:
+                continue
+            sliced += tiles.warps_k > 1
+            got = run_plan(layout, inputs).astype(np.float32)
+            _close(got, want, 2e-6 if dtype == "float32" else 1e-3)
+    assert sliced >= 6
+
+
+def test_a_sliced_depth_keeps_its_sums_apart_until_the_end() -> None:
+    # one slice's accumulators dropped: the result must change (the model really sums the slices)
+    op = capsule(1, batch=2, channels=16, out=5)
+    inputs = _exact_inputs(op, seed=6)
+    base = plan_op(op, "k", "tf32").kernels[0]
+    kernel = make_kernel("k", base.view, TUNER_TILES[1], "tf32")
+    assert kernel.tiles.warps_k == 2 and whole_copies(kernel)
+    plan = OpPlan(op, (kernel,), False)
+    _close(run_plan(plan, inputs), neoflow.evaluate(op, inputs))
+    source = mma_source(kernel)
+    assert "nf_warp_k" in source and "nf_sums" in source and "if (nf_warp_k > 0) return;" in source
+    assert kernel.shared_bytes >= (kernel.tiles.warps_k - 1) * kernel.tiles.block_m * kernel.tiles.block_n * 4
 
 
 @pytest.mark.parametrize("precision", ["fp16", "tf32"])

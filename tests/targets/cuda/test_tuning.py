@@ -68,6 +68,17 @@ def test_an_entry_no_candidate_matches_or_a_damaged_table_leaves_the_models_choi
     assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == planned.kernels
 
 
+def test_an_entry_may_name_a_warp_layout_only_the_tuner_tries(cache) -> None:
+    op = capsule(1)
+    planned = tensor_core_plan(op, "nf_op0", "tf32", ARCH, use_table=False)
+    view = gemm_views(op, TENSOR_CORE)[0]
+    sliced = next(k for k in candidates("nf_op0", view, "tf32", ARCH, tuner=True) if k.tiles.warps_k > 1)
+    assert sliced not in candidates("nf_op0", view, "tf32", ARCH)  # the model never picks it alone
+    _write(op, [sliced])
+    assert tuning.kernel_entry(sliced)["tiles"][-1] == sliced.tiles.warps_k
+    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == (sliced,) != planned.kernels
+
+
 def test_pieces_are_keyed_by_what_they_compute_not_by_name(cache) -> None:
     op = capsule(1)
     renamed = neoflow.op(
