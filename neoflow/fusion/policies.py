@@ -215,6 +215,20 @@ class _Search:
         self.grouping = Grouping(graph, nests=cost_model.nests)
         self.ops = self.grouping.ops
         self.readers = self.grouping.readers
+        # the kernels of the current groups by position: every move of a round starts from them
+        self._current: tuple[list[frozenset[str]] | None, dict[int, list[Kernel]]] = (None, {})
+
+    def _kernels_of(self, groups: list[frozenset[str]], positions: list[int], where) -> list[Kernel]:
+        """The kernels of ``groups`` at ``positions`` (``grouping.kernels``), each worked out once a round."""
+        if self._current[0] is not groups:
+            self._current = (groups, {})
+        known = self._current[1]
+        found = []
+        for k in positions:
+            if k not in known:
+                known[k] = self.grouping.kernels(groups, [k], where)
+            found += known[k]
+        return found
 
     def delta(self, old: list[frozenset[str]], move: _Move, where: dict[str, list[int]]) -> float:
         """Predicted seconds of the plan ``move`` makes of ``old`` (whose ``holders`` are ``where``)
@@ -225,7 +239,7 @@ class _Search:
         # groups whose ops, or whose ops' readers, moved: their kernels may differ
         moved = set().union(*(g for g in set(old) ^ set(new)))
         touched = moved | {t for name in moved for t in self.ops[name].input_names}
-        before = set(self.grouping.kernels(old, _holding(where, touched), where))
+        before = set(self._kernels_of(old, _holding(where, touched), where))
         after = set(self.grouping.kernels(new, _holding(new_where, touched), new_where))
         # summed in a fixed order: in a set's (hash-seeded) order, the float sums of equal moves came out
         # a rounding apart from run to run, and which one the search took with them
