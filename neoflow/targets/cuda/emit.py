@@ -147,12 +147,23 @@ static __device__ __forceinline__ void nf_bar_wait(unsigned long long *bar, int 
     const uint32_t address = (uint32_t)__cvta_generic_to_shared(bar);
     uint32_t done;
     do {
+#if __CUDA_ARCH__ >= 900
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
                      : "=r"(done) : "r"(address), "r"(parity) : "memory");
+#else  /* Ampere: no try_wait (which suspends the thread a while); test and test again */
+        asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(address), "r"(parity) : "memory");
+#endif
     } while (!done);
 }
 static __device__ __forceinline__ void nf_bar_arrive(unsigned long long *bar) {
+#if __CUDA_ARCH__ >= 900
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"((uint32_t)__cvta_generic_to_shared(bar)) : "memory");
+#else  /* Ampere: the arrival's state into a register nobody reads */
+    unsigned long long state;
+    asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];"
+                 : "=l"(state) : "r"((uint32_t)__cvta_generic_to_shared(bar)) : "memory");
+#endif
 }
 /* arrive on BAR once every cp.async this thread issued before has landed */
 static __device__ __forceinline__ void nf_bar_copies(unsigned long long *bar) {
@@ -1005,10 +1016,12 @@ def mma_source(kernel: MmaKernel) -> str:
     batch = _decode("nf_bb", f"(int64_t)(blockIdx.z / {splits})", view.batch) if view.batch else ""
     first = f"(blockIdx.z % {splits}) * {kernel.split_tiles}"
     parameters = _parameters(op, table_names(kernel)) + (", float *__restrict__ nf_ws" if kernel.splits > 1 else "")
-    bounds = f"{kernel.block_threads}, 1" if kernel.wgmma else f"{tiles.threads}"
+    bounds = f"{kernel.block_threads}, 1" if kernel.has_producer else f"{tiles.threads}"
     signature = f'extern "C" __global__ void __launch_bounds__({bounds}) {kernel.name}({parameters}) {{\n'
     if kernel.wgmma:
         main = _wgmma_loop(kernel)
+    elif kernel.specialized:
+        main = _specialized_loop(kernel, a_warp, b_warp)
     elif kernel.direct:
         main = _direct_loop(kernel, a_warp, b_warp)
     else:
@@ -1169,29 +1182,24 @@ def _wgmma(kernel: MmaKernel) -> str:
 WGMMA_GROUPS_IN_FLIGHT = 1
 
 
-def _wgmma_loop(kernel: MmaKernel) -> str:
-    """The main loop of a ``wgmma`` kernel, warp-specialised: the producer warpgroup (the warps
-    after the tiles' own) copies operand tiles by ``cp.async`` into ``stages`` swizzled stages,
-    each stage's copies signalling its ``full`` mbarrier as they land, and refills a stage once
-    its ``empty`` mbarrier says the multiplies that read it are done; each multiplying
-    warpgroup waits for a stage, multiplies its 64 rows asynchronously, and releases the
-    stage of the group before once that group is done (one group left in flight)."""
+def _producer(kernel: MmaKernel) -> str:
+    """C of a kernel whose producer warpgroup (the warps after the tiles' own) copies the operand
+    tiles by ``cp.async`` into ``stages`` stages (``has_producer``): the mbarriers after the tiles,
+    each stage's ``full`` one signalled as its copies land and its ``empty`` one
+    by each multiplying warp once done with it; the producer refills a stage once it is empty,
+    then leaves (the multiplying warps' loop follows)."""
     stages, block_k = kernel.stages, kernel.tiles.block_k
-    steps = block_k // WGMMA_K
     consumers = kernel.tiles.threads
-    lag = WGMMA_GROUPS_IN_FLIGHT
-    tile_bytes = kernel.stages * (kernel.tile_elements("a") + kernel.tile_elements("b")) * kernel.element_bytes
-    descriptors, stage_bytes = {}, {}
-    for side in ("a", "b"):
-        start, leading, stride = kernel.descriptor(side, WARPGROUP, STEP)
-        descriptors[side] = f"nf_desc(nf_{side}_stage + {small(start)}, {leading}, {stride})"
-        stage_bytes[side] = kernel.tile_elements(side) * kernel.element_bytes
-    fence = "".join(
-        f'    asm volatile("" : "+f"(nf_acc[0][{fn}][{reg}]) :: "memory");\n'
-        for fn in range(kernel.tiles.frags_n)
-        for reg in range(4)
-    )
-    producer = (
+    tile_bytes = stages * (kernel.stage_elements("a") + kernel.stage_elements("b")) * kernel.element_bytes
+    return (
+        f"    unsigned long long *nf_bars = reinterpret_cast<unsigned long long *>(nf_smem + {tile_bytes});\n"
+        f"    if (tid == 0) {{\n"
+        f"        for (int s = 0; s < {stages}; ++s) {{\n"
+        f"            nf_bar_init(nf_bars + s, {kernel.copy_threads});\n"
+        f"            nf_bar_init(nf_bars + {stages} + s, {consumers // 32});\n"
+        f"        }}\n"
+        f"    }}\n"
+        f"    __syncthreads();\n"
         f"    if (tid >= {consumers}) {{  /* the producer warpgroup */\n"
         f"        const int tid = threadIdx.x - {consumers};\n"
         + "".join(_hoisted_entries(kernel, side) for side in ("a", "b") if _hoisted(kernel, side))
@@ -1210,17 +1218,48 @@ def _wgmma_loop(kernel: MmaKernel) -> str:
         f"        return;\n"
         f"    }}\n"
     )
+
+
+def _specialized_loop(kernel: MmaKernel, a_warp: str, b_warp: str) -> str:
+    """The main loop of a ``specialized`` ``mma.sync`` kernel: the producer warpgroup copies
+    (``_producer``); each multiplying warp waits for a stage's copies, multiplies its fragments
+    and says it is done with the stage."""
+    stages = kernel.stages
     return (
-        f"    unsigned long long *nf_bars = reinterpret_cast<unsigned long long *>(nf_smem + {tile_bytes});\n"
-        f"    if (tid == 0) {{\n"
-        f"        for (int s = 0; s < {stages}; ++s) {{\n"
-        f"            nf_bar_init(nf_bars + s, {kernel.copy_threads});\n"
-        f"            nf_bar_init(nf_bars + {stages} + s, {consumers // 32});\n"
-        f"        }}\n"
+        "".join(_combiner(kernel, side) for side in ("a", "b") if kernel.combined(side))
+        + _producer(kernel)
+        + f"    for (int kt = nf_first; kt < nf_last; ++kt) {{\n"
+        f"        const int nf_n = kt - nf_first, stage = nf_n % {stages};\n"
+        f"        nf_bar_wait(nf_bars + stage, (nf_n / {stages}) & 1);\n"
+        f"{_compute(kernel, a_warp, b_warp)}"
+        f"        __syncwarp();\n"
+        f"        if (lane == 0) nf_bar_arrive(nf_bars + {stages} + stage);\n"
         f"    }}\n"
-        f"    __syncthreads();\n"
-        f"{producer}"
-        f"    const int nf_warpgroup = nf_warp >> 2;\n"
+    )
+
+
+def _wgmma_loop(kernel: MmaKernel) -> str:
+    """The main loop of a ``wgmma`` kernel, warp-specialised: the producer warpgroup (the warps
+    after the tiles' own) copies operand tiles by ``cp.async`` into ``stages`` swizzled stages,
+    each stage's copies signalling its ``full`` mbarrier as they land, and refills a stage once
+    its ``empty`` mbarrier says the multiplies that read it are done; each multiplying
+    warpgroup waits for a stage, multiplies its 64 rows asynchronously, and releases the
+    stage of the group before once that group is done (one group left in flight)."""
+    stages = kernel.stages
+    steps = kernel.tiles.block_k // WGMMA_K
+    lag = WGMMA_GROUPS_IN_FLIGHT
+    descriptors, stage_bytes = {}, {}
+    for side in ("a", "b"):
+        start, leading, stride = kernel.descriptor(side, WARPGROUP, STEP)
+        descriptors[side] = f"nf_desc(nf_{side}_stage + {small(start)}, {leading}, {stride})"
+        stage_bytes[side] = kernel.tile_elements(side) * kernel.element_bytes
+    fence = "".join(
+        f'    asm volatile("" : "+f"(nf_acc[0][{fn}][{reg}]) :: "memory");\n'
+        for fn in range(kernel.tiles.frags_n)
+        for reg in range(4)
+    )
+    return (
+        _producer(kernel) + f"    const int nf_warpgroup = nf_warp >> 2;\n"
         f"    const uint32_t nf_sa_address = (uint32_t)__cvta_generic_to_shared(nf_sa);\n"
         f"    const uint32_t nf_sb_address = (uint32_t)__cvta_generic_to_shared(nf_sb);\n"
         f"    for (int kt = nf_first; kt < nf_last; ++kt) {{\n"

@@ -29,7 +29,7 @@ from neoflow.targets.cuda.concurrency import ops_beside_others
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.executor import CudaExecutor
 from neoflow.targets.cuda.nvrtc import compile_cubin
-from neoflow.targets.cuda.plan import TUNER_TILES, OpPlan, candidates, tensor_core_plan
+from neoflow.targets.cuda.plan import TUNER_TILES, OpPlan, candidates, producer_twin, tensor_core_plan
 from neoflow.targets.cuda.timing import predict_kernel
 from neoflow.targets.cuda.tuning import piece_key, record, table_path
 
@@ -62,7 +62,9 @@ def describe(kernel) -> str:
     t = kernel.tiles
     instruction = "wgmma" if kernel.wgmma else "mma"
     sliced = f"x{t.warps_k}" if t.warps_k > 1 else ""
-    return f"{instruction} {t.block_m}x{t.block_n}x{t.block_k}/{t.warps_m}x{t.warps_n}{sliced} s{kernel.splits}"
+    producer = " producer" if kernel.specialized else ""
+    warps = f"{t.warps_m}x{t.warps_n}{sliced}{producer}"
+    return f"{instruction} {t.block_m}x{t.block_n}x{t.block_k}/{warps} s{kernel.splits}"
 
 
 def _inputs(op: Op, seed: int) -> dict[str, np.ndarray]:
@@ -91,12 +93,14 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
         chosen = planned.kernels[piece]
         ranked = sorted(candidates(chosen.name, view, precision, arch), key=predict_kernel)
         trial = [chosen, *[k for k in ranked if k != chosen][: CANDIDATES - 1]]
-        # the warp layouts the model cannot rank, at the chosen kernel's depth splits
+        # the warp layouts the model cannot rank, at the chosen kernel's depth splits, and every one's
+        # warp-specialised twin (which the model does not rank either)
         trial += [
             k
             for k in candidates(chosen.name, view, precision, arch, tuner=True)
-            if k.tiles in TUNER_TILES and k.splits == chosen.splits and k not in trial
+            if k.splits == chosen.splits and k.tiles in TUNER_TILES and not k.specialized and k not in trial
         ]
+        trial += [twin for twin in map(producer_twin, trial) if twin is not None and twin not in trial]
         plans = [
             OpPlan(op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)
             for kernel in trial

@@ -17,7 +17,7 @@ from neoflow.ir.op import Op
 from neoflow.targets.cache import cache_dir, read_table, tuning_enabled, update_table
 
 #: bump when the meaning of an entry changes: older tables are then ignored
-TUNING_VERSION = 2
+TUNING_VERSION = 3
 
 
 def table_path(arch: str) -> Path:
@@ -33,11 +33,12 @@ def piece_key(op: Op, piece: int, precision: str, arch: str) -> str:
 
 
 def kernel_entry(kernel) -> dict:
-    """What a table records of a chosen ``MmaKernel``: its instruction, tiles and splits."""
+    """What a table records of a chosen ``MmaKernel``: its instruction, tiles, producer and splits."""
     tiles = kernel.tiles
     return {
         "tiles": [tiles.block_m, tiles.block_n, tiles.block_k, tiles.warps_m, tiles.warps_n, tiles.warps_k],
         "wgmma": kernel.wgmma,
+        "specialized": kernel.specialized,
         "splits": kernel.splits,
     }
 
@@ -45,7 +46,7 @@ def kernel_entry(kernel) -> dict:
 def matches(kernel, entry: dict) -> bool:
     """Whether ``kernel`` is the one ``entry`` records."""
     try:
-        return kernel_entry(kernel) == {key: entry[key] for key in ("tiles", "wgmma", "splits")}
+        return kernel_entry(kernel) == {key: entry[key] for key in ("tiles", "wgmma", "specialized", "splits")}
     except (KeyError, TypeError):
         return False
 

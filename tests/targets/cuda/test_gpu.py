@@ -80,26 +80,29 @@ def test_wgmma_kernels_on_the_gpu_match_the_interpreter(name: str, monkeypatch) 
 
 
 @pytest.mark.parametrize("precision, dtype", [("tf32", "float32"), ("fp16", "float16")])
-def test_the_tuners_warp_layouts_on_the_gpu_match_the_model(precision: str, dtype: str, monkeypatch) -> None:
+def test_the_tuners_layouts_and_producers_on_the_gpu_match_the_model(precision: str, dtype: str, monkeypatch) -> None:
     from neoflow.targets.cuda import executor
-    from neoflow.targets.cuda.plan import TUNER_TILES, plan_op, retiled
+    from neoflow.targets.cuda.plan import TUNER_TILES, OpPlan, plan_op, producer_twin, retiled
 
     tried = 0
     for op in all_ops(capsule(2, channels=16, dtype=dtype)):
         inputs = {name: (value * 0.1).astype(dtype) for name, value in inputs_for(op, seed=4).items()}
         planned = plan_op(op, "k", precision)
-        for tiles in TUNER_TILES:
-            plan = retiled(planned, tiles)
+        layouts = [retiled(planned, tiles) for tiles in TUNER_TILES] + [
+            OpPlan(op, tuple(producer_twin(k) or k for k in planned.kernels), planned.zero_first)
+        ]
+        for plan in layouts:
             if plan is None:
                 continue
+            tiles = plan.kernels[0].tiles
             monkeypatch.setattr(executor, "graph_plans", lambda *args, plan=plan: [plan])
             graph = Graph.from_ops([op])
             got = CudaExecutor(graph, [op.name], precision=precision).run(inputs)[op.name].astype(np.float32)
             want = ModelExecutor(graph, [op.name], precision=precision).run(inputs)[op.name].astype(np.float32)
             same = 1e-5 if dtype == "float32" else 1e-3  # float16 outputs: one rounding apart at most
             assert np.abs(got - want).max() <= same * np.abs(want).max(), (op.name, tiles)
-            tried += tiles.warps_k > 1
-    assert tried >= 6
+            tried += tiles.warps_k > 1 or plan.kernels[0].specialized
+    assert tried >= 7
 
 
 @pytest.mark.parametrize("model", ["mlp.onnx", "cnn.onnx", "capsule.onnx"])

@@ -24,12 +24,21 @@ from neoflow.targets.cuda.plan import (
     make_kernel,
     output_parts,
     plan_op,
+    producer_twin,
     retiled,
     swizzle128,
     tensor_core_plan,
     whole_copies,
 )
-from tests.targets.cuda.gpu_cases import WGMMA_PRODUCTS, all_ops, capsule, conv_relu, inputs_for, wgmma_plan
+from tests.targets.cuda.gpu_cases import (
+    WGMMA_PRODUCTS,
+    all_ops,
+    capsule,
+    conv_relu,
+    inputs_for,
+    masked_gradient,
+    wgmma_plan,
+)
 
 PRECISIONS = ("fp16", "tf32", "bf16")
 SHAPES = {"G": (40, 48), "A": (40, 48), "W": (48, 24)}
@@ -86,6 +95,24 @@ def test_warps_slicing_each_depth_tile_sum_their_slices_to_the_same(precision: s
             got = run_plan(layout, inputs).astype(np.float32)
             _close(got, want, 2e-6 if dtype == "float32" else 1e-3)
     assert sliced >= 6
+
+
+@pytest.mark.parametrize("precision, dtype", [("tf32", "float32"), ("fp16", "float16")])
+def test_a_producer_warpgroup_copies_what_every_thread_copied(precision: str, dtype: str) -> None:
+    # warp-specialised twins: the producer's 128 threads copy each stage, every element once
+    twins = 0
+    ops = [*all_ops(capsule(2, batch=3, channels=16, out=6, dtype=dtype)), masked_gradient(dtype)]
+    for op in ops:
+        inputs = {name: value.astype(dt.numpy_dtype(dtype)) for name, value in _exact_inputs(op, seed=7).items()}
+        plan = plan_op(op, "k", precision)
+        kernels = tuple(producer_twin(k) or k for k in plan.kernels)
+        twins += sum(k.specialized for k in kernels)
+        assert all(k.copy_threads == 128 and k.block_threads == k.tiles.threads + 128 for k in kernels if k.specialized)
+        want = run_plan(plan, inputs).astype(np.float32)
+        _close(run_plan(OpPlan(op, kernels, plan.zero_first), inputs).astype(np.float32), want, 0.0)
+        source = mma_source(next(k for k in kernels if k.specialized))
+        assert "the producer warpgroup" in source and "nf_bar_arrive" in source
+    assert twins >= len(ops)
 
 
 def test_a_sliced_depth_keeps_its_sums_apart_until_the_end() -> None:

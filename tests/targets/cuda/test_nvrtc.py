@@ -14,7 +14,15 @@ from neoflow.targets import cache
 from neoflow.targets.cuda import nvrtc
 from neoflow.targets.cuda.emit import PRELUDE, module_source
 from neoflow.targets.cuda.executor import graph_plans
-from neoflow.targets.cuda.plan import WGMMA_TILES, MmaKernel, OpPlan, allowed_tiles, plan_op, whole_copies
+from neoflow.targets.cuda.plan import (
+    WGMMA_TILES,
+    MmaKernel,
+    OpPlan,
+    allowed_tiles,
+    plan_op,
+    producer_twin,
+    whole_copies,
+)
 from tests.targets.cuda.gpu_cases import (
     WGMMA_PRODUCTS,
     all_ops,
@@ -50,6 +58,9 @@ def _plans() -> list[OpPlan]:
             kernel = dataclasses.replace(base, name=f"tile{n}_{precision}", tiles=tiles, splits=1 + n % 3)
             if whole_copies(kernel):
                 plans.append(OpPlan(long_depth, (kernel,), True))
+            twin = producer_twin(kernel) if whole_copies(kernel) else None
+            if twin is not None:  # warp-specialised: a producer warpgroup copies the stages
+                plans.append(OpPlan(long_depth, (dataclasses.replace(twin, name=f"{kernel.name}_p"),), True))
     # a transposed conv: its input adjoint gathers float32 pairs (8-byte vectors) in tf32
     transposed = neoflow.op(
         "Y[n, k, l] = ReduceAdd({c, r}, Select((l - r) % 2 == 0 && (l - r) // 2 >= 0 && (l - r) // 2 < 16, "
@@ -64,6 +75,9 @@ def _plans() -> list[OpPlan]:
         for n, op in enumerate((masked_gradient(dtype), masked_input_gradient(dtype))):
             plans.append(plan_op(op, f"masked{n}_{precision}", precision))
             assert any(plans[-1].kernels[0].combined(side) for side in ("a", "b"))
+            twin = producer_twin(plans[-1].kernels[0])
+            if twin is not None:
+                plans.append(OpPlan(op, (dataclasses.replace(twin, name=f"masked{n}_{precision}_p"),), False))
     # float16 tensors in every precision: a float16 sum beside a float16 mask in an epilogue (a float
     # accumulator there made '*' ambiguous), vectors of eight converted to tf32 (stored as two float4)
     plans += [

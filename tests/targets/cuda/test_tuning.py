@@ -15,7 +15,7 @@ from neoflow.ir.graph import Graph
 from neoflow.targets.cache import write_atomically
 from neoflow.targets.cuda import tuning
 from neoflow.targets.cuda.executor import ModelExecutor
-from neoflow.targets.cuda.plan import candidates, plan_op, tensor_core_plan
+from neoflow.targets.cuda.plan import candidates, plan_op, producer_twin, tensor_core_plan
 from tests.targets.cuda.gpu_cases import capsule, gpu_reason, inputs_for
 
 ARCH = "sm_90"
@@ -68,7 +68,7 @@ def test_an_entry_no_candidate_matches_or_a_damaged_table_leaves_the_models_choi
     assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == planned.kernels
 
 
-def test_an_entry_may_name_a_warp_layout_only_the_tuner_tries(cache) -> None:
+def test_an_entry_may_name_a_kernel_only_the_tuner_tries(cache) -> None:
     op = capsule(1)
     planned = tensor_core_plan(op, "nf_op0", "tf32", ARCH, use_table=False)
     view = gemm_views(op, TENSOR_CORE)[0]
@@ -77,6 +77,11 @@ def test_an_entry_may_name_a_warp_layout_only_the_tuner_tries(cache) -> None:
     _write(op, [sliced])
     assert tuning.kernel_entry(sliced)["tiles"][-1] == sliced.tiles.warps_k
     assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == (sliced,) != planned.kernels
+    twin = producer_twin(planned.kernels[0])
+    assert twin is not None and twin not in candidates("nf_op0", view, "tf32", ARCH)
+    _write(op, [twin])
+    assert tuning.kernel_entry(twin)["specialized"]
+    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == (twin,)
 
 
 def test_pieces_are_keyed_by_what_they_compute_not_by_name(cache) -> None:
