@@ -240,6 +240,26 @@ def test_the_search_sums_a_moves_kernel_costs_in_a_fixed_order() -> None:
         assert sum(a > b for a, b in itertools.pairwise(keys)) <= 1, move
 
 
+def test_the_search_works_out_a_rounds_kernels_once_and_each_round_afresh() -> None:
+    # the kernels of the groups a move starts from are the round's; a later round's groups differ
+    from neoflow.fusion import policies
+    from neoflow.fusion.plan import holders
+
+    model = neoflow.compile(MODELS / "cnn.onnx", train=neoflow.TrainSpec(labels="y"), target="interp")
+    graph = model._train.planned_graph
+    zen3 = Machine(198e9, 4.2e9, 35e9, 2.3e-6, 25.7e9, 104e9, 32e6, measured=True)
+    search = policies._Search(graph, CostModel(zen3, schedule, nest_buffers))
+    groups = [frozenset([op.name]) for op in graph.ops]
+    where = holders(groups)
+    positions = list(range(len(groups)))
+    first = search._kernels_of(groups, positions, where)
+    assert first == search.grouping.kernels(groups, positions, where)
+    assert search._kernels_of(groups, positions[:3], where) == first[:3]  # from the round's memo
+    merged = [groups[0] | groups[1], *groups[2:]]  # the next round: its own kernels
+    again = search._kernels_of(merged, [0], holders(merged))
+    assert again == search.grouping.kernels(merged, [0], holders(merged)) != first[:1]
+
+
 @pytest.mark.parametrize(
     ("target", "hardware"), [("interp", None), ("cpu", "avx2"), ("tensorcore", "tensorcore"), ("npu", "npu")]
 )
