@@ -151,7 +151,8 @@ static __device__ __forceinline__ void nf_bar_wait(unsigned long long *bar, int 
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
                      : "=r"(done) : "r"(address), "r"(parity) : "memory");
 #else  /* Ampere: no try_wait (which suspends the thread a while); test and test again */
-        asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}"
                      : "=r"(done) : "r"(address), "r"(parity) : "memory");
 #endif
     } while (!done);

@@ -896,8 +896,8 @@ def tensor_core_plan(
     ``name_1``, ...), each with the instruction, tiles and splits measured on the GPU where the
     tuning table has them (``use_table``), else those the timing model likes best (``beside``: for
     an op running beside other work, the least of the GPU's time, ``predict_kernel``'s ``beside``,
-    and no table: it measures kernels alone); None where the precision has no MMA, an operand is not
-    floating or the op is no contraction the mapper places."""
+    or what the table measured of it there, ``tuner.tune_beside``: not alone); None where the
+    precision has no MMA, an operand is not floating or the op is no contraction the mapper places."""
     check_precision(precision)
     if PRECISIONS[precision] is None or any(t.dtype not in ("float32", "float16", "bfloat16") for t in op.inputs):
         return None
@@ -911,7 +911,7 @@ def tensor_core_plan(
             precision,
             partial(predict_kernel, beside=beside),
             arch,
-            tuning.measured(op, k, precision, arch) if use_table and not beside else None,
+            tuning.measured(op, k, precision, arch, beside) if use_table else None,
         )
         for k, view in enumerate(views)
     )

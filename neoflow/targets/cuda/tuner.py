@@ -91,16 +91,7 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
         if deadline is not None and time.perf_counter() > deadline:
             break
         chosen = planned.kernels[piece]
-        ranked = sorted(candidates(chosen.name, view, precision, arch), key=predict_kernel)
-        trial = [chosen, *[k for k in ranked if k != chosen][: CANDIDATES - 1]]
-        # the warp layouts the model cannot rank, at the chosen kernel's depth splits, and every one's
-        # warp-specialised twin (which the model does not rank either)
-        trial += [
-            k
-            for k in candidates(chosen.name, view, precision, arch, tuner=True)
-            if k.splits == chosen.splits and k.tiles in TUNER_TILES and not k.specialized and k not in trial
-        ]
-        trial += [twin for twin in map(producer_twin, trial) if twin is not None and twin not in trial]
+        trial = _trial(chosen, view, precision, arch, predict_kernel)
         plans = [
             OpPlan(op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)
             for kernel in trial
@@ -128,6 +119,72 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
             PieceResult(op.name, piece, key, chosen, kept[best], seconds[0], seconds[best], len(trial), tuple(rejected))
         )
         del executors
+    return results
+
+
+def _trial(chosen, view, precision: str, arch: str, predict) -> list:
+    """The kernels of a piece the tuner times: the model's ``chosen`` one, the model's best other
+    candidates (``predict``), the warp layouts the model cannot rank at the chosen depth splits, and
+    every one's warp-specialised twin (which the model does not rank either)."""
+    ranked = sorted(candidates(chosen.name, view, precision, arch), key=predict)
+    trial = [chosen, *[k for k in ranked if k != chosen][: CANDIDATES - 1]]
+    trial += [
+        k
+        for k in candidates(chosen.name, view, precision, arch, tuner=True)
+        if k.splits == chosen.splits and k.tiles in TUNER_TILES and not k.specialized and k not in trial
+    ]
+    return trial + [twin for twin in map(producer_twin, trial) if twin is not None and twin not in trial]
+
+
+def tune_beside(
+    graph: Graph, keep, feed, precision: str, arch: str, deadline: float | None = None
+) -> list[PieceResult]:
+    """Time the tensor-core pieces of the ops of ``graph`` that run beside other work
+    (``ops_beside_others``: alone they would not say how they run there) where they run: the whole
+    graph's CUDA graph replayed on ``feed`` with each of a piece's ``_trial`` kernels in turn (the rest
+    as planned), the kept tensors checked against the model's choice's first; the fastest recorded
+    under the piece's ``beside`` key, which plans for such an op read."""
+    from neoflow.targets.cuda.executor import graph_plans
+
+    beside = ops_beside_others(graph)
+    plans = graph_plans(graph, precision, arch)
+    results = []
+    for position, planned in enumerate(plans):
+        if planned.op.name not in beside:
+            continue
+        for piece, chosen in enumerate(planned.kernels):
+            if deadline is not None and time.perf_counter() > deadline:
+                return results
+            if not hasattr(chosen, "view"):
+                continue  # a SIMT kernel: nothing to choose
+            trial = _trial(chosen, chosen.view, precision, arch, lambda k: predict_kernel(k, beside=True))
+            variants = []
+            for kernel in trial:
+                kernels = (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :])
+                swapped = OpPlan(planned.op, kernels, planned.zero_first)
+                variants.append([*plans[:position], swapped, *plans[position + 1 :]])
+            with ProcessPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
+                list(pool.map(compile_cubin, [module_source(v) for v in variants], [arch] * len(variants)))
+            executors, kept, rejected, expected = [], [], [], None
+            for kernel, variant in zip(trial, variants, strict=True):
+                executor = CudaExecutor(graph, keep, precision=precision, arch=arch, plans=variant)
+                found = executor.run(feed)
+                if expected is None:
+                    expected = found
+                elif not all(_close(expected[name], found[name]) for name in expected):
+                    rejected.append(describe(kernel))
+                    continue
+                executors.append(executor)
+                kept.append(kernel)
+            seconds = time_in_turns([executor.replay_graph for executor in executors])
+            best = min(range(len(kept)), key=seconds.__getitem__)
+            if seconds[best] >= MARGIN * seconds[0]:
+                best = 0
+            key = piece_key(planned.op, piece, precision, arch, beside=True)
+            found = (kept[best], seconds[0], seconds[best], len(trial), tuple(rejected))
+            results.append(PieceResult(planned.op.name, piece, key, chosen, *found))
+            record(results[-1:], arch)
+            del executors
     return results
 
 

@@ -25,11 +25,13 @@ def table_path(arch: str) -> Path:
     return cache_dir() / "tuning" / f"cuda-{arch}.json"
 
 
-def piece_key(op: Op, piece: int, precision: str, arch: str) -> str:
+def piece_key(op: Op, piece: int, precision: str, arch: str, beside: bool = False) -> str:
     """The key of piece ``piece`` of ``op``: its output's shape and dtype, indices, expression and
-    inputs (not its name), the precision and the architecture."""
+    inputs (not its name), the precision and the architecture; ``beside``: measured where it runs
+    beside other work of its graph (``tuner.tune_beside``), not alone."""
     text = repr((TUNING_VERSION, op.output.shape, op.dtype, op.indices, op.body, op.inputs, op.ranges))
-    return hashlib.sha256(f"{text}/{piece}/{precision}/{arch}".encode()).hexdigest()[:32]
+    where = "/beside" if beside else ""
+    return hashlib.sha256(f"{text}/{piece}/{precision}/{arch}{where}".encode()).hexdigest()[:32]
 
 
 def kernel_entry(kernel) -> dict:
@@ -51,11 +53,12 @@ def matches(kernel, entry: dict) -> bool:
         return False
 
 
-def measured(op: Op, piece: int, precision: str, arch: str) -> dict | None:
-    """The table's entry for a piece (None where there is none or tuning is off)."""
+def measured(op: Op, piece: int, precision: str, arch: str, beside: bool = False) -> dict | None:
+    """The table's entry for a piece (``beside``: its entry measured beside other work; None where
+    there is none or tuning is off)."""
     if not tuning_enabled():
         return None
-    return read_table(table_path(arch)).get(piece_key(op, piece, precision, arch))
+    return read_table(table_path(arch)).get(piece_key(op, piece, precision, arch, beside))
 
 
 def record(results: Sequence, arch: str) -> Path:

@@ -39,9 +39,12 @@ def _other(op, precision: str = "tf32"):
     return planned, chosen
 
 
-def _write(op, kernels, precision: str = "tf32") -> None:
-    entries = {tuning.piece_key(op, k, precision, ARCH): tuning.kernel_entry(kern) for k, kern in enumerate(kernels)}
+def _write(op, kernels, precision: str = "tf32", beside: bool = False) -> set[str]:
+    entries = {
+        tuning.piece_key(op, k, precision, ARCH, beside): tuning.kernel_entry(kern) for k, kern in enumerate(kernels)
+    }
     write_atomically(tuning.table_path(ARCH), json.dumps(entries).encode())
+    return set(entries)
 
 
 def test_plans_take_the_measured_kernel_and_compute_the_same(cache, monkeypatch) -> None:
@@ -84,6 +87,17 @@ def test_an_entry_may_name_a_kernel_only_the_tuner_tries(cache) -> None:
     assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == (twin,)
 
 
+def test_an_op_beside_other_work_reads_only_what_was_measured_beside_other_work(cache) -> None:
+    op = capsule(2)
+    planned, other = _other(op)
+    alone = _write(op, other)
+    beside = plan_op(op, "nf_op0", "tf32", ARCH, beside=True).kernels
+    assert beside != tuple(other)  # timed alone: not how it runs beside other work
+    assert _write(op, other, beside=True).isdisjoint(alone)
+    assert plan_op(op, "nf_op0", "tf32", ARCH, beside=True).kernels == tuple(other)
+    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == planned.kernels
+
+
 def test_pieces_are_keyed_by_what_they_compute_not_by_name(cache) -> None:
     op = capsule(1)
     renamed = neoflow.op(
@@ -108,6 +122,28 @@ def test_the_tuner_times_candidates_on_the_gpu_and_records_the_fastest(cache) ->
     tuning.record(results, ARCH)
     assert tuner.tuned_pieces(op, "tf32", ARCH)
     assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == tuple(r.fastest for r in results)
+
+
+@pytest.mark.skipif(gpu_reason() is not None, reason="no GPU")
+def test_the_tuner_times_ops_beside_other_work_in_their_graph(cache) -> None:
+    from pathlib import Path
+
+    from neoflow.targets.cuda import tuner
+    from neoflow.targets.cuda.concurrency import ops_beside_others
+
+    models = Path(__file__).resolve().parents[3] / "models"
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.05)
+    model = neoflow.compile(models / "capsule.onnx", target="cuda", train=spec, fusion="neoflow")
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((32, 1, 8, 8)).astype(np.float32), "y": rng.integers(0, 10, 32)}
+    executor, feed = model.executor_and_feed(batch, True)
+    results = tuner.tune_beside(executor.graph, executor.keep, feed, executor.precision, executor.arch)
+    assert results and {r.op for r in results} <= ops_beside_others(executor.graph)
+    for result in results:
+        assert result.tried >= 2 and not result.rejected and result.fastest_seconds <= result.chosen_seconds
+        op = next(op for op in executor.graph.ops if op.name == result.op)
+        taken = plan_op(op, "nf_op0", executor.precision, executor.arch, beside=True).kernels[result.piece]
+        assert tuning.kernel_entry(taken) == tuning.kernel_entry(result.fastest)
 
 
 def test_the_fusion_cost_model_plans_with_the_models_choices_not_the_table(cache) -> None:
