@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from neoflow.errors import CompileError
 from neoflow.fusion.cost import CostModel
 from neoflow.fusion.inline import inline, why_not_inlined
-from neoflow.fusion.patterns import HEAVY, LIGHT, is_epilogue, kind
+from neoflow.fusion.patterns import HEAVY, LIGHT, is_epilogue, kind, recomputable
 from neoflow.fusion.plan import (
     FusionPlan,
     Grouping,
@@ -317,7 +317,7 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
                 if (a, b) not in seen:
                     seen.add((a, b))
                     yield frozenset((a, b)), (groups[a] | groups[b],)
-                if kind(ops[name]) == LIGHT:
+                if recomputable(ops[name]):
                     yield frozenset((b,)), (groups[b] | {name},)
     # siblings: groups that read the same tensor, or that both recompute one op
     sharing: dict[str, set[int]] = {}
@@ -334,7 +334,7 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
                 yield frozenset((a, b)), (groups[a] | groups[b],)
     stored = must_store(graph)
     for op in graph.ops:
-        if kind(op) != LIGHT or op.name in stored:
+        if not recomputable(op) or op.name in stored:
             continue
         readers = {k for k, g in enumerate(groups) if any(op.name in ops[r].input_names for r in g)}
         home = set(where[op.name])

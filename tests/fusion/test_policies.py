@@ -13,7 +13,7 @@ import neoflow
 from neoflow.errors import CompileError
 from neoflow.fusion import BUILT_IN, load_policy
 from neoflow.fusion.cost import CostModel, Machine
-from neoflow.fusion.patterns import is_epilogue, kind, recompute_factor
+from neoflow.fusion.patterns import is_epilogue, kind, recomputable, recompute_factor
 from neoflow.runtime.fusing import build_executor, cost_model, plan_for
 from neoflow.targets.cpu.estimate import schedule
 from neoflow.targets.cpu.nest import nest_buffers
@@ -147,6 +147,25 @@ def test_patterns_classify_the_four_op_edges() -> None:
     assert recompute_factor(graph.op("D"), graph.op("E")) == 1.0  # ... but reads each point once
     # inlining the padding into the convolution recomputes it for every output channel and tap that reads it
     assert recompute_factor(graph.op("B"), graph.op("D")) == pytest.approx(64 * 112 * 112 * 27 / (3 * 228 * 228))
+
+
+def test_a_reduction_of_few_terms_may_be_recomputed_where_it_is_read() -> None:
+    row_max = neoflow.op("M[n] = ReduceMax({c}, X[n, c])", shapes={"X": (64, 10)})
+    window = neoflow.op("S[n] = ReduceAdd({c}, X[n, c])", shapes={"X": (64, 100)})
+    graph = neoflow.graph((MODELS / "four_op.nf").read_text())
+    assert recomputable(row_max) and not recomputable(window)  # ten terms a point; a hundred
+    assert recomputable(graph.op("B")) and not recomputable(graph.op("D"))  # light; a 27-term conv
+
+
+def test_the_gpu_plan_recomputes_the_softmax_row_statistics_in_the_losss_readers() -> None:
+    # on a GPU each small kernel costs its launch: the row maximum and sum over 10 classes are
+    # evaluated again inside the loss and its gradient rather than stored by kernels of their own
+    spec = neoflow.TrainSpec(labels="y", optimizer="sgd", lr=0.05)
+    model = neoflow.compile(MODELS / "capsule.onnx", target="tensorcore", train=spec, fusion="neoflow")
+    plan = model._train.fusion_plan
+    own = {kernel.ops[-1] for kernel in plan.kernels}
+    assert "loss_max" not in own and "loss_sum" not in own
+    assert any("loss_max" in kernel.inlined for kernel in plan.kernels if "grad_logits" in kernel.ops)
 
 
 def test_a_user_policy_loads_by_module_and_class() -> None:
