@@ -92,34 +92,40 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
             break
         chosen = planned.kernels[piece]
         trial = _trial(chosen, view, precision, arch, predict_kernel)
-        plans = [
-            OpPlan(op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)
+        variants = [
+            [OpPlan(op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)]
             for kernel in trial
         ]
-        with ProcessPoolExecutor(max(1, min(len(plans), os.cpu_count() or 1))) as pool:
-            list(pool.map(compile_cubin, [module_source([plan]) for plan in plans], [arch] * len(plans)))
-        executors, kept, rejected = [], [], []
-        expected = None
-        for kernel, plan in zip(trial, plans, strict=True):
-            executor = CudaExecutor(graph, [op.name], precision=precision, arch=arch, plans=[plan])
-            found = executor.run(inputs)[op.name]
-            if expected is None:
-                expected = found
-            elif not _close(expected, found):
-                rejected.append(describe(kernel))
-                continue
-            executors.append(executor)
-            kept.append(kernel)
-        seconds = time_in_turns([executor.replay_graph for executor in executors])
-        best = min(range(len(kept)), key=seconds.__getitem__)
-        if seconds[best] >= MARGIN * seconds[0]:
-            best = 0
+        found = _race(trial, variants, graph, [op.name], inputs, precision, arch)
         key = piece_key(op, piece, precision, arch)
-        results.append(
-            PieceResult(op.name, piece, key, chosen, kept[best], seconds[0], seconds[best], len(trial), tuple(rejected))
-        )
-        del executors
+        results.append(PieceResult(op.name, piece, key, chosen, *found))
     return results
+
+
+def _race(trial: list, variants: list, graph: Graph, keep, feed, precision: str, arch: str) -> tuple:
+    """Run ``graph`` with each of ``variants`` (its plans, one for each kernel of ``trial``; compiled in
+    parallel by NVRTC) on ``feed``, the kept tensors checked against the first's, and time the CUDA
+    graphs of those that agree in turns: ``(fastest kernel, the first's seconds, the fastest's
+    seconds, kernels tried, those rejected)``, the first (the model's choice) kept unless another
+    beats it by ``MARGIN``."""
+    with ProcessPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
+        list(pool.map(compile_cubin, [module_source(v) for v in variants], [arch] * len(variants)))
+    executors, kept, rejected, expected = [], [], [], None
+    for kernel, variant in zip(trial, variants, strict=True):
+        executor = CudaExecutor(graph, keep, precision=precision, arch=arch, plans=variant)
+        found = executor.run(feed)
+        if expected is None:
+            expected = found
+        elif not all(_close(expected[name], found[name]) for name in expected):
+            rejected.append(describe(kernel))
+            continue
+        executors.append(executor)
+        kept.append(kernel)
+    seconds = time_in_turns([executor.replay_graph for executor in executors])
+    best = min(range(len(kept)), key=seconds.__getitem__)
+    if seconds[best] >= MARGIN * seconds[0]:
+        best = 0
+    return kept[best], seconds[0], seconds[best], len(trial), tuple(rejected)
 
 
 def _trial(chosen, view, precision: str, arch: str, predict) -> list:
@@ -163,28 +169,10 @@ def tune_beside(
                 kernels = (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :])
                 swapped = OpPlan(planned.op, kernels, planned.zero_first)
                 variants.append([*plans[:position], swapped, *plans[position + 1 :]])
-            with ProcessPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
-                list(pool.map(compile_cubin, [module_source(v) for v in variants], [arch] * len(variants)))
-            executors, kept, rejected, expected = [], [], [], None
-            for kernel, variant in zip(trial, variants, strict=True):
-                executor = CudaExecutor(graph, keep, precision=precision, arch=arch, plans=variant)
-                found = executor.run(feed)
-                if expected is None:
-                    expected = found
-                elif not all(_close(expected[name], found[name]) for name in expected):
-                    rejected.append(describe(kernel))
-                    continue
-                executors.append(executor)
-                kept.append(kernel)
-            seconds = time_in_turns([executor.replay_graph for executor in executors])
-            best = min(range(len(kept)), key=seconds.__getitem__)
-            if seconds[best] >= MARGIN * seconds[0]:
-                best = 0
+            found = _race(trial, variants, graph, keep, feed, precision, arch)
             key = piece_key(planned.op, piece, precision, arch, beside=True)
-            found = (kept[best], seconds[0], seconds[best], len(trial), tuple(rejected))
             results.append(PieceResult(planned.op.name, piece, key, chosen, *found))
             record(results[-1:], arch)
-            del executors
     return results
 
 
