@@ -50,6 +50,9 @@ class Machine:
     #: whether the target runs a sliced kernel's ops slice by slice, intermediates in slice buffers
     #: (the planner proposes sliced kernels only where it does)
     sliced_kernels: bool = True
+    #: a reduction of at most this many terms an output point the planner may recompute inside its
+    #: readers, as it may a light op (0: none; a GPU, where each small kernel costs its launch)
+    recomputed_terms: int = 0
 
 
 @dataclass(frozen=True)

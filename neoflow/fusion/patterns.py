@@ -32,16 +32,10 @@ def kind(op: Op) -> str:
     return HEAVY if op_work(op).reduction > 1 else LIGHT
 
 
-#: a reduction of at most this many terms an output point may be recomputed where it is read, as a
-#: light op may: a softmax's row maximum and sum over a classifier's few classes, re-evaluated inside
-#: each reader, rather than a kernel of their own each (on a GPU a small kernel costs its launch)
-RECOMPUTED_TERMS = 16
-
-
-def recomputable(op: Op) -> bool:
+def recomputable(op: Op, terms: int = 0) -> bool:
     """Whether the search may recompute ``op`` inside its readers: a light op, or a reduction of at
-    most ``RECOMPUTED_TERMS`` terms an output point (not a scatter-add)."""
-    return kind(op) == LIGHT or (op.scatter is None and op_work(op).reduction <= RECOMPUTED_TERMS)
+    most ``terms`` terms an output point (not a scatter-add; ``Machine.recomputed_terms``)."""
+    return kind(op) == LIGHT or (op.scatter is None and op_work(op).reduction <= terms)
 
 
 def pattern(producer: Op, consumer: Op) -> str:

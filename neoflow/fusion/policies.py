@@ -136,7 +136,7 @@ class NeoFlow(FusionPolicy):
         search = _Search(graph, cost_model)
         groups: list[frozenset[str]] = [frozenset([op.name]) for op in graph.ops]
         while True:
-            moves = list(_moves(graph, groups, search.ops))
+            moves = list(_moves(graph, groups, search.ops, cost_model.machine.recomputed_terms))
             where = holders(groups)
             scored = sorted((search.delta(groups, m, where), k) for k, m in enumerate(moves))
             # take the best move, then every other saving move on groups no taken move touched
@@ -298,12 +298,12 @@ def _apply(groups: list[frozenset[str]], moves: list[_Move]) -> list[frozenset[s
     return [g for k, g in enumerate(groups) if k not in removed] + [g for m in moves for g in m[1] if g]
 
 
-def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> Iterable[_Move]:
+def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op], terms: int = 0) -> Iterable[_Move]:
     """Candidate moves: merge the groups at the two ends of an edge, or two
     groups that read the same tensor or recompute the same op (siblings: a
     forward and a backward kernel reading one activation); recompute a light
-    producer inside one reader's group, or inside every reader's group (then it
-    is stored nowhere unless it must be kept)."""
+    producer (or a reduction of at most ``terms`` terms a point) inside one reader's
+    group, or inside every reader's group (then it is stored nowhere unless it must be kept)."""
     where = holders(groups)
     seen = set()
     for op in graph.ops:
@@ -317,7 +317,7 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
                 if (a, b) not in seen:
                     seen.add((a, b))
                     yield frozenset((a, b)), (groups[a] | groups[b],)
-                if recomputable(ops[name]):
+                if recomputable(ops[name], terms):
                     yield frozenset((b,)), (groups[b] | {name},)
     # siblings: groups that read the same tensor, or that both recompute one op
     sharing: dict[str, set[int]] = {}
@@ -334,7 +334,7 @@ def _moves(graph: Graph, groups: list[frozenset[str]], ops: dict[str, Op]) -> It
                 yield frozenset((a, b)), (groups[a] | groups[b],)
     stored = must_store(graph)
     for op in graph.ops:
-        if not recomputable(op) or op.name in stored:
+        if not recomputable(op, terms) or op.name in stored:
             continue
         readers = {k for k, g in enumerate(groups) if any(op.name in ops[r].input_names for r in g)}
         home = set(where[op.name])
