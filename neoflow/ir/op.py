@@ -128,6 +128,45 @@ def positional_names(op: Op) -> Op:
     return rename_tensors(op, names)
 
 
+def positional_variables(op: Op) -> Op:
+    """``op`` with its index variables named by position (its output indices ``_i0``, ``_i1``, ...,
+    its reduction axes ``_r0``, ``_r1``, ... in order): two ops that compute alike over variables
+    named apart (an adjoint's come from its tensors' names) come out equal, and lower to one function."""
+    outputs = set(op.indices)
+    names = {name: f"_i{k}" for k, name in enumerate(op.indices)}
+    names |= {name: f"_r{k}" for k, name in enumerate(v for v, _ in op.ranges if v not in outputs)}
+    return rename_variables(op, names)
+
+
+def rename_variables(op: Op, names: Mapping[str, str]) -> Op:
+    """A copy of ``op`` with index variables renamed by ``names`` (old → new, all at once) wherever
+    they appear: its indices and ranges, reads' and index values' expressions, reduction axes,
+    scatter targets."""
+    if not names:
+        return op
+
+    def expression(expr: sympy.Expr) -> sympy.Expr:
+        found = {s: sympy.Symbol(names[s.name], **s.assumptions0) for s in expr.free_symbols if s.name in names}
+        return expr.xreplace(found) if found else expr
+
+    def value(node: Expr) -> Expr:
+        node = map_children(node, value)
+        if isinstance(node, Read | Index):
+            node = map_indices(node, expression)
+        if isinstance(node, Reduce):
+            node = replace(node, axes=tuple(names.get(axis, axis) for axis in node.axes))
+        return node
+
+    return replace(
+        op,
+        indices=tuple(names.get(v, v) for v in op.indices),
+        body=value(op.body),
+        ranges=tuple((names.get(v, v), extent) for v, extent in op.ranges),
+        range_sources=tuple((names.get(v, v), source) for v, source in op.range_sources),
+        scatter=None if op.scatter is None else tuple(expression(e) for e in op.scatter),
+    )
+
+
 def rename_tensors(op: Op, names: Mapping[str, str]) -> Op:
     """A copy of ``op`` with tensors renamed by ``names`` (old → new) wherever
     they appear: the output, the inputs, reads, and data-dependent indices."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from neoflow.errors import InputError
 from neoflow.fusion.work import op_work
-from neoflow.ir.op import Op
+from neoflow.ir.op import Op, positional_variables
 from neoflow.runtime.compiled import CompiledModel
 from neoflow.targets.cache import within_budget
 from neoflow.targets.cpu.executor import threads
@@ -61,6 +61,7 @@ def tunable(executor) -> list[tuple[Op, str]]:
     for op in executor.own_kernels():
         if len(lowering_paths(op)) < 2:
             continue
+        op = positional_variables(op)  # as the executor lowers it (``cpu.executor.module_source``)
         code = lower_op(op, "KERNEL")
         found.setdefault(kernel_key(code), (op, code))
     return sorted(found.values(), key=lambda pair: -op_work(pair[0]).flops)

@@ -16,7 +16,7 @@ from neoflow.fusion.slicing import SliceRun
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
-from neoflow.ir.op import Op
+from neoflow.ir.op import Op, positional_variables
 from neoflow.targets.base import run_graph, sequential_call
 from neoflow.targets.cpu.compiler import UNIT, build_library
 from neoflow.targets.cpu.gemm import MICROKERNEL
@@ -49,13 +49,21 @@ def module_source(graph: Graph, skip: Collection[str] = ()) -> tuple[str, dict[s
     for op in graph.ops:
         if op.name in skip:
             continue
-        try:
-            code = lower_op(op, "KERNEL")
-            choice = tuned_choice(code, threads())
-            if choice is not None:
-                code = lower_op(op, "KERNEL", choice)
-        except CompileError as err:
-            interpreted[op.name] = err.message
+        # lowered with its variables named by position: copies of a layer (whose adjoints' variables are
+        # named after their tensors) then lower to one function; where that fails, as it is (and a
+        # failure's reason then speaks of the op's own variables)
+        code, reason = None, ""
+        for form in (positional_variables(op), op):
+            try:
+                code = lower_op(form, "KERNEL")
+                choice = tuned_choice(code, threads())
+                if choice is not None:
+                    code = lower_op(form, "KERNEL", choice)
+                break
+            except CompileError as err:
+                code, reason = None, err.message
+        if code is None:
+            interpreted[op.name] = reason
             continue
         if code not in by_code:
             by_code[code] = f"nf_kernel{len(by_code)}"

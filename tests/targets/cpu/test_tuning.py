@@ -11,6 +11,7 @@ import pytest
 
 import neoflow
 from neoflow.ir.interpreter import evaluate_op
+from neoflow.ir.op import positional_variables
 from neoflow.runtime.compiled import _cache_key
 from neoflow.targets.cache import write_atomically
 from neoflow.targets.cpu import tuning
@@ -126,7 +127,7 @@ def test_a_candidate_with_another_result_is_rejected_not_taken(cache, monkeypatc
 
 
 def _record(op, choice: KernelChoice) -> None:
-    key = tuning.kernel_key(lower_op(op, "KERNEL"))
+    key = tuning.kernel_key(lower_op(positional_variables(op), "KERNEL"))  # as compiles lower it
     entry = {"path": choice.path, "structure": choice.blocking.structure, "kc": choice.blocking.kc}
     write_atomically(tuning.table_path(threads()), json.dumps({key: entry}).encode())
 
@@ -134,7 +135,7 @@ def _record(op, choice: KernelChoice) -> None:
 def test_compiles_take_the_tables_choice_and_still_compute_the_op(cache, monkeypatch) -> None:
     op = _op("conv")
     _record(op, KernelChoice("nest"))
-    nest = lower_op(op, "KERNEL", KernelChoice("nest")).replace("KERNEL", "nf_kernel0")
+    nest = lower_op(positional_variables(op), "KERNEL", KernelChoice("nest")).replace("KERNEL", "nf_kernel0")
     compiled = neoflow.compile(op, target="cpu")
     inputs = dict(zip([t.name for t in op.inputs], _inputs(op), strict=True))
     np.testing.assert_allclose(compiled.run(inputs), evaluate_op(op, inputs), rtol=2e-4, atol=1e-3)
