@@ -16,7 +16,7 @@ from neoflow.fusion.slicing import SliceRun
 from neoflow.ir import dtypes as dt
 from neoflow.ir.graph import Graph
 from neoflow.ir.interpreter import evaluate_op
-from neoflow.ir.op import Op, positional_variables
+from neoflow.ir.op import Op, positional_names, positional_variables
 from neoflow.targets.base import run_graph, sequential_call
 from neoflow.targets.cpu.compiler import UNIT, build_library
 from neoflow.targets.cpu.gemm import MICROKERNEL
@@ -46,22 +46,15 @@ def module_source(graph: Graph, skip: Collection[str] = ()) -> tuple[str, dict[s
     functions: dict[str, str] = {}
     interpreted: dict[str, str] = {}
     by_code: dict[str, str] = {}
+    lowered: dict[Op, tuple[str | None, str]] = {}  # by the op with tensors and variables named by position
     for op in graph.ops:
         if op.name in skip:
             continue
-        # lowered with its variables named by position: copies of a layer (whose adjoints' variables are
-        # named after their tensors) then lower to one function; where that fails, as it is (and a
-        # failure's reason then speaks of the op's own variables)
-        code, reason = None, ""
-        for form in (positional_variables(op), op):
-            try:
-                code = lower_op(form, "KERNEL")
-                choice = tuned_choice(code, threads())
-                if choice is not None:
-                    code = lower_op(form, "KERNEL", choice)
-                break
-            except CompileError as err:
-                code, reason = None, err.message
+        alike = positional_variables(op)
+        key = positional_names(alike)  # copies of a layer are lowered once
+        if key not in lowered:
+            lowered[key] = _lowered(op, alike)
+        code, reason = lowered[key]
         if code is None:
             interpreted[op.name] = reason
             continue
@@ -71,6 +64,22 @@ def module_source(graph: Graph, skip: Collection[str] = ()) -> tuple[str, dict[s
         functions[op.name] = by_code[code]
     # the functions are units the compiler may spread over translation units compiled in parallel
     return "\n\n".join(parts[:2]) + UNIT + UNIT.join(parts[2:]) + "\n", functions, interpreted
+
+
+def _lowered(op: Op, alike: Op) -> tuple[str | None, str]:
+    """The C of ``op`` (``KERNEL`` its function's name) and, where it has none, why: lowered as ``alike``
+    (its variables named by position: copies of a layer, whose adjoints' variables are named after their
+    tensors, then lower to one function), or where that fails as it is (a failure's reason then speaks
+    of the op's own variables); with the choice ``neoflow tune`` measured, where it did."""
+    reason = ""
+    for form in (alike, op):
+        try:
+            code = lower_op(form, "KERNEL")
+            choice = tuned_choice(code, threads())
+            return (code if choice is None else lower_op(form, "KERNEL", choice)), ""
+        except CompileError as err:
+            reason = err.message
+    return None, reason
 
 
 def graph_nests(graph: Graph, groups: Collection[Collection[str]], keep: Collection[str] = ()) -> dict[str, Nest]:
