@@ -29,7 +29,14 @@ from neoflow.targets.cuda.concurrency import ops_beside_others
 from neoflow.targets.cuda.emit import module_source
 from neoflow.targets.cuda.executor import CudaExecutor
 from neoflow.targets.cuda.nvrtc import compile_cubin
-from neoflow.targets.cuda.plan import TUNER_TILES, OpPlan, candidates, producer_twin, tensor_core_plan
+from neoflow.targets.cuda.plan import (
+    TUNER_TILES,
+    MmaKernel,
+    OpPlan,
+    candidates,
+    producer_twin,
+    tensor_core_plan,
+)
 from neoflow.targets.cuda.timing import predict_kernel
 from neoflow.targets.cuda.tuning import piece_key, record, table_path
 
@@ -161,7 +168,7 @@ def tune_beside(
         for piece, chosen in enumerate(planned.kernels):
             if deadline is not None and time.perf_counter() > deadline:
                 return results
-            if not hasattr(chosen, "view"):
+            if not isinstance(chosen, MmaKernel):
                 continue  # a SIMT kernel: nothing to choose
             trial = _trial(chosen, chosen.view, precision, arch, lambda k: predict_kernel(k, beside=True))
             variants = []
