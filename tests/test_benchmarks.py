@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_the_gpu_operator_suite_matches_pytorch_on_the_cpu() -> None:
     import numpy as np
@@ -113,8 +115,6 @@ def test_the_distributed_benchmark_times_each_block_between_two_events_on_the_st
     stream = SimpleNamespace(synchronize=lambda: None)
     systems = {"step": system("step", 2.0), "alone": system("alone", 0.5), "other": system("other", 1.0)}
     times = _device_rounds(torch, stream, systems, rounds=3, block=4, warmup=1)
-    import pytest
-
     assert times == {name: [[pytest.approx(t)]] * 3 for name, t in (("step", 2e-3), ("alone", 5e-4), ("other", 1e-3))}
     firsts = [calls[3 + 12 * k] for k in range(3)]  # after the warm-up, each round's first call
     assert firsts == ["step", "alone", "other"]  # round k starts with the k-th system

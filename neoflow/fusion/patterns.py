@@ -33,9 +33,10 @@ def kind(op: Op) -> str:
 
 
 def recomputable(op: Op, terms: int = 0) -> bool:
-    """Whether the search may recompute ``op`` inside its readers: a light op, or a reduction of at
-    most ``terms`` terms an output point (not a scatter-add; ``Machine.recomputed_terms``)."""
-    return kind(op) == LIGHT or (op.scatter is None and op_work(op).reduction <= terms)
+    """Whether the search may recompute ``op`` inside its readers: a light op (``kind``), or a
+    reduction of at most ``terms`` terms an output point (``Machine.recomputed_terms``); never a
+    scatter-add."""
+    return op.scatter is None and op_work(op).reduction <= max(terms, 1)
 
 
 def pattern(producer: Op, consumer: Op) -> str:

@@ -99,14 +99,16 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
             break
         chosen = planned.kernels[piece]
         trial = _trial(chosen, view, precision, arch, predict_kernel)
-        variants = [
-            [OpPlan(op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)]
-            for kernel in trial
-        ]
+        variants = [[_swapped(planned, piece, kernel)] for kernel in trial]
         found = _race(trial, variants, graph, [op.name], inputs, precision, arch)
         key = piece_key(op, piece, precision, arch)
         results.append(PieceResult(op.name, piece, key, chosen, *found))
     return results
+
+
+def _swapped(planned: OpPlan, piece: int, kernel) -> OpPlan:
+    """``planned`` with the kernel of piece ``piece`` swapped for ``kernel``."""
+    return OpPlan(planned.op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)
 
 
 def _race(trial: list, variants: list, graph: Graph, keep, feed, precision: str, arch: str) -> tuple:
@@ -171,11 +173,9 @@ def tune_beside(
             if not isinstance(chosen, MmaKernel):
                 continue  # a SIMT kernel: nothing to choose
             trial = _trial(chosen, chosen.view, precision, arch, lambda k: predict_kernel(k, beside=True))
-            variants = []
-            for kernel in trial:
-                kernels = (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :])
-                swapped = OpPlan(planned.op, kernels, planned.zero_first)
-                variants.append([*plans[:position], swapped, *plans[position + 1 :]])
+            variants = [
+                [*plans[:position], _swapped(planned, piece, kernel), *plans[position + 1 :]] for kernel in trial
+            ]
             found = _race(trial, variants, graph, keep, feed, precision, arch)
             key = piece_key(planned.op, piece, precision, arch, beside=True)
             results.append(PieceResult(planned.op.name, piece, key, chosen, *found))
