@@ -2,13 +2,14 @@
 the reverse pass hides.
 
     python -m benchmarks.distributed [--target cpu|cuda] [--ranks 1,2] [--model capsule28] [--batch B]
-                                     [--out benchmarks/distributed_cpu]
+                                     [--fusion none|neoflow|...] [--out benchmarks/distributed_cpu]
 
 For each rank count the same command runs on that many local workers (torchrun's launcher,
 ``neoflow.runtime.distributed.launch``; gloo for cpu, NCCL and one GPU per rank for cuda), each
 training ``--model`` on a batch of ``--batch`` per rank (weak scaling: the global batch grows with
-the ranks).  Rank 0 reports, as medians over ``--rounds`` rounds of ``--block`` steps in a row with
-the systems taking turns:
+the ranks), its step's pieces fused under ``--fusion`` (the compiler's default, none, unless
+given).  Rank 0 reports, as medians over ``--rounds`` rounds of ``--block`` steps in a row with the
+systems taking turns:
 
 - ``step``: a data-parallel step (gradient buckets all-reduced, overlapping the reverse pass); on
   the cuda target steps are queued without waiting for each one's loss (``train_step(wait=False)``),
@@ -40,6 +41,7 @@ import neoflow
 from benchmarks.timing import interleaved_rounds
 from neoflow.codegen.hardware import cpu_model
 from neoflow.runtime import distributed
+from neoflow.runtime.fusing import DEFAULT_POLICY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +59,8 @@ def worker(args: argparse.Namespace) -> None:
         spec = neoflow.TrainSpec(optimizer="momentum", lr=0.01)
         probe = neoflow.compile(source, target="interp", train=spec)
         shape = probe.training.data_inputs[0].shape
-        model = neoflow.compile(source, target=args.target, train=spec, shapes={"x": (args.batch, *shape[1:])})
+        shapes = {"x": (args.batch, *shape[1:])}
+        model = neoflow.compile(source, target=args.target, train=spec, shapes=shapes, fusion=args.fusion)
         step = distributed.DataParallel(model, world, check_every=0)
         alone = distributed.DataParallel(model, world, check_every=0, reduce=False)
         batch = model.example_batch(training=True, seed=world.rank)
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", default="1,2", help="rank counts to run, comma-separated (1,2)")
     parser.add_argument("--model", default="capsule", help="a model of models/ (capsule)")
     parser.add_argument("--batch", type=int, default=32, help="batch per rank (32)")
+    parser.add_argument("--fusion", default=DEFAULT_POLICY, help=f"fusion policy ({DEFAULT_POLICY})")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--out", default=None, help="write <out>.md")
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             report = Path(scratch) / f"{n}.json"
             forwarded = ["--target", args.target, "--model", args.model, "--batch", str(args.batch)]
+            forwarded += ["--fusion", args.fusion]
             forwarded += ["--rounds", str(args.rounds), "--block", str(args.block), "--worker", str(report)]
             started = time.perf_counter()
             print(f"{n} rank(s): running ...", file=sys.stderr, flush=True)
@@ -187,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     head = ["ranks", "step ms", "no all-reduce ms", "all-reduce alone ms", "hidden", "samples/s", "speedup"]
     head.append("efficiency")
     lines = [
-        f"# Data-parallel training: {args.model}, batch {args.batch} per rank, target {args.target}",
+        f"# Data-parallel training: {args.model}, batch {args.batch} per rank, target {args.target}"
+        + ("" if args.fusion == DEFAULT_POLICY else f", fusion {args.fusion}"),
         "",
         f"Machine: {widest['gpu'] or cpu_model()} ({os.cpu_count()} cores); "
         f"backend {widest['backend']}; {widest['pieces']} pieces, {len(widest['buckets'])} gradient "

@@ -15,6 +15,7 @@ import numpy as np
 import neoflow
 from neoflow.errors import InputError
 from neoflow.runtime.distributed import DEVICE_TARGETS, DataParallel, DistributedError, join, leave, record_failure
+from neoflow.runtime.fusing import DEFAULT_POLICY
 
 STEPS = 3
 #: a GPU case's steps: 2 run as queued, then the step captured as a CUDA graph for each of the two
@@ -30,8 +31,12 @@ CASES = {
     "capsule_adam": ("capsule", (32, 1, 8, 8), "adam", False, None),
     "bn_sync": ("bn", (6, 2, 5, 5), "sgd", True, None),
     "bn_local": ("bn", (6, 2, 5, 5), "sgd", False, None),
+    "capsule_fused": ("capsule", (32, 1, 8, 8), "momentum", False, 1024),
     "capsule28_momentum": ("capsule28", (128, 1, 28, 28), "momentum", False, None),  # a GPU's size
+    "capsule28_fused": ("capsule28", (128, 1, 28, 28), "momentum", False, None),
 }
+#: cases whose pieces are fused under a policy other than the default
+FUSION = {"capsule_fused": "neoflow", "capsule28_fused": "neoflow"}
 LABELS = {"bn": ("y", 3)}
 
 
@@ -70,11 +75,16 @@ def state(model) -> dict[str, np.ndarray]:
 
 def compile_case(case: str, target: str, batch: int):
     """``case``'s model compiled for ``target`` at ``batch`` (contractions exact on a GPU, so that
-    the ranks and one process differ only in the order of their sums)."""
+    the ranks and one process differ only in the order of their sums), fused as ``FUSION`` says."""
     name, shape, *_ = CASES[case]
     precision = "fp32" if target == "cuda" else None
     return neoflow.compile(
-        model_source(name), target=target, train=spec(case), shapes={"x": (batch, *shape[1:])}, precision=precision
+        model_source(name),
+        target=target,
+        train=spec(case),
+        shapes={"x": (batch, *shape[1:])},
+        precision=precision,
+        fusion=FUSION.get(case, DEFAULT_POLICY),
     )
 
 

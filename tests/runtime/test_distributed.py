@@ -27,7 +27,7 @@ from tests.runtime import dp_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 #: cases at a GPU's size (``tests/targets/cuda/test_distributed.py``)
-GPU_CASES = ("capsule28_momentum",)
+GPU_CASES = ("capsule28_momentum", "capsule28_fused")
 WORKER_ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -152,16 +152,23 @@ def _trial(chosen, view, precision: str, arch: str, predict) -> list:
 
 
 def tune_beside(
-    graph: Graph, keep, feed, precision: str, arch: str, deadline: float | None = None
+    graph: Graph,
+    keep,
+    feed,
+    precision: str,
+    arch: str,
+    deadline: float | None = None,
+    only: Collection[str] | None = None,
 ) -> list[PieceResult]:
     """Time the tensor-core pieces of the ops of ``graph`` that run beside other work
     (``ops_beside_others``: alone they would not say how they run there) where they run: the whole
     graph's CUDA graph replayed on ``feed`` with each of a piece's ``_trial`` kernels in turn (the rest
     as planned), the kept tensors checked against the model's choice's first; the fastest recorded
-    under the piece's ``beside`` key, which plans for such an op read."""
+    under the piece's ``beside`` key, which plans for such an op read.  ``only`` names the ops to
+    tune, of those (all of them by default)."""
     from neoflow.targets.cuda.executor import graph_plans
 
-    beside = ops_beside_others(graph)
+    beside = ops_beside_others(graph) if only is None else ops_beside_others(graph) & set(only)
     plans = graph_plans(graph, precision, arch)
     results = []
     for position, planned in enumerate(plans):
