@@ -144,27 +144,30 @@ def rename_variables(op: Op, names: Mapping[str, str]) -> Op:
     scatter targets."""
     if not names:
         return op
-
-    def expression(expr: sympy.Expr) -> sympy.Expr:
-        found = {s: sympy.Symbol(names[s.name], **s.assumptions0) for s in expr.free_symbols if s.name in names}
-        return expr.xreplace(found) if found else expr
-
-    def value(node: Expr) -> Expr:
-        node = map_children(node, value)
-        if isinstance(node, Read | Index):
-            node = map_indices(node, expression)
-        if isinstance(node, Reduce):
-            node = replace(node, axes=tuple(names.get(axis, axis) for axis in node.axes))
-        return node
-
     return replace(
         op,
         indices=tuple(names.get(v, v) for v in op.indices),
-        body=value(op.body),
+        body=rename_in_expression(op.body, names),
         ranges=tuple((names.get(v, v), extent) for v, extent in op.ranges),
         range_sources=tuple((names.get(v, v), source) for v, source in op.range_sources),
-        scatter=None if op.scatter is None else tuple(expression(e) for e in op.scatter),
+        scatter=None if op.scatter is None else tuple(_renamed_index(e, names) for e in op.scatter),
     )
+
+
+def _renamed_index(expr: sympy.Expr, names: Mapping[str, str]) -> sympy.Expr:
+    found = {s: sympy.Symbol(names[s.name], **s.assumptions0) for s in expr.free_symbols if s.name in names}
+    return expr.xreplace(found) if found else expr
+
+
+def rename_in_expression(node: Expr, names: Mapping[str, str]) -> Expr:
+    """A copy of value expression ``node`` with index variables renamed by ``names`` (old → new,
+    all at once): in reads' and index values' expressions and reduction axes."""
+    node = map_children(node, lambda child: rename_in_expression(child, names))
+    if isinstance(node, Read | Index):
+        node = map_indices(node, lambda expr: _renamed_index(expr, names))
+    if isinstance(node, Reduce):
+        node = replace(node, axes=tuple(names.get(axis, axis) for axis in node.axes))
+    return node
 
 
 def rename_tensors(op: Op, names: Mapping[str, str]) -> Op:

@@ -9,6 +9,8 @@ in order.  Expressions are printed by the shared C-syntax printers
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import sympy
 
@@ -19,8 +21,20 @@ from neoflow.codegen.strided import loop_order
 from neoflow.errors import CompileError
 from neoflow.ir import dtypes as dt
 from neoflow.ir import index
-from neoflow.ir.expr import Const, Expr, Index, Read, Reduce, index_variables
-from neoflow.ir.op import Op, Tensor
+from neoflow.ir.expr import (
+    LOGICAL,
+    Binary,
+    Const,
+    Expr,
+    Index,
+    Read,
+    Reduce,
+    Select,
+    bound_variables,
+    index_variables,
+    reductions,
+)
+from neoflow.ir.op import Op, Tensor, rename_in_expression
 from neoflow.targets.cuda.plan import (
     ATOM_BYTES,
     ELEMENT,
@@ -286,33 +300,104 @@ def _printer(op: Op, reduction, gather: Gather | None = None, lanes: tuple[Tenso
     return printer
 
 
-def _reduction_printer(op: Op):
-    """A ``ValuePrinter`` whose reductions are loops inside an immediately called lambda
-    (computed only where a ``Select`` takes them)."""
-    counter = [0]
-    printer: ValuePrinter
+class _ReductionPrinter:
+    """Prints values with their reductions as loops inside immediately called lambdas (computed
+    only where a ``Select`` takes them).  A reduction that ``declare`` has named, or that a
+    reduction around it has computed before its loops (one not using the axes it loops over), is
+    read from its variable, not computed again: a softmax's max recomputed inside its sum of
+    exponentials is computed once a point, not once a term, and once for both of the places a
+    recomputed loss reads it."""
 
-    def reduction(node: Reduce) -> str:
-        counter[0] += 1
-        acc = f"nf_acc{counter[0]}"
+    def __init__(self, op: Op) -> None:
+        self.op = op
+        self.counter = 0
+        self.scopes: list[dict[Expr, str]] = [{}]  # canonical reduction -> its C variable, innermost last
+        self.values = _printer(op, self._reduction)
+
+    def __call__(self, node: Expr, target: str | None = None) -> str:
+        return self.values(node, target)
+
+    def declare(self, node: Expr, bound: frozenset[str] = frozenset()) -> str:
+        """C declaring, in the current scope, the reductions of ``node`` computed once before it
+        (``invariant_reductions`` of ``bound``) that are not declared yet; later prints read them."""
+        lines = []
+        for reduction in invariant_reductions(node, bound):
+            key = canonical_reduction(reduction)
+            if self._declared(key) is None:
+                text = self._reduction(reduction)
+                self.counter += 1
+                self.scopes[-1][key] = name = f"nf_h{self.counter}"
+                lines.append(f"const auto {name} = {text};")
+        return " ".join(lines)
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """Declarations made inside are forgotten after it (the C block they are in ends)."""
+        self.scopes.append({})
+        try:
+            yield
+        finally:
+            self.scopes.pop()
+
+    def _declared(self, key: Expr) -> str | None:
+        return next((scope[key] for scope in reversed(self.scopes) if key in scope), None)
+
+    def _reduction(self, node: Reduce) -> str:
+        declared = self._declared(canonical_reduction(node))
+        if declared is not None:
+            return declared
+        self.counter += 1
+        acc = f"nf_acc{self.counter}"
         dtype, ctype, identity, combine = _accumulator(node)
-        update = combine.format(a=acc, b=f"({printer(node.body, dtype)})")
+        with self.scope():
+            before = self.declare(node.body, frozenset(node.axes)) if node.where is None else ""
+            update = combine.format(a=acc, b=f"({self.values(node.body, dtype)})")
         loops = ""
-        for axis, stride in loop_order(node, op.extent):
+        for axis, stride in loop_order(node, self.op.extent):
             if stride is None:
-                loops += f"for (int64_t v_{axis} = 0; v_{axis} < {op.extent[axis]}; ++v_{axis}) "
+                loops += f"for (int64_t v_{axis} = 0; v_{axis} < {self.op.extent[axis]}; ++v_{axis}) "
             else:  # only the residue class the divisibility condition allows
-                start = printer.index(sympy.expand(-stride.sign * stride.rest))
+                start = self.values.index(sympy.expand(-stride.sign * stride.rest))
                 loops += (
-                    f"for (int64_t v_{axis} = nf_mod({start}, {stride.modulus}); v_{axis} < {op.extent[axis]}; "
+                    f"for (int64_t v_{axis} = nf_mod({start}, {stride.modulus}); v_{axis} < {self.op.extent[axis]}; "
                     f"v_{axis} += {stride.modulus}) "
                 )
-        guard = f"if ({printer(node.where, 'bool')}) " if node.where is not None else ""
-        total = f"([&]() {{ {ctype} {acc} = {identity}; {loops}{{ {guard}{acc} = {update}; }} return {acc}; }}())"
+        guard = f"if ({self.values(node.where, 'bool')}) " if node.where is not None else ""
+        start = f"{before} {ctype} {acc} = {identity};".lstrip()
+        total = f"([&]() {{ {start} {loops}{{ {guard}{acc} = {update}; }} return {acc}; }}())"
         return _reduced(node, total)
 
-    printer = _printer(op, reduction)
-    return printer
+
+def invariant_reductions(node: Expr, bound: frozenset[str]) -> list[Reduce]:
+    """The reductions inside ``node`` worth computing once before it, inner ones first: those
+    evaluated wherever ``node`` is (not inside a ``Select``'s branches, the right side of ``&&`` or
+    ``||``, or a guarded reduction's body, where a read may be valid only as guarded) that use none
+    of the variables ``bound``, nor any a reduction between ``node`` and them loops over."""
+    found: list[Reduce] = []
+
+    def visit(item: Expr, binding: frozenset[str]) -> None:
+        if isinstance(item, Select):
+            visit(item.cond, binding)
+        elif isinstance(item, Binary) and item.op in LOGICAL:
+            visit(item.a, binding)
+        elif isinstance(item, Reduce):
+            if item.where is None:
+                visit(item.body, binding | set(item.axes))
+            if not (index_variables(item) - bound_variables(item)) & binding:
+                found.append(item)
+        else:
+            for child in item.children():
+                visit(child, binding)
+
+    visit(node, bound)
+    return found
+
+
+def canonical_reduction(node: Reduce) -> Reduce:
+    """``node`` with the axes it binds named by position (two copies of one reduction, recomputed
+    in two places of a fused kernel, come out equal)."""
+    axes = [axis for reduction in reductions(node) for axis in reduction.axes]
+    return rename_in_expression(node, {axis: f"_h{k}" for k, axis in enumerate(dict.fromkeys(axes))})
 
 
 def block_reduce_source(kernel: SimtKernel) -> str:
@@ -320,8 +405,12 @@ def block_reduce_source(kernel: SimtKernel) -> str:
     op = kernel.op
     reduce, epilogue = reduction_parts(op)
     dtype, ctype, identity, combine = _accumulator(reduce)
-    printer = _reduction_printer(op)
-    term = printer(reduce.body, dtype)
+    printer = _ReductionPrinter(op)
+    # reductions of the term: those not using the reduced axes once a point, the rest once a term
+    once = printer.declare(reduce.body, frozenset(reduce.axes)) if reduce.where is None else ""
+    with printer.scope():
+        each = printer.declare(reduce.body) if reduce.where is None else ""
+        term = printer(reduce.body, dtype)
     guard = f"if ({printer(reduce.where, 'bool')}) " if reduce.where is not None else ""
     finish = _printer(op, lambda node: _reduced(node, "nf_total"))
     value = finish(epilogue if epilogue is not None else reduce, op.dtype)
@@ -335,9 +424,11 @@ def block_reduce_source(kernel: SimtKernel) -> str:
         f"    __shared__ {ctype} nf_partial[{threads // 32}];\n"
         f"    for (int64_t nf_flat = blockIdx.x; nf_flat < {kernel.points}; nf_flat += gridDim.x) {{\n"
         f"        {decode}\n"
+        f"{_line(once, 8)}"
         f"        {ctype} nf_acc = {identity};\n"
         f"        for (int64_t nf_term = threadIdx.x; nf_term < {terms}; nf_term += {threads}) {{\n"
         f"            {_decode('nf_tt', 'nf_term', axes)}\n"
+        f"{_line(each, 12)}"
         f"            {guard}nf_acc = {combine.format(a='nf_acc', b=f'({term})')};\n"
         f"        }}\n"
         f"        #pragma unroll\n"
@@ -363,7 +454,8 @@ def simt_source(kernel: SimtKernel) -> str:
     if kernel.block_reduce:
         return block_reduce_source(kernel)
     op = kernel.op
-    printer = _reduction_printer(op)
+    printer = _ReductionPrinter(op)
+    declarations = printer.declare(op.body)  # each reduction once a point
     value = printer(op.body, op.dtype)
     variables = [(v, op.extent[v]) for v in op.indices]
     decode = unflatten_index("nf_flat", variables) if variables else ""
@@ -372,7 +464,7 @@ def simt_source(kernel: SimtKernel) -> str:
     else:
         if dt.concrete(op.dtype) not in ("float32", "float64", "int32", "int64"):
             raise CompileError(f"a scatter into {op.dtype} has no atomic add on the cuda target", op=op.name)
-        targets = [printer.index(e) for e in op.scatter]
+        targets = [printer.values.index(e) for e in op.scatter]
         offset = targets[0]
         for size, target in zip(op.shape[1:], targets[1:], strict=True):
             offset = f"({offset}) * {size} + {target}"
@@ -387,10 +479,16 @@ def simt_source(kernel: SimtKernel) -> str:
         f"    for (int64_t nf_flat = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; nf_flat < {kernel.points}; "
         f"nf_flat += (int64_t)gridDim.x * blockDim.x) {{\n"
         f"        {decode}\n"
+        f"{_line(declarations, 8)}"
         f"        {store}\n"
         "    }\n"
         "}\n",
     )
+
+
+def _line(statements: str, indent: int) -> str:
+    """``statements`` as a line of C indented by ``indent`` spaces (nothing where there are none)."""
+    return f"{' ' * indent}{statements}\n" if statements else ""
 
 
 def _decode(prefix: str, flat: str, variables) -> str:

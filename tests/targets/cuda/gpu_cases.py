@@ -94,6 +94,17 @@ def long_sums() -> Op:
     return neoflow.op("Y[i] = 1 / ReduceAdd({k}, exp(A[i, k] * X[k]))", shapes={"A": (48, 1500), "X": (1500,)})
 
 
+def softmax_parts() -> Op:
+    """A softmax whose row max is written twice (once inside its sum of exponentials, where it does
+    not change from term to term) and a row sum read only where a ``Select`` takes it (the row
+    before: out of bounds on the first row)."""
+    return neoflow.op(
+        "P[n, j] = exp(X[n, j] - ReduceMax({c}, X[n, c])) / ReduceAdd({d}, exp(X[n, d] - ReduceMax({e}, X[n, e])))"
+        " + Select(n >= 1, ReduceAdd({f}, X[n - 1, f]), 0)",
+        shapes={"X": (6, 10)},
+    )
+
+
 #: matrix products in 16-bit whose every operand layout a ``wgmma`` kernel meets (K-major and
 #: MN-major A and B), ragged edges, depths of one, a few and many tiles, a batch
 WGMMA_PRODUCTS = {

@@ -20,6 +20,7 @@ from tests.targets.cuda.gpu_cases import (
     long_sums,
     masked_gradient,
     masked_input_gradient,
+    softmax_parts,
     wgmma_plan,
 )
 
@@ -35,6 +36,7 @@ CASES = {
     "masked_gradient": masked_gradient,
     "masked_gradient_half": lambda: masked_gradient("float16"),
     "masked_input_gradient": masked_input_gradient,
+    "softmax_parts": softmax_parts,
 }
 #: largest error against the interpreter's float32, relative to the largest output, per precision
 TOLERANCE = {"fp32": 1e-5, "tf32": 3e-3, "fp16": 3e-3, "bf16": 2e-2}

@@ -32,6 +32,7 @@ from tests.targets.cuda.gpu_cases import (
     masked_gradient,
     masked_input_gradient,
     needs_nvrtc,
+    softmax_parts,
     wgmma_plan,
 )
 
@@ -46,6 +47,7 @@ def _plans() -> list[OpPlan]:
     its epilogue (and its adjoints' SIMT kernels), float16 matrix products, each precision, and a
     long-depth product in every tile and a split depth."""
     ops = [*all_ops(capsule(1)), *all_ops(capsule(2)), *all_ops(conv_relu()), *all_ops(long_sums()), masked_gradient()]
+    ops += all_ops(softmax_parts())  # reductions computed once a point and read by name
     plans = [plan_op(op, f"k{n}_{p}", p) for n, op in enumerate(ops) for p in PRECISIONS]
     half = neoflow.op(
         "C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (70, 40), "B": (40, 50)}, dtype="float16"
