@@ -1,6 +1,6 @@
 """Which kernels of a graph may run at once on the GPU, and on which stream each runs.
 
-A graph's ops run as *tasks*: an op's memsets (its zeroed output or workspace), then
+A graph's ops run as *tasks*: an op's memset (its output zeroed first), then
 each of its kernels (a dense piece, with the finishing kernel of a split depth).  An
 op must follow every earlier op that writes device memory it reads or writes, or reads
 memory it writes — through the tensors themselves and through the arena places the
@@ -110,10 +110,10 @@ def schedule(
 ) -> Schedule:
     """The tasks of ops with ``pieces[k]`` kernels following ``depends`` (``op_dependencies``), on
     at most ``max_lanes`` lanes.  ``memsets[k]``: None where op ``k`` zeroes nothing first, else the
-    earlier ops its memset must follow (those using the memory it zeroes: none for a workspace of
-    its own).  A memset that follows nothing is launched first, at the start of the run, out of the
-    way of the chain it feeds (a memset node ahead of a kernel cost about 6 us on an H200); the op's
-    kernels follow it and the op's dependencies.  A task continues the lane of the latest task it
+    earlier ops its memset must follow (those using the memory it zeroes).  A memset that follows
+    nothing is launched first, at the start of the run, out of the way of the chain it feeds (a
+    memset node ahead of a kernel cost about 6 us on an H200); the op's kernels follow it and the
+    op's dependencies.  A task continues the lane of the latest task it
     follows where that task is its lane's last, else takes an unused lane, else the lane idle the
     longest (an order the dependencies do not need costs only time)."""
     tasks: list[Task] = []
@@ -183,9 +183,9 @@ def plan_schedule(
     """The ``schedule`` of ``plans`` (in the graph's order) whose tensors and workspaces lie where
     ``plan_regions`` says."""
     reads, writes = plan_regions(plans, address, workspaces)
-    zeroes = []  # per op, the memory its memset zeroes (its output, its workspace)
-    for plan, written in zip(plans, writes, strict=True):
-        zeroes.append(([written[0]] if plan.zero_first else []) + written[1:])
+    # per op, the memory its memset zeroes: its output where it must be zeroed first (a workspace
+    # is left zeroed by the split kernel's finishing kernels, ready for the next run)
+    zeroes = [[written[0]] if plan.zero_first else [] for plan, written in zip(plans, writes, strict=True)]
     memsets = memset_dependencies(zeroes, reads, writes)
     return schedule([len(plan.kernels) for plan in plans], memsets, op_dependencies(reads, writes), max_lanes)
 

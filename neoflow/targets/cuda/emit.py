@@ -975,12 +975,12 @@ def _finished(kernel: MmaKernel) -> tuple[str, str]:
 
 def finish_source(kernel: MmaKernel) -> str:
     """The CUDA C++ finishing a split kernel: each point of its piece from the workspace's sum
-    through the epilogue into the output (kernel ``<name>_finish``; the output, the op's inputs,
-    then the workspace)."""
+    through the epilogue into the output, the workspace left zeroed for the next run (kernel
+    ``<name>_finish``; the output, the op's inputs, then the workspace)."""
     view = kernel.view
     _, m, n, _ = view.sizes
     offset, value = _finished(kernel)
-    parameters = _parameters(view.op) + ", const float *__restrict__ nf_ws"
+    parameters = _parameters(view.op) + ", float *__restrict__ nf_ws"
     decode = [
         _decode("nf_bb", "nf_flat / " + str(m * n), view.batch) if view.batch else "",
         _decode("nf_rr", f"(nf_flat / {n}) % {m}", view.m),
@@ -993,6 +993,7 @@ def finish_source(kernel: MmaKernel) -> str:
         f"nf_flat += (int64_t)gridDim.x * blockDim.x) {{\n"
         + "".join(f"        {line}\n" for line in decode if line)
         + f"        const float nf_acc_value = nf_ws[{offset}];\n"
+        f"        nf_ws[{offset}] = 0.0f;\n"
         f"        nf_out[{offset}] = {value};\n"
         "    }\n"
         "}\n",

@@ -162,10 +162,14 @@ class CudaExecutor(PlannedExecutor):
                 self.buffers[tensor.name] = driver.View(self.arena, self.plan.offsets[tensor.name], nbytes(tensor))
             else:
                 self.buffers[tensor.name] = driver.Buffer(nbytes(tensor))
-        # a split op's float32 workspace (each its own: ops of a captured graph run in order)
+        # a split op's float32 workspace (each its own: ops of a captured graph run in order), zeroed
+        # once here: each finishing kernel zeroes what it has read, so no run needs a memset for it
         self.workspaces = {
             name: driver.Buffer(plan.op.output.size * 4) for name, plan in self.plans.items() if plan.workspace
         }
+        for workspace in self.workspaces.values():
+            driver.memset_zero(workspace.pointer, workspace.nbytes, self.device.stream)
+        driver.synchronize(self.device.stream)
         tasks = sum(len(plan.kernels) + 1 for plan in self.plans.values())
         self.lanes = driver.Lanes(self.device.stream, MAX_LANES, tasks)
         self.tables: dict[str, list[driver.Buffer]] = {}  # each kernel's index tables, uploaded once
@@ -206,11 +210,8 @@ class CudaExecutor(PlannedExecutor):
             op = plan.op
             pointers = [pointer(op.name), *(pointer(t.name) for t in op.inputs)]
             workspace = self.workspaces.get(op.name)
-            if task.piece is None:
-                if plan.zero_first:
-                    driver.memset_zero(pointers[0], nbytes(op.output), stream)
-                if workspace is not None:
-                    driver.memset_zero(workspace.pointer, workspace.nbytes, stream)
+            if task.piece is None:  # a zeroed output (a workspace is left zeroed by its finishing kernels)
+                driver.memset_zero(pointers[0], nbytes(op.output), stream)
             else:
                 # at the priority of the chain still to follow it (``Schedule.urgency``)
                 priority = least - urgency[number]
