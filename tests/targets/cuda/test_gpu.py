@@ -54,9 +54,11 @@ def test_cuda_matches_interpreter_and_model(case: str, precision: str) -> None:
         executor = CudaExecutor(graph, [op.name], precision=precision)
         gpu = executor.run(inputs)[op.name].astype(np.float32)
         scale = np.abs(reference).max()
-        # a second run: each split kernel's finishing kernels left its workspace zeroed
+        # a second run: each split kernel's finishing kernels left its workspace zeroed (the same sums,
+        # added in another order: float16 outputs one rounding apart at most)
         again = executor.run(inputs)[op.name].astype(np.float32)
-        assert np.abs(again - gpu).max() <= 1e-5 * scale, (op.name, precision, "second run")
+        rounding = 1e-5 if op.dtype == "float32" else 1e-3
+        assert np.abs(again - gpu).max() <= rounding * scale, (op.name, precision, "second run")
         # float16 tensors: the interpreter sums in float16, the kernels in float32
         tolerance = TOLERANCE[precision] if op.dtype == "float32" else 2e-2
         assert np.abs(gpu - reference).max() <= tolerance * scale, (op.name, precision)
