@@ -67,7 +67,7 @@ def op_dependencies(reads: Sequence[Sequence[Region]], writes: Sequence[Sequence
 
 @dataclass(frozen=True)
 class Task:
-    """Op ``op``'s memsets (``piece`` None) or its ``piece``-th kernel."""
+    """Op ``op``'s memset (``piece`` None) or its ``piece``-th kernel."""
 
     op: int
     piece: int | None
@@ -113,9 +113,9 @@ def schedule(
     earlier ops its memset must follow (those using the memory it zeroes).  A memset that follows
     nothing is launched first, at the start of the run, out of the way of the chain it feeds (a
     memset node ahead of a kernel cost about 6 us on an H200); the op's kernels follow it and the
-    op's dependencies.  A task continues the lane of the latest task it
-    follows where that task is its lane's last, else takes an unused lane, else the lane idle the
-    longest (an order the dependencies do not need costs only time)."""
+    op's dependencies.  A task continues the lane of the latest task it follows where that task is
+    its lane's last, else takes an unused lane, else the lane idle the longest (an order the
+    dependencies do not need costs only time)."""
     tasks: list[Task] = []
     follows: list[list[int]] = []  # per task, the tasks it must follow
     zeroed: dict[int, int] = {}  # op -> its memset task
