@@ -158,7 +158,15 @@ def _row(result: dict, base: dict | None, batch: int) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def worker_arguments(args: argparse.Namespace, report: Path) -> list[str]:
+    """The command line of a rank's worker: the run's settings, and where rank 0 writes its report."""
+    forwarded = ["--target", args.target, "--model", args.model, "--batch", str(args.batch)]
+    forwarded += ["--fusion", args.fusion, "--rounds", str(args.rounds), "--block", str(args.block)]
+    return [*forwarded, "--worker", str(report)]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="cpu", choices=("cpu", "cuda", "interp"))
     parser.add_argument("--ranks", default="1,2", help="rank counts to run, comma-separated (1,2)")
@@ -169,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--out", default=None, help="write <out>.md")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank's JSON report
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.worker:
         worker(args)
         return 0
@@ -179,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for n in counts:
             report = Path(scratch) / f"{n}.json"
-            forwarded = ["--target", args.target, "--model", args.model, "--batch", str(args.batch)]
-            forwarded += ["--fusion", args.fusion]
-            forwarded += ["--rounds", str(args.rounds), "--block", str(args.block), "--worker", str(report)]
+            forwarded = worker_arguments(args, report)
             started = time.perf_counter()
             print(f"{n} rank(s): running ...", file=sys.stderr, flush=True)
             distributed.launch(n, ["-m", "benchmarks.distributed", *forwarded], env=env)

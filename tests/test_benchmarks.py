@@ -84,6 +84,18 @@ def test_the_cpu_benchmark_runs_only_the_workloads_asked_for(capsys) -> None:
     assert "capsule conv stride 2" in capsys.readouterr().err  # the labels it knows are listed
 
 
+def test_the_distributed_benchmarks_workers_run_with_the_runs_settings(tmp_path) -> None:
+    from benchmarks.distributed import parser, worker_arguments
+
+    settings = ["--target", "cuda", "--model", "capsule28", "--batch", "64", "--fusion", "neoflow", "--rounds", "3"]
+    forwarded = worker_arguments(parser().parse_args(settings), tmp_path / "1.json")
+    worker = parser().parse_args(forwarded)
+    got = (worker.target, worker.model, worker.batch, worker.fusion, worker.rounds)
+    assert got == ("cuda", "capsule28", 64, "neoflow", 3)
+    assert worker.worker == str(tmp_path / "1.json")
+    assert parser().parse_args([]).fusion == "none"  # the compiler's default
+
+
 def test_the_distributed_benchmark_times_each_block_between_two_events_on_the_stream() -> None:
     from types import SimpleNamespace
 
