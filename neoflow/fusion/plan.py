@@ -471,8 +471,8 @@ def kernel_ops(graph: Graph, kernel: Kernel, memo: InlineMemo | None = None) -> 
     """The ops kernel ``kernel`` computes: its materialised and buffered ops,
     in order, with every inlined op substituted into its readers (``memo``:
     ``inline_all``'s, for many kernels of ``graph``)."""
-    members = set(kernel.ops)
-    return inline_all([op for op in graph.ops if op.name in members], kernel.inlined, memo)
+    ops, position = graph.ops_by_name, graph.positions
+    return inline_all([ops[name] for name in sorted(kernel.ops, key=position.__getitem__)], kernel.inlined, memo)
 
 
 def apply_plan(graph: Graph, plan: FusionPlan) -> tuple[Graph, tuple[tuple[str, ...], ...]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -101,12 +102,20 @@ class Graph:
         table.update({op.name: op.output for op in self.ops})
         return table
 
+    @cached_property
+    def ops_by_name(self) -> Mapping[str, Op]:
+        """Every op, by the name of the tensor it defines (worked out once; not to be changed)."""
+        return {op.name: op for op in self.ops}
+
+    @cached_property
+    def positions(self) -> Mapping[str, int]:
+        """Each op's position in ``ops``, by the name of the tensor it defines (worked out once; not to
+        be changed)."""
+        return {op.name: k for k, op in enumerate(self.ops)}
+
     def op(self, name: str) -> Op:
         """The op that defines tensor ``name``."""
-        for op in self.ops:
-            if op.name == name:
-                return op
-        raise KeyError(name)
+        return self.ops_by_name[name]
 
     def consumers(self, name: str) -> list[Op]:
         """The ops that read tensor ``name``."""
