@@ -34,6 +34,9 @@ VECTOR_WIDTH = 16
 GATHER_STEP_LIMIT = 1 << 26  # a strided strip is gathered when 15 steps fit an int32 lane
 #: rows transposed together by the depth-run packer, by strip width
 _GROUP = {6: 6, 16: 8}
+#: the shortest run along the depth a packer copies with vector loads: four steps (a 4x4 pose's last
+#: axis in a capsule convolution) fill half of each 8-lane load and half the transposed rows
+HALF_RUN = 4
 
 
 @dataclass(frozen=True)
@@ -322,13 +325,13 @@ def affine_packer(
 def vector_path(operand: AffineOperand | None, width: int, side_inner: bool, strips: Strips) -> str | None:
     """How the packer of ``operand`` copies with vector loads: ``"side"`` (each
     ``VECTOR_WIDTH``-wide strip whose reads are consecutive, for a side-inner packer),
-    ``"depth"`` (8 consecutive depth steps of a group of rows, where the innermost
-    depth variables read runs of at least 8) or None (element by element)."""
+    ``"depth"`` (8 or 4 consecutive depth steps of a group of rows, where the innermost
+    depth variables read runs of at least ``_shortest_run``) or None (element by element)."""
     if operand is None or not _lanes_fit(operand, strips.extents):
         return None
     if side_inner and width == VECTOR_WIDTH and vector_runs(operand, strips.side, strips.extents):
         return "side"
-    if width in _GROUP and _run_span(operand, strips.depth, strips.extents) >= 8:
+    if width in _GROUP and _run_span(operand, strips.depth, strips.extents) >= _shortest_run(side_inner):
         return "depth"
     if side_inner and width == VECTOR_WIDTH:
         return "side"  # strips may still be runs here and there: the packer checks each one
@@ -337,8 +340,8 @@ def vector_path(operand: AffineOperand | None, width: int, side_inner: bool, str
 
 def vector_fraction(operand: AffineOperand | None, width: int, side_inner: bool, strips: Strips) -> float:
     """The share of the elements ``vector_path`` copies with vector loads: the full
-    strips of a ``"side"`` path along consecutive reads, the full 8-step depth chunks
-    of a ``"depth"`` path (0 otherwise)."""
+    strips of a ``"side"`` path along consecutive reads, the full 8-step (then 4-step)
+    depth chunks of a ``"depth"`` path (0 otherwise)."""
     path = vector_path(operand, width, side_inner, strips)
     if path is None or operand is None:
         return 0.0
@@ -348,7 +351,15 @@ def vector_fraction(operand: AffineOperand | None, width: int, side_inner: bool,
         size = math.prod(strips.extents[v] for v in strips.side)
         return size // width * width / size
     span = _run_span(operand, strips.depth, strips.extents)
-    return span // 8 * 8 / span
+    shortest = _shortest_run(side_inner)
+    return (span // 8 * 8 + span % 8 // shortest * shortest) / span
+
+
+def _shortest_run(side_inner: bool) -> int:
+    """The shortest run along the depth a ``"depth"`` path copies: ``HALF_RUN`` for a side-outer
+    packer; 8 for a side-inner one, whose ``"side"`` path serves shorter runs better (its strips'
+    constant steps)."""
+    return 8 if side_inner else HALF_RUN
 
 
 def gather_fraction(operand: AffineOperand | None, width: int, side_inner: bool, strips: Strips) -> float:
@@ -635,17 +646,20 @@ def _depth_runs(
 ) -> str:
     """The AVX2 body of a packer whose reads are consecutive along the depth: a group
     of rows (a whole 6-row strip, or half a 16-column strip) at a time, 8 depth steps
-    at a time, each row's 8 reads one vector load (lanes masked by the guards, the
-    depth part of each guarded quantity a 32-bit lane), the group transposed in
-    registers (``nf_transpose8``) and stored as 8 rows of the strip; rows outside a
-    full group and the last few depth steps element by element.  ``[lo, hi)`` ranges
-    over the depth for a side-inner packer, over the rows otherwise."""
+    at a time (or 4, ``HALF_RUN``, where the run is shorter: the upper lanes zero), each
+    row's reads one vector load (lanes masked by the guards, the depth part of each
+    guarded quantity a 32-bit lane), the group transposed in registers
+    (``nf_transpose8``) and stored as rows of the strip; rows outside a full group and
+    other depth steps element by element.  ``[lo, hi)`` ranges over the depth for a
+    side-inner packer, over the rows otherwise."""
     group = _GROUP[width]
     guards = list(enumerate(operand.ranges, start=1))
     rows, steps = ("0", "size"), ("lo", "hi")
     if not side_inner:
         rows, steps = ("lo", "hi"), ("0", "kc")
-    lanes = "NF_SCRATCH(char, run8, kc + 8); for (int64_t p = 0; p < kc; ++p) { run8[p] = p + 8 <= kc; "
+    lanes = "NF_SCRATCH(char, run8, kc + 8); NF_SCRATCH(char, run4, kc + 8); for (int64_t p = 0; p < kc; ++p) { "
+    lanes += "run8[p] = p + 8 <= kc; run4[p] = p + 4 <= kc; "
+    lanes += "for (int t = 1; run4[p] && t < 4; ++t) run4[p] = dep[0][pc + p + t] == dep[0][pc + p] + t; "
     lanes += "for (int t = 1; run8[p] && t < 8; ++t) run8[p] = dep[0][pc + p + t] == dep[0][pc + p] + t; } "
     lanes += " ".join(
         f"NF_SCRATCH(int32_t, e{q}, kc + 8); "
@@ -678,27 +692,31 @@ def _depth_runs(
             float *restrict strip = buffer + (i / {width}) * {width} * kc + i % {width};
             int64_t p = {steps[0]};
             while (p < {steps[1]}) {{
-                if (!run8[p] || p + 8 > {steps[1]}) {{
+                const int span_ = run8[p] && p + 8 <= {steps[1]} ? 8 : run4[p] && p + 4 <= {steps[1]} ? 4 : 0;
+                if (!span_) {{
                     {declare("const int64_t d{q}_ = dep[{q}][pc + p] + base{q}_;")}
                     for (int g = 0; g < {group}; ++g)
                         strip[p * {width} + g] = {element("s{q}_[i + g]", "d{q}_")};
                     ++p;
                     continue;
                 }}
+                /* a run of four: the upper lanes masked off, never read */
+                const __m256i half_ = _mm256_cmpgt_epi32(_mm256_set1_epi32(span_),
+                                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
                 __m256 v[8];
                 for (int g = 0; g < {group}; ++g) {{
                     {row_lanes}
-                    const __m256i m = {mask};
+                    const __m256i m = _mm256_and_si256({mask}, half_);
                     const int64_t at = s0_[i + g] + dep[0][pc + p] + base0_;
-                    if (at >= 0 && at <= {tensor_size - 8})
+                    if (span_ == 8 && at >= 0 && at <= {tensor_size - 8})
                         v[g] = _mm256_and_ps(_mm256_loadu_ps({tensor_name} + at), _mm256_castsi256_ps(m));
                     else
                         v[g] = _mm256_maskload_ps({tensor_name} + at, m);
                 }}
                 {clamp_rows}for (int g = {group}; g < 8; ++g) v[g] = _mm256_setzero_ps();
                 nf_transpose8(v);
-                for (int t = 0; t < 8; ++t) {{ {store} }}
-                p += 8;
+                for (int t = 0; t < span_; ++t) {{ {store} }}
+                p += span_;
             }}
             i += {group};
             continue;

@@ -10,7 +10,16 @@ from neoflow.ir.expr import Binary
 from neoflow.ir.index import var
 from neoflow.targets.cpu.gemm import gemm_plan
 from neoflow.targets.cpu.lower import lower_op
-from neoflow.targets.cpu.packing import Range, Strips, affine_operand, gather_fraction, gather_step, vector_runs
+from neoflow.targets.cpu.packing import (
+    Range,
+    Strips,
+    affine_operand,
+    gather_fraction,
+    gather_step,
+    vector_fraction,
+    vector_path,
+    vector_runs,
+)
 from tests.on_targets import NEEDS_CC, assert_compiled_matches_interpreter
 
 CONV = (
@@ -207,6 +216,32 @@ DEPTH_RUNS = [
         {"dY": (3, 20, 15, 13), "X": (3, 5, 15, 15), "Y": (20, 5, 3, 3)},
     ),
 ]
+
+
+# a padded capsule convolution: its depth (c, r, s, t) reads runs of four along a pose's last axis t,
+# copied four steps at a time (the upper lanes masked off) by a side-outer packer
+CAPSULE_RUNS = (
+    "Y[b, k, p, q, i, j] = ReduceAdd({c, r, s, t}, Select(p + r - 1 >= 0 && p + r - 1 < 7 && q + s - 1 >= 0 && "
+    "q + s - 1 < 7, X[b, c, p + r - 1, q + s - 1, i, t], 0) * W[k, c, r, s, t, j])"
+)
+CAPSULE_SHAPES = {"X": (4, 8, 7, 7, 4, 4), "W": (8, 8, 3, 3, 4, 4), "Y": (4, 8, 7, 7, 4, 4)}
+
+
+def test_runs_of_four_along_the_depth_take_the_vector_path_of_a_side_outer_packer() -> None:
+    padded, _, shapes, extents = _factors(CAPSULE_RUNS, CAPSULE_SHAPES)
+    operand = affine_operand(padded, shapes, extents)
+    strips = Strips(("b", "p", "q", "i"), ("c", "r", "s", "t"), extents, 4 * 8 * 7 * 7 * 16)
+    assert vector_path(operand, 6, False, strips) == "depth"
+    assert vector_fraction(operand, 6, False, strips) == 1.0  # every run of four a vector copy
+    assert vector_path(operand, 16, True, strips) == "side"  # a side-inner packer keeps its strips' path
+
+
+@NEEDS_CC
+def test_runs_of_four_along_the_depth_are_copied_and_compute_the_same() -> None:
+    op = _op(CAPSULE_RUNS, CAPSULE_SHAPES)
+    source = lower_op(op, "kernel")
+    assert "run4[p]" in source and "nf_transpose8(v)" in source
+    assert_compiled_matches_interpreter(op, 7)
 
 
 @NEEDS_CC
