@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -72,11 +71,7 @@ def tuned_executor(executor: CudaExecutor, budget: float, feed) -> CudaExecutor 
         return None
     from neoflow.targets.cuda import tuner
 
-    deadline = time.perf_counter() + budget
-    ops = tuner.tensor_core_ops(executor.graph, executor.precision, executor.arch)
-    tuner.tune_ops(ops, executor.precision, executor.arch, budget)
-    # then the ops beside other work, timed where they run (the whole graph replayed)
-    tuner.tune_beside(executor.graph, executor.keep, feed, executor.precision, executor.arch, deadline)
+    tuner.tune_graph(executor, feed, tuner.tensor_core_ops(executor.graph, executor.precision, executor.arch), budget)
     tuned = CudaExecutor(executor.graph, executor.keep, precision=executor.precision, arch=executor.arch)
     tuned.run(feed)
     return tuned

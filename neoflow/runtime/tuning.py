@@ -122,13 +122,10 @@ def _tune_cuda(model, training: bool, budget_seconds: float, retune: bool, progr
 
     executor, feed = model.executor_and_feed(model.example_batch(training), training)
     arch, precision = executor.arch, executor.precision
-    deadline = time.perf_counter() + budget_seconds
     ops = tuner.tensor_core_ops(executor.graph, precision, arch)
     skipped = [op for op in ops if not retune and tuner.tuned_pieces(op, precision, arch)]
     todo = [op for op in ops if op not in skipped]
-    results = tuner.tune_ops(todo, precision, arch, budget_seconds, progress)
-    # the ops running beside other work, timed in the whole graph where they run, with the time left
-    results += tuner.tune_beside(executor.graph, executor.keep, feed, precision, arch, deadline)
+    results = tuner.tune_graph(executor, feed, todo, budget_seconds, progress)
     rows = []
     for r in results:
         kept = tuner.describe(r.fastest)

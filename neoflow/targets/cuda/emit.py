@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 
 import sympy
 
@@ -313,6 +314,7 @@ class _ReductionPrinter:
         self.counter = 0
         self.scopes: list[dict[Expr, str]] = [{}]  # canonical reduction -> its C variable, innermost last
         self.values = _printer(op, self._reduction)
+        self.index = self.values.index  # index expressions as C
 
     def __call__(self, node: Expr, target: str | None = None) -> str:
         return self.values(node, target)
@@ -357,7 +359,7 @@ class _ReductionPrinter:
             if stride is None:
                 loops += f"for (int64_t v_{axis} = 0; v_{axis} < {self.op.extent[axis]}; ++v_{axis}) "
             else:  # only the residue class the divisibility condition allows
-                start = self.values.index(sympy.expand(-stride.sign * stride.rest))
+                start = self.index(sympy.expand(-stride.sign * stride.rest))
                 loops += (
                     f"for (int64_t v_{axis} = nf_mod({start}, {stride.modulus}); v_{axis} < {self.op.extent[axis]}; "
                     f"v_{axis} += {stride.modulus}) "
@@ -393,6 +395,7 @@ def invariant_reductions(node: Expr, bound: frozenset[str]) -> list[Reduce]:
     return found
 
 
+@lru_cache(maxsize=4096)
 def canonical_reduction(node: Reduce) -> Reduce:
     """``node`` with the axes it binds named by position (two copies of one reduction, recomputed
     in two places of a fused kernel, come out equal)."""
@@ -464,7 +467,7 @@ def simt_source(kernel: SimtKernel) -> str:
     else:
         if dt.concrete(op.dtype) not in ("float32", "float64", "int32", "int64"):
             raise CompileError(f"a scatter into {op.dtype} has no atomic add on the cuda target", op=op.name)
-        targets = [printer.values.index(e) for e in op.scatter]
+        targets = [printer.index(e) for e in op.scatter]
         offset = targets[0]
         for size, target in zip(op.shape[1:], targets[1:], strict=True):
             offset = f"({offset}) * {size} + {target}"

@@ -168,7 +168,9 @@ def tune_beside(
     tune, of those (all of them by default)."""
     from neoflow.targets.cuda.executor import graph_plans
 
-    beside = ops_beside_others(graph) if only is None else ops_beside_others(graph) & set(only)
+    beside = ops_beside_others(graph)
+    if only is not None:
+        beside &= set(only)
     plans = graph_plans(graph, precision, arch)
     results = []
     for position, planned in enumerate(plans):
@@ -229,6 +231,22 @@ def tune_ops(
         record(results, arch)
         found.extend(results)
     return found
+
+
+def tune_graph(
+    executor: CudaExecutor,
+    feed,
+    ops: Sequence[Op],
+    budget_seconds: float,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[PieceResult]:
+    """Tune ``ops`` (of ``executor``'s graph: ``tensor_core_ops``, or those of them still to tune)
+    alone, then, with the time left of ``budget_seconds``, the ops beside other work where they run
+    (``tune_beside``: the whole graph replayed on ``feed``)."""
+    deadline = time.perf_counter() + budget_seconds
+    precision, arch = executor.precision, executor.arch
+    results = tune_ops(ops, precision, arch, budget_seconds, progress)
+    return results + tune_beside(executor.graph, executor.keep, feed, precision, arch, deadline)
 
 
 def tuned_pieces(op: Op, precision: str, arch: str) -> bool:

@@ -47,8 +47,9 @@ def kernel_entry(kernel) -> dict:
 
 def matches(kernel, entry: dict) -> bool:
     """Whether ``kernel`` is the one ``entry`` records."""
+    recorded = kernel_entry(kernel)
     try:
-        return kernel_entry(kernel) == {key: entry[key] for key in ("tiles", "wgmma", "specialized", "splits")}
+        return recorded == {key: entry[key] for key in recorded}
     except (KeyError, TypeError):
         return False
 

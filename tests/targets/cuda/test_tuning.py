@@ -161,3 +161,22 @@ def test_the_fusion_cost_model_plans_with_the_models_choices_not_the_table(cache
     taken = plan_op(op, "probe", "tf32", ARCH).kernels
     assert [tuning.kernel_entry(k) for k in taken] == [tuning.kernel_entry(k) for k in other]  # executors do
     assert gpu_schedule(op) == before
+
+
+def test_a_graphs_ops_are_tuned_alone_then_those_beside_other_work_with_the_time_left(monkeypatch) -> None:
+    import time
+    from types import SimpleNamespace
+
+    from neoflow.targets.cuda import tuner
+
+    calls = []
+    monkeypatch.setattr(tuner, "tune_ops", lambda ops, *args: calls.append(("alone", ops, args)) or ["a"])
+    monkeypatch.setattr(tuner, "tune_beside", lambda *args: calls.append(("beside", args)) or ["b"])
+    executor = SimpleNamespace(graph="graph", keep=("k",), precision="tf32", arch=ARCH)
+    start = time.perf_counter()
+    assert tuner.tune_graph(executor, "feed", ["op"], 30.0) == ["a", "b"]
+    (alone, ops, (precision, arch, budget, _)), (beside, args) = calls
+    assert (alone, ops, precision, arch, budget) == ("alone", ["op"], "tf32", ARCH, 30.0)
+    graph, keep, feed, precision, arch, deadline = args
+    assert (beside, graph, keep, feed, precision, arch) == ("beside", "graph", ("k",), "feed", "tf32", ARCH)
+    assert start + 30.0 <= deadline <= time.perf_counter() + 30.0  # one budget for both
