@@ -3,12 +3,14 @@
 ``tune_op`` times the timing model's best ``CANDIDATES`` kernels of each tensor-core piece of an op
 (``plan.candidates``, compiled in parallel by NVRTC), each piece alone in its op (the other pieces as
 the model planned them), every candidate's output checked against the model's choice first; the
-candidates take turns in blocks of CUDA-graph replays and the medians decide.  The fastest goes into
-the table (``tuning``) where it beats the model's choice by ``MARGIN``.
+candidates take turns in blocks of CUDA-graph replays and the medians decide; the winner then races
+its own tiles at half and twice its depth splits.  The fastest goes into the table (``tuning``) where
+it beats the model's choice by ``MARGIN`` (``BESIDE_MARGIN`` for an op timed in its graph).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -45,6 +47,12 @@ CANDIDATES = 12
 #: a candidate must be this much faster than the model's choice to replace it (alone, in an op of its own:
 #: within a graph, where independent ops share the GPU, gains of 3 % measured alone came out as losses)
 MARGIN = 0.95
+#: in its graph (``tune_beside``) a kernel replaces the incumbent when this much faster: measured where it
+#: runs, the block medians of capsule28's step varied by 0.2-0.5 %, and at ``MARGIN`` a 3.4 % gain (its
+#: second weight gradient at 8 depth splits rather than 16: 166.4 -> 160.8 us) was left out
+BESIDE_MARGIN = 0.98
+#: times at most a race's winner races its own tiles at half and twice its depth splits (``neighbours``)
+REFINE_ROUNDS = 2
 #: replays of a candidate's CUDA graph a block, and blocks (the candidates take turns block by block)
 REPLAYS, ROUNDS = 10, 5
 
@@ -99,8 +107,7 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
             break
         chosen = planned.kernels[piece]
         trial = _trial(chosen, view, precision, arch, predict_kernel)
-        variants = [[_swapped(planned, piece, kernel)] for kernel in trial]
-        found = _race(trial, variants, graph, [op.name], inputs, precision, arch)
+        found = _search(trial, lambda k: [_swapped(planned, piece, k)], graph, [op.name], inputs, precision, arch)
         key = piece_key(op, piece, precision, arch)
         results.append(PieceResult(op.name, piece, key, chosen, *found))
     return results
@@ -111,12 +118,59 @@ def _swapped(planned: OpPlan, piece: int, kernel) -> OpPlan:
     return OpPlan(planned.op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)
 
 
-def _race(trial: list, variants: list, graph: Graph, keep, feed, precision: str, arch: str) -> tuple:
+def neighbours(kernel: MmaKernel, precision: str, arch: str) -> list[MmaKernel]:
+    """``kernel`` at half and at twice its depth splits, everything else the same, where those are
+    candidates (``candidates``, the tuner's: its depth tiles allow them)."""
+    wanted = {kernel.splits // 2, kernel.splits * 2} - {0}
+    return [
+        k
+        for k in candidates(kernel.name, kernel.view, precision, arch, tuner=True)
+        if k.splits in wanted and dataclasses.replace(k, splits=kernel.splits) == kernel
+    ]
+
+
+def _search(
+    trial: list,
+    variant_of: Callable[[MmaKernel], list],
+    graph: Graph,
+    keep,
+    feed,
+    precision: str,
+    arch: str,
+    margin: float = MARGIN,
+) -> tuple:
+    """``_race`` of ``trial`` (``variant_of(kernel)``: the graph's plans with it), then up to
+    ``REFINE_ROUNDS`` races of the winner against its ``neighbours`` not yet tried (a model's
+    ranking rarely puts the best depth split of the fastest tiles among the few it offers): what
+    ``_race`` returns, a later winner's seconds scaled by its race's incumbent's (one yardstick)."""
+    best, first_seconds, best_seconds, tried, rejected = _race(
+        trial, [variant_of(k) for k in trial], graph, keep, feed, precision, arch, margin
+    )
+    seen = list(trial)
+    for _ in range(REFINE_ROUNDS):
+        near = [k for k in neighbours(best, precision, arch) if k not in seen] if isinstance(best, MmaKernel) else []
+        if not near:
+            break
+        seen += near
+        race = [best, *near]
+        winner, incumbent_seconds, winner_seconds, _, refused = _race(
+            race, [variant_of(k) for k in race], graph, keep, feed, precision, arch, margin
+        )
+        tried, rejected = tried + len(near), rejected + refused
+        if winner == best:
+            break
+        best, best_seconds = winner, best_seconds * winner_seconds / incumbent_seconds
+    return best, first_seconds, best_seconds, tried, rejected
+
+
+def _race(
+    trial: list, variants: list, graph: Graph, keep, feed, precision: str, arch: str, margin: float = MARGIN
+) -> tuple:
     """Run ``graph`` with each of ``variants`` (its plans, one for each kernel of ``trial``; compiled in
     parallel by NVRTC) on ``feed``, the kept tensors checked against the first's, and time the CUDA
     graphs of those that agree in turns: ``(fastest kernel, the first's seconds, the fastest's
     seconds, kernels tried, those rejected)``, the first (the model's choice) kept unless another
-    beats it by ``MARGIN``."""
+    beats it by ``margin``."""
     with ProcessPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
         list(pool.map(compile_cubin, [module_source(v) for v in variants], [arch] * len(variants)))
     executors, kept, rejected, expected = [], [], [], None
@@ -132,7 +186,7 @@ def _race(trial: list, variants: list, graph: Graph, keep, feed, precision: str,
         kept.append(kernel)
     seconds = time_in_turns([executor.replay_graph for executor in executors])
     best = min(range(len(kept)), key=seconds.__getitem__)
-    if seconds[best] >= MARGIN * seconds[0]:
+    if seconds[best] >= margin * seconds[0]:
         best = 0
     return kept[best], seconds[0], seconds[best], len(trial), tuple(rejected)
 
@@ -182,10 +236,11 @@ def tune_beside(
             if not isinstance(chosen, MmaKernel):
                 continue  # a SIMT kernel: nothing to choose
             trial = _trial(chosen, chosen.view, precision, arch, lambda k: predict_kernel(k, beside=True))
-            variants = [
-                [*plans[:position], _swapped(planned, piece, kernel), *plans[position + 1 :]] for kernel in trial
-            ]
-            found = _race(trial, variants, graph, keep, feed, precision, arch)
+
+            def variant_of(kernel, position=position, planned=planned, piece=piece) -> list:
+                return [*plans[:position], _swapped(planned, piece, kernel), *plans[position + 1 :]]
+
+            found = _search(trial, variant_of, graph, keep, feed, precision, arch, BESIDE_MARGIN)
             key = piece_key(planned.op, piece, precision, arch, beside=True)
             results.append(PieceResult(planned.op.name, piece, key, chosen, *found))
             record(results[-1:], arch)

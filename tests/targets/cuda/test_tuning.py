@@ -3,6 +3,7 @@ ignore what no candidate matches, a damaged table or ``NEOFLOW_TUNING=0``; on a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -15,7 +16,7 @@ from neoflow.ir.graph import Graph
 from neoflow.targets.cache import write_atomically
 from neoflow.targets.cuda import tuning
 from neoflow.targets.cuda.executor import ModelExecutor
-from neoflow.targets.cuda.plan import candidates, plan_op, producer_twin, tensor_core_plan
+from neoflow.targets.cuda.plan import MIN_SPLIT_TILES, candidates, plan_op, producer_twin, tensor_core_plan
 from tests.targets.cuda.gpu_cases import capsule, gpu_reason, inputs_for
 
 ARCH = "sm_90"
@@ -180,3 +181,48 @@ def test_a_graphs_ops_are_tuned_alone_then_those_beside_other_work_with_the_time
     graph, keep, feed, precision, arch, deadline = args
     assert (beside, graph, keep, feed, precision, arch) == ("beside", "graph", ("k",), "feed", "tf32", ARCH)
     assert start + 30.0 <= deadline <= time.perf_counter() + 30.0  # one budget for both
+
+
+def test_a_kernels_neighbours_are_its_tiles_at_half_and_twice_its_depth_splits() -> None:
+    from neoflow.targets.cuda import tuner
+
+    op = neoflow.grad(capsule(2, batch=8, channels=16, out=12))["W"]  # 4608 deep: 144 tiles, splittable
+    model = tensor_core_plan(op, "nf_op0", "tf32", ARCH, use_table=False).kernels[0]
+    kernel = dataclasses.replace(producer_twin(model) or model, splits=4)
+    assert kernel.depth_tiles >= 8 * MIN_SPLIT_TILES
+    found = tuner.neighbours(kernel, "tf32", ARCH)
+    assert sorted(k.splits for k in found) == [2, 8]
+    assert all(dataclasses.replace(k, splits=4) == kernel for k in found)
+
+
+def test_a_races_winner_races_its_neighbours_until_none_beats_it(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from neoflow.targets.cuda import tuner
+
+    made = {}
+
+    def kernel(name: str, splits: int):
+        return made.setdefault((name, splits), SimpleNamespace(name=name, splits=splits))
+
+    speed = {("a", 1): 10.0, ("b", 1): 8.0, ("b", 2): 6.0, ("b", 4): 6.3, ("b", 8): 9.0}
+    monkeypatch.setattr(tuner, "MmaKernel", SimpleNamespace)
+    monkeypatch.setattr(
+        tuner, "neighbours", lambda k, *_: [kernel(k.name, s) for s in (k.splits // 2, k.splits * 2) if s]
+    )
+    races = []
+
+    def race(trial, variants, *args):
+        races.append([(k.name, k.splits) for k in trial])
+        seconds = [speed.get((k.name, k.splits), 99.0) for k in trial]
+        best = min(range(len(trial)), key=seconds.__getitem__)
+        best = best if seconds[best] < args[-1] * seconds[0] else 0
+        return trial[best], seconds[0], seconds[best], len(trial), ()
+
+    monkeypatch.setattr(tuner, "_race", race)
+    trial = [kernel("a", 1), kernel("b", 1)]
+    best, first, fastest, tried, _ = tuner._search(trial, lambda k: [k], None, (), {}, "tf32", ARCH, 0.95)
+    # b wins the first race; b at 2 splits beats it; b at 4 (and 1, tried) do not: the search stops
+    assert races == [[("a", 1), ("b", 1)], [("b", 1), ("b", 2)], [("b", 2), ("b", 4)]]
+    assert (best.name, best.splits, first, tried) == ("b", 2, 10.0, 4)
+    assert fastest == pytest.approx(6.0)
