@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -107,10 +108,16 @@ def tune_op(op: Op, precision: str, arch: str, deadline: float | None = None, se
             break
         chosen = planned.kernels[piece]
         trial = _trial(chosen, view, precision, arch, predict_kernel)
-        found = _search(trial, lambda k: [_swapped(planned, piece, k)], graph, [op.name], inputs, precision, arch)
+        variant_of = partial(_alone, planned, piece)
+        found = _search(trial, variant_of, graph, [op.name], inputs, precision, arch)
         key = piece_key(op, piece, precision, arch)
         results.append(PieceResult(op.name, piece, key, chosen, *found))
     return results
+
+
+def _alone(planned: OpPlan, piece: int, kernel) -> list[OpPlan]:
+    """The plans of an op's graph of its own with piece ``piece``'s kernel swapped for ``kernel``."""
+    return [_swapped(planned, piece, kernel)]
 
 
 def _swapped(planned: OpPlan, piece: int, kernel) -> OpPlan:
