@@ -976,19 +976,29 @@ def _finished(kernel: MmaKernel) -> tuple[str, str]:
     return printer.index(view.out_offset), printer(body, view.op.dtype)
 
 
+def memory_order(view) -> list[tuple[str, int]]:
+    """The variables of ``view``'s points (batch, rows, columns) in the order their output offset
+    steps through memory, the largest stride first (a finishing kernel's neighbouring threads then
+    touch neighbouring elements: capsule28's second weight gradient's columns, its output channels
+    and pose columns, lay 576 floats apart every fourth), where the offset is affine in them with
+    constant strides; else as the view lists them."""
+    variables = [*view.batch, *view.m, *view.n]
+    offset = sympy.expand(view.out_offset)
+    strides = [sympy.diff(offset, index.var(name)) for name, _ in variables]
+    if not all(stride.is_Integer for stride in strides):
+        return variables
+    order = sorted(range(len(variables)), key=lambda k: -int(strides[k]))
+    return [variables[k] for k in order]
+
+
 def finish_source(kernel: MmaKernel) -> str:
     """The CUDA C++ finishing a split kernel: each point of its piece from the workspace's sum
     through the epilogue into the output, the workspace left zeroed for the next run (kernel
     ``<name>_finish``; the output, the op's inputs, then the workspace)."""
     view = kernel.view
-    _, m, n, _ = view.sizes
     offset, value = _finished(kernel)
     parameters = _parameters(view.op) + ", float *__restrict__ nf_ws"
-    decode = [
-        _decode("nf_bb", "nf_flat / " + str(m * n), view.batch) if view.batch else "",
-        _decode("nf_rr", f"(nf_flat / {n}) % {m}", view.m),
-        _decode("nf_cc", f"nf_flat % {n}", view.n),
-    ]
+    decode = [_decode("nf_pp", "nf_flat", memory_order(view))]
     signature = f'extern "C" __global__ void __launch_bounds__(256) {kernel.name}_finish({parameters}) {{\n'
     return signature + narrow_indices(
         view.op,

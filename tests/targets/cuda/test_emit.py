@@ -1,15 +1,23 @@
 """The CUDA C++ of SIMT kernels: a reduction computed once where it does not change, and read by
-name wherever a copy of it is (checked in the source; ``test_gpu`` runs it)."""
+name wherever a copy of it is; a split kernel's finishing kernel walking its output in memory order
+(checked in the source; ``test_gpu`` runs them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import neoflow
 from neoflow.ir.expr import Reduce
-from neoflow.targets.cuda.emit import canonical_reduction, invariant_reductions, simt_source
-from neoflow.targets.cuda.plan import SimtKernel, plan_op
-from tests.targets.cuda.gpu_cases import softmax_parts
+from neoflow.targets.cuda.emit import (
+    canonical_reduction,
+    finish_source,
+    invariant_reductions,
+    memory_order,
+    simt_source,
+)
+from neoflow.targets.cuda.plan import SimtKernel, plan_op, tensor_core_plan
+from tests.targets.cuda.gpu_cases import capsule, softmax_parts
 
 
 def _source(op) -> str:
@@ -58,3 +66,16 @@ def test_only_reductions_evaluated_wherever_their_place_is_are_hoisted() -> None
     assert all(isinstance(r, Reduce) for r in found)
     inner = next(r for r in found if r.axes == ("k",))
     assert [r.axes for r in invariant_reductions(inner.body, bound)] == [("m",)]
+
+
+def test_a_finishing_kernels_neighbouring_threads_take_neighbouring_outputs() -> None:
+    # a weight gradient's columns (output channel, pose column) come last in the view, but its pose
+    # column and its input channel's row lie outermost in memory: the walk follows the strides
+    op = neoflow.grad(capsule(2, batch=4, channels=16, out=6))["W"]
+    (kernel,) = tensor_core_plan(op, "k", "tf32", use_table=False).kernels
+    view = kernel.view
+    assert [name for name, _ in view.n] == ["k", "j"] and view.m[0][0] == "c"
+    order = [name for name, _ in memory_order(view)]
+    assert order == ["k", "c", "r", "s", "t", "j"]
+    source = finish_source(dataclasses.replace(kernel, splits=2))
+    assert "const int v_j = nf_pp_rest % 4;" in source and "const int v_k = nf_pp_rest;" in source
