@@ -424,7 +424,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
     rejected = [f"{row.kernel}: {', '.join(row.rejected)}" for row in report.rows if row.rejected]
     if rejected:
-        print("candidates whose output differed from the default's (not used): " + "; ".join(rejected))
+        reasons = "their output differed from the default's, or they spill registers"
+        print(f"candidates not used ({reasons}): " + "; ".join(rejected))
     print(
         f"{len(report.rows)} {'piece(s)' if args.target == 'cuda' else 'kernel(s)'} tuned, {report.known} "
         f"{'op(s)' if args.target == 'cuda' else 'kernel(s)'} tuned before (--retune measures them again), "

@@ -28,7 +28,8 @@ from neoflow.targets.cpu.tuning import compare, describe, kernel_key, load_table
 @dataclass(frozen=True)
 class TuneRow:
     """One kernel tuned: its name, the choice kept, the default's and the kept choice's median
-    seconds, the candidates timed and those whose output differed from the default's."""
+    seconds, the candidates timed and those not used (their output differed from the default's, or
+    they spill registers)."""
 
     kernel: str
     choice: str

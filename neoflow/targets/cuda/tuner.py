@@ -177,11 +177,16 @@ def _race(
     parallel by NVRTC) on ``feed``, the kept tensors checked against the first's, and time the CUDA
     graphs of those that agree in turns: ``(fastest kernel, the first's seconds, the fastest's
     seconds, kernels tried, those rejected)``, the first (the model's choice) kept unless another
-    beats it by ``margin``."""
+    beats it by ``margin``.  A kernel that spills registers under this NVRTC is not timed (rejected,
+    saying so): the 80 x 128 layout spilled 20 bytes for sm_80 under the H200 host's NVRTC, none
+    under the wheel's."""
     with ProcessPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
-        list(pool.map(compile_cubin, [module_source(v) for v in variants], [arch] * len(variants)))
+        cubins = list(pool.map(compile_cubin, [module_source(v) for v in variants], [arch] * len(variants)))
     executors, kept, rejected, expected = [], [], [], None
-    for kernel, variant in zip(trial, variants, strict=True):
+    for position, kernel, variant, cubin in zip(range(len(trial)), trial, variants, cubins, strict=True):
+        if position and cubin.spills.get(kernel.name):
+            rejected.append(f"{describe(kernel)} (spills {cubin.spills[kernel.name]} bytes)")
+            continue  # the incumbent is kept whatever it does: something must run
         executor = CudaExecutor(graph, keep, precision=precision, arch=arch, plans=variant)
         found = executor.run(feed)
         if expected is None:
