@@ -880,15 +880,13 @@ def choose_kernel(
 ) -> MmaKernel:
     """The kernel of ``view`` among its ``candidates``: the one a measured ``entry`` (``tuning``)
     records where it is one of them, else the one the timing model ``predict(kernel) -> seconds``
-    likes best, warp-specialised where it can be (``producer_twin``: the model cannot tell the two
-    apart, and most of the kernels the tuner measured ran faster so)."""
+    likes best."""
     if entry is not None:
         for kernel in candidates(name, view, precision, arch, tuner=True):
             if tuning.matches(kernel, entry):
                 return kernel
     found = candidates(name, view, precision, arch)
-    best = min(found, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
-    return producer_twin(best) or best
+    return min(found, key=lambda k: (predict(k), k.splits, -k.tiles.block_m * k.tiles.block_n))
 
 
 def tensor_core_plan(

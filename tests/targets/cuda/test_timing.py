@@ -45,7 +45,7 @@ def _gemm_kernel() -> MmaKernel:
     op = _hgemm(2048)
     kernel = plan_op(op, "c", "fp16", "sm_80").kernels[0]  # mma.sync: a few blocks share an SM
     assert isinstance(kernel, MmaKernel)
-    return dataclasses.replace(kernel, specialized=False)  # every warp copies and multiplies
+    return kernel
 
 
 def test_blocks_sharing_an_sm_hide_each_others_latency() -> None:

@@ -86,14 +86,11 @@ def test_an_entry_may_name_a_kernel_only_the_tuner_tries(cache) -> None:
     _write(op, [sliced])
     assert tuning.kernel_entry(sliced)["tiles"][-1] == sliced.tiles.warps_k
     assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == (sliced,) != planned.kernels
-    # the model's choice is warp-specialised where it can be; an entry may name its plain twin
-    twin = planned.kernels[0]
-    plain = dataclasses.replace(twin, specialized=False)
-    assert twin.specialized and producer_twin(plain) == twin and plain in candidates("nf_op0", view, "tf32", ARCH)
-    assert twin not in candidates("nf_op0", view, "tf32", ARCH)  # no candidate the model ranks
-    _write(op, [plain])
-    assert not tuning.kernel_entry(plain)["specialized"]
-    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == (plain,)
+    twin = producer_twin(planned.kernels[0])
+    assert twin is not None and twin not in candidates("nf_op0", view, "tf32", ARCH)
+    _write(op, [twin])
+    assert tuning.kernel_entry(twin)["specialized"]
+    assert plan_op(op, "nf_op0", "tf32", ARCH).kernels == (twin,)
 
 
 def test_an_op_beside_other_work_reads_only_what_was_measured_beside_other_work(cache) -> None:
