@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.gpu_ops import operators
 
         suite_runs = [(o.name, lambda o=o: operator_case(o, rounds, block)) for o in operators()]
+    lines = [f"# neoflow cuda on {torch.cuda.get_device_name()} (torch {torch.__version__})", ""]
+    print("\n".join(lines), flush=True)
     results, suite = [], []
     for name, run in [*runs, *suite_runs]:
         if args.only and args.only not in name:
@@ -365,39 +367,57 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         if (name, run) in suite_runs:
             suite.append(result)
-    lines = [f"# neoflow cuda on {torch.cuda.get_device_name()} (torch {torch.__version__})", ""]
-    for result in results:
-        times = result["times"]
-        ours = times["neoflow"]
-        lines.append(f"## {result['case']}")
-        lines.append(
-            "errors against PyTorch (max |diff| / max |ref|): "
-            + ", ".join(f"{k} {v:.1e}" for k, v in result["errors"].items())
-        )
-        lines.append("")
-        lines.append("| system | median ms | neoflow speed-up |")
-        lines.append("| --- | --- | --- |")
-        for name, seconds in times.items():
-            lines.append(f"| {name} | {seconds * 1e3:.3f} | {seconds / ours:.2f}x |")
-        if result["kernels"]:
-            lines.append("")
-            lines.append("| op | predicted ms | measured ms |")
-            lines.append("| --- | --- | --- |")
-            for name, predicted, measured in result["kernels"]:
-                lines.append(f"| {name} | {predicted * 1e3:.3f} | {measured * 1e3:.3f} |")
-        lines.append("")
+        written = case_lines(result)
+        print("\n".join(written), flush=True)  # as each case ends: a run cut short keeps what it measured
+        lines += written
+    summary = summary_lines(results, suite)
+    print("\n".join(summary), flush=True)
+    lines += summary
+    text = "\n".join(lines)
+    if args.out:
+        Path(f"{args.out}.md").write_text(text + "\n")
+        _plot(results, Path(f"{args.out}.png"), torch.cuda.get_device_name())
+    return 0
+
+
+def case_lines(result: dict) -> list[str]:
+    """The markdown of one case: its errors against PyTorch, the systems' medians and speed-ups, and
+    its ops' predicted against measured times."""
+    times = result["times"]
+    ours = times["neoflow"]
+    lines = [
+        f"## {result['case']}",
+        "errors against PyTorch (max |diff| / max |ref|): "
+        + ", ".join(f"{k} {v:.1e}" for k, v in result["errors"].items()),
+        "",
+        "| system | median ms | neoflow speed-up |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {name} | {seconds * 1e3:.3f} | {seconds / ours:.2f}x |" for name, seconds in times.items()]
+    if result["kernels"]:
+        lines += ["", "| op | predicted ms | measured ms |", "| --- | --- | --- |"]
+        for name, predicted, measured in result["kernels"]:
+            lines.append(f"| {name} | {predicted * 1e3:.3f} | {measured * 1e3:.3f} |")
+    return [*lines, ""]
+
+
+def summary_lines(results: list[dict], suite: list[dict]) -> list[str]:
+    """The markdown after the cases: the operator suite's speed-ups and geomean, and the timing model's
+    rank correlation over every case's ops."""
+    lines = []
     if suite:
         ratios = [r["times"]["torch eager"] / r["times"]["neoflow"] for r in suite]
         geomean = float(np.exp(np.mean(np.log(ratios))))
-        lines.append("## operator suite (forward + backward, tf32) against PyTorch eager")
-        lines.append("")
-        lines.append("| operator | neoflow ms | torch ms | speed-up |")
-        lines.append("| --- | --- | --- | --- |")
+        lines += [
+            "## operator suite (forward + backward, tf32) against PyTorch eager",
+            "",
+            "| operator | neoflow ms | torch ms | speed-up |",
+            "| --- | --- | --- | --- |",
+        ]
         for r, ratio in zip(suite, ratios, strict=True):
             t = r["times"]
             lines.append(f"| {r['case']} | {t['neoflow'] * 1e3:.3f} | {t['torch eager'] * 1e3:.3f} | {ratio:.2f}x |")
-        lines.append(f"\ngeomean {geomean:.2f}x, lowest {min(ratios):.2f}x")
-        lines.append("")
+        lines += [f"\ngeomean {geomean:.2f}x, lowest {min(ratios):.2f}x", ""]
     rows = [row for r in results for row in r["kernels"]]
     if len(rows) >= 3:
         from neoflow.runtime.fusion_report import spearman
@@ -405,12 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         rho = spearman([p for _, p, _ in rows], [m for _, _, m in rows])
         lines.append(f"## tensor-core model: predicted against measured, {len(rows)} ops' kernels")
         lines.append(f"\nSpearman rank correlation {rho:.3f}\n")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(f"{args.out}.md").write_text(text + "\n")
-        _plot(results, Path(f"{args.out}.png"), torch.cuda.get_device_name())
-    return 0
+    return lines
 
 
 def _plot(results: list[dict], path: Path, device: str) -> None:

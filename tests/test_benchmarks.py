@@ -130,3 +130,20 @@ def test_the_distributed_benchmark_times_each_block_between_two_events_on_the_st
     assert times == {name: [[pytest.approx(t)]] * 3 for name, t in (("step", 2e-3), ("alone", 5e-4), ("other", 1e-3))}
     firsts = [calls[3 + 12 * k] for k in range(3)]  # after the warm-up, each round's first call
     assert firsts == ["step", "alone", "other"]  # round k starts with the k-th system
+
+
+def test_the_gpu_benchmark_writes_each_case_as_it_ends_and_the_summaries_after() -> None:
+    from benchmarks.gpu import case_lines, summary_lines
+
+    def case(name: str, ours: float, theirs: float, kernels) -> dict:
+        times = {"neoflow": ours, "torch eager": theirs}
+        return {"case": name, "times": times, "errors": {"Out": 1e-6}, "kernels": kernels}
+
+    first = case("conv", 1e-3, 2e-3, [("Out", 1e-3, 2e-3), ("dIn", 2e-3, 3e-3)])
+    second = case("gemm", 2e-3, 1e-3, [("C", 3e-3, 4e-3)])
+    lines = case_lines(first)
+    assert lines[0] == "## conv" and "| torch eager | 2.000 | 2.00x |" in lines and "| dIn | 2.000 | 3.000 |" in lines
+    summary = "\n".join(summary_lines([first, second], [first, second]))
+    assert "geomean 1.00x, lowest 0.50x" in summary  # sqrt(2 * 0.5)
+    assert "3 ops' kernels" in summary and "Spearman rank correlation 1.000" in summary
+    assert summary_lines([first], []) == []  # too few kernels to rank, no suite
