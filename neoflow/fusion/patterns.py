@@ -36,7 +36,7 @@ def recomputable(op: Op, terms: int = 0) -> bool:
     """Whether the search may recompute ``op`` inside its readers: a light op (``kind``), or a
     reduction of at most ``terms`` terms an output point (``Machine.recomputed_terms``); never a
     scatter-add."""
-    return op.scatter is None and op_work(op).reduction <= max(terms, 1)
+    return kind(op) == LIGHT or (op.scatter is None and op_work(op).reduction <= terms)
 
 
 def pattern(producer: Op, consumer: Op) -> str:

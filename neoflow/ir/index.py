@@ -64,7 +64,7 @@ def variables(expr: IndexExpr) -> set[str]:
 
 
 @lru_cache(maxsize=65536)
-def _linear_terms(expr: IndexExpr) -> dict[str, sympy.Expr] | None:
+def linear_terms(expr: IndexExpr) -> dict[str, sympy.Expr] | None:
     """Each variable's coefficient in ``expr`` where every term is a number or a number times
     one variable; None otherwise."""
     terms: dict[str, sympy.Expr] = {}
@@ -81,7 +81,7 @@ def coefficient(expr: IndexExpr, name: str) -> sympy.Expr:
     """``expr.coeff(var(name))``, answered from a table of ``expr``'s terms where it is linear
     (the cost models ask for the coefficients of one offset many times; sympy's ``coeff``
     walks the expression each time)."""
-    terms = _linear_terms(expr)
+    terms = linear_terms(expr)
     if terms is None:
         return expr.coeff(var(name))
     return terms.get(name, sympy.Integer(0))

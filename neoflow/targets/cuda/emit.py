@@ -983,12 +983,10 @@ def memory_order(view) -> list[tuple[str, int]]:
     and pose columns, lay 576 floats apart every fourth), where the offset is affine in them with
     constant strides; else as the view lists them."""
     variables = [*view.batch, *view.m, *view.n]
-    offset = sympy.expand(view.out_offset)
-    strides = [sympy.diff(offset, index.var(name)) for name, _ in variables]
-    if not all(stride.is_Integer for stride in strides):
+    terms = index.linear_terms(sympy.expand(view.out_offset))
+    if terms is None or not all(stride.is_Integer for stride in terms.values()):
         return variables
-    order = sorted(range(len(variables)), key=lambda k: -int(strides[k]))
-    return [variables[k] for k in order]
+    return sorted(variables, key=lambda variable: -int(terms.get(variable[0], 0)))
 
 
 def finish_source(kernel: MmaKernel) -> str:
@@ -998,14 +996,13 @@ def finish_source(kernel: MmaKernel) -> str:
     view = kernel.view
     offset, value = _finished(kernel)
     parameters = _parameters(view.op) + ", float *__restrict__ nf_ws"
-    decode = [_decode("nf_pp", "nf_flat", memory_order(view))]
+    decode = _decode("nf_pp", "nf_flat", memory_order(view))
     signature = f'extern "C" __global__ void __launch_bounds__(256) {kernel.name}_finish({parameters}) {{\n'
     return signature + narrow_indices(
         view.op,
         f"    for (int64_t nf_flat = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; nf_flat < {kernel.finish_points}; "
-        f"nf_flat += (int64_t)gridDim.x * blockDim.x) {{\n"
-        + "".join(f"        {line}\n" for line in decode if line)
-        + f"        const float nf_acc_value = nf_ws[{offset}];\n"
+        f"nf_flat += (int64_t)gridDim.x * blockDim.x) {{\n" + f"        {decode}\n"
+        f"        const float nf_acc_value = nf_ws[{offset}];\n"
         f"        nf_ws[{offset}] = 0.0f;\n"
         f"        nf_out[{offset}] = {value};\n"
         "    }\n"

@@ -155,7 +155,7 @@ def _search(
     )
     seen = list(trial)
     for _ in range(REFINE_ROUNDS):
-        near = [k for k in neighbours(best, precision, arch) if k not in seen] if isinstance(best, MmaKernel) else []
+        near = [k for k in neighbours(best, precision, arch) if k not in seen]
         if not near:
             break
         seen += near

@@ -79,3 +79,15 @@ def test_a_finishing_kernels_neighbouring_threads_take_neighbouring_outputs() ->
     assert order == ["k", "c", "r", "s", "t", "j"]
     source = finish_source(dataclasses.replace(kernel, splits=2))
     assert "const int v_j = nf_pp_rest % 4;" in source and "const int v_k = nf_pp_rest;" in source
+
+
+def test_a_finishing_kernel_keeps_the_views_order_where_the_offset_is_not_affine() -> None:
+    from types import SimpleNamespace
+
+    from neoflow.ir import index
+
+    a, b = index.var("a"), index.var("b")
+    affine = SimpleNamespace(batch=(), m=(("a", 4),), n=(("b", 3),), out_offset=a + 4 * b)
+    assert memory_order(affine) == [("b", 3), ("a", 4)]
+    folded = SimpleNamespace(batch=(), m=(("a", 4),), n=(("b", 3),), out_offset=(a // 2) * 6 + b)
+    assert memory_order(folded) == [("a", 4), ("b", 3)]

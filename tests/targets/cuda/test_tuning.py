@@ -211,7 +211,6 @@ def test_a_races_winner_races_its_neighbours_until_none_beats_it(monkeypatch) ->
         return made.setdefault((name, splits), SimpleNamespace(name=name, splits=splits))
 
     speed = {("a", 1): 10.0, ("b", 1): 8.0, ("b", 2): 6.0, ("b", 4): 6.3, ("b", 8): 9.0}
-    monkeypatch.setattr(tuner, "MmaKernel", SimpleNamespace)
     monkeypatch.setattr(
         tuner, "neighbours", lambda k, *_: [kernel(k.name, s) for s in (k.splits // 2, k.splits * 2) if s]
     )
@@ -234,24 +233,14 @@ def test_a_races_winner_races_its_neighbours_until_none_beats_it(monkeypatch) ->
 
 
 def test_a_candidate_that_spills_registers_is_not_timed(monkeypatch) -> None:
+    from contextlib import nullcontext
     from types import SimpleNamespace
 
     from neoflow.targets.cuda import tuner
 
-    class Pool:  # compiles in this process
-        def __init__(self, workers: int) -> None:
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc) -> bool:
-            return False
-
-        map = staticmethod(map)
-
     timed = []
-    monkeypatch.setattr(tuner, "ProcessPoolExecutor", Pool)
+    # compiles in this process
+    monkeypatch.setattr(tuner, "ProcessPoolExecutor", lambda workers: nullcontext(SimpleNamespace(map=map)))
     monkeypatch.setattr(tuner, "module_source", lambda variant: variant)
     monkeypatch.setattr(tuner, "compile_cubin", lambda stores, arch: SimpleNamespace(spills={"k": stores}))
     monkeypatch.setattr(tuner, "describe", lambda kernel: kernel.label)
