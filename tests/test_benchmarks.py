@@ -147,3 +147,13 @@ def test_the_gpu_benchmark_writes_each_case_as_it_ends_and_the_summaries_after()
     assert "geomean 1.00x, lowest 0.50x" in summary  # sqrt(2 * 0.5)
     assert "3 ops' kernels" in summary and "Spearman rank correlation 1.000" in summary
     assert summary_lines([first], []) == []  # too few kernels to rank, no suite
+
+
+def test_the_npu_benchmark_counts_each_ops_inputs_once_and_its_output_once() -> None:
+    import neoflow
+    from benchmarks.npu import compulsory_bytes
+
+    product = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes={"A": (8, 16), "B": (16, 4)})
+    halves = neoflow.op("D[i, j] = C[i, j] * 0.5", shapes={"C": (8, 4)}, dtype="float16")
+    assert compulsory_bytes([product]) == (8 * 16 + 16 * 4 + 8 * 4) * 4
+    assert compulsory_bytes([product, halves]) == (8 * 16 + 16 * 4 + 8 * 4) * 4 + 2 * (8 * 4) * 2  # float16 in, out
