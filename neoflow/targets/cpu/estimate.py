@@ -71,7 +71,8 @@ def schedule_of(op: Op) -> Scheduled:
         return Scheduled(min(1.0, macs / MACS_PER_CYCLE / flat.cycles), flops=2.0 * macs)
     staged = staged_plan(op)
     if staged is not None:
-        macs = math.prod(staged.stage.extent.values()) + domain_points(staged.rest)
+        slices = 1 if staged.batch is None else op.shape[0] // staged.batch  # the stages are one slice's
+        macs = slices * (math.prod(staged.stage.extent.values()) + domain_points(staged.rest))
         return Scheduled(min(1.0, macs / MACS_PER_CYCLE / staged.cycles), flops=2.0 * macs)
     if windowed(op) is not None:  # rows summed in vector registers
         return Scheduled(vector=True)

@@ -36,7 +36,7 @@ from neoflow.codegen.merged import merged_inner
 from neoflow.errors import CompileError
 from neoflow.ir import bounds, index
 from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select, index_variables
-from neoflow.ir.op import Op
+from neoflow.ir.op import Op, Tensor
 from neoflow.targets.cpu.chain import chain_function, chain_plan
 from neoflow.targets.cpu.flat_depth import FlatDepthPlan, flat_depth_plan
 from neoflow.targets.cpu.gemm import (
@@ -656,18 +656,36 @@ def file_local(source: str, function: str, attributes: str = "") -> str:
 
 def staged_function(op: Op, plan: StagedPlan, name: str) -> str:
     """The C function ``name`` computing ``op`` in the two stages of ``plan``:
-    the partial sums into a buffer of their own, then the output from them."""
+    the partial sums into a buffer of their own, then the output from them (a slice
+    of ``plan.batch`` rows at a time where it has one, pointers moved to each slice)."""
     arguments = {t.name: f"in{k}" for k, t in enumerate(op.inputs)}
     arguments[plan.stage.name] = "sums"
     helpers = [
         file_local(lower_op(stage, f"{name}_{suffix}"), f"{name}_{suffix}")
         for suffix, stage in (("s", plan.stage), ("r", plan.rest))
     ]
-    stage_args = ", ".join(arguments[t.name] for t in plan.stage.inputs)
-    rest_args = ", ".join(arguments[t.name] for t in plan.rest.inputs)
-    body = f"""    NF_SCRATCH(float, sums, {plan.stage.output.size});
+    full = {t.name: t for t in op.inputs}
+
+    def at_slice(tensor: Tensor, pointer: str) -> str:
+        """``pointer`` moved to the slice's first row where the stage reads a slice of the tensor."""
+        whole = full.get(tensor.name)
+        if plan.batch is None or whole is None or whole.shape == tensor.shape:
+            return pointer
+        return f"{pointer} + b0 * {whole.size // whole.shape[0]}"
+
+    stage_args = ", ".join(at_slice(t, arguments[t.name]) for t in plan.stage.inputs)
+    rest_args = ", ".join(at_slice(t, arguments[t.name]) for t in plan.rest.inputs)
+    if plan.batch is None:
+        body = f"""    NF_SCRATCH(float, sums, {plan.stage.output.size});
     {name}_s(sums, {stage_args});
     {name}_r(out, {rest_args});"""
+    else:
+        rows, row_size = op.shape[0], op.output.size // op.shape[0]
+        body = f"""    NF_SCRATCH(float, sums, {plan.stage.output.size});
+    for (int64_t b0 = 0; b0 < {rows}; b0 += {plan.batch}) {{  /* a slice of the leading variable at a time */
+        {name}_s(sums, {stage_args});
+        {name}_r(out + b0 * {row_size}, {rest_args});
+    }}"""
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
 
 
