@@ -191,7 +191,12 @@ def _slice_rows(op: Op, stage: Op, rest: Op) -> int | None:
     """Rows of the op's leading output variable a slice takes where both stages can run slice by
     slice (``sliced`` applies to each) and one slice of ``T`` is at most ``SLICE_BYTES``; else None."""
     rows = op.extent[op.indices[0]] if op.indices else 1
-    if rows < 2 or sliced(stage, 1) is None or sliced(rest, 1) is None:
+    leading = index.var(op.indices[0]) if op.indices else None
+    # the second stage reads T with the op's leading variable leading, so T's first dimension is it
+    reads = [n for n in rest.body.walk() if isinstance(n, Read) and n.tensor == stage.name]
+    if rows < 2 or stage.output.shape[0] != rows or any(r.indices[0] != leading for r in reads):
+        return None
+    if sliced(stage, 1) is None or sliced(rest, 1) is None:
         return None
     per_row = stage.output.size // rows * 4
     fitting = [d for d in range(1, rows) if rows % d == 0 and d * per_row <= SLICE_BYTES]
