@@ -196,34 +196,44 @@ def _slice_rows(op: Op, stage: Op, rest: Op) -> int | None:
     reads = [n for n in rest.body.walk() if isinstance(n, Read) and n.tensor == stage.name]
     if rows < 2 or stage.output.shape[0] != rows or any(r.indices[0] != leading for r in reads):
         return None
-    if sliced(stage, 1) is None or sliced(rest, 1) is None:
+    if _cut_tensors(stage) is None or _cut_tensors(rest) is None:
         return None
     per_row = stage.output.size // rows * 4
     fitting = [d for d in range(1, rows) if rows % d == 0 and d * per_row <= SLICE_BYTES]
     return max(fitting) if fitting else None
 
 
-def sliced(op: Op, rows: int) -> Op | None:
-    """``op`` over ``rows`` values of its leading output variable, the tensors that variable
-    indexes cut to as many rows: where every read of them (and the output) has it as the whole
-    first index and no other tensor or condition mentions it; else None.  Run at each slice's
-    first row (pointers moved there), it computes that slice of ``op``."""
+def _cut_tensors(op: Op) -> set[str] | None:
+    """The input tensors ``sliced`` cuts: those ``op``'s leading output variable indexes, where it is
+    the whole first index of every read of them and of nothing else, and no condition mentions it;
+    None where it is not so."""
     if not op.indices or op.scatter is not None:
         return None
     leading = op.indices[0]
     symbol = index.var(leading)
-    cut = set()
+    reads: list[Read] = []
     for node in op.body.walk():
         if isinstance(node, Reduce) and node.where is not None and leading in index_variables(node.where):
             return None
-        if not isinstance(node, Read) or not any(symbol in e.free_symbols for e in node.indices):
-            continue
-        if node.indices[0] != symbol or any(symbol in e.free_symbols for e in node.indices[1:]):
+        if isinstance(node, Read):
+            reads.append(node)
+    cut = {read.tensor for read in reads if any(symbol in e.free_symbols for e in read.indices)}
+    for read in reads:
+        if read.tensor in cut and (
+            read.indices[0] != symbol or any(symbol in e.free_symbols for e in read.indices[1:])
+        ):
             return None
-        cut.add(node.tensor)
-    for node in op.body.walk():  # a tensor cut is read with the variable leading everywhere
-        if isinstance(node, Read) and node.tensor in cut and node.indices[0] != symbol:
-            return None
+    return cut
+
+
+def sliced(op: Op, rows: int) -> Op | None:
+    """``op`` over ``rows`` values of its leading output variable, the tensors that variable
+    indexes cut to as many rows (``_cut_tensors``); None where they cannot be.  Run at each slice's
+    first row (pointers moved there), it computes that slice of ``op``."""
+    cut = _cut_tensors(op)
+    if cut is None:
+        return None
+    leading = op.indices[0]
 
     def fewer(tensor: Tensor) -> Tensor:
         return Tensor(tensor.name, (rows, *tensor.shape[1:]), tensor.dtype)

@@ -120,6 +120,11 @@ def _alone(planned: OpPlan, piece: int, kernel) -> list[OpPlan]:
     return [_swapped(planned, piece, kernel)]
 
 
+def _in_graph(plans: Sequence[OpPlan], position: int, piece: int, kernel) -> list[OpPlan]:
+    """A graph's ``plans`` with piece ``piece`` of the op at ``position`` swapped for ``kernel``."""
+    return [*plans[:position], _swapped(plans[position], piece, kernel), *plans[position + 1 :]]
+
+
 def _swapped(planned: OpPlan, piece: int, kernel) -> OpPlan:
     """``planned`` with the kernel of piece ``piece`` swapped for ``kernel``."""
     return OpPlan(planned.op, (*planned.kernels[:piece], kernel, *planned.kernels[piece + 1 :]), planned.zero_first)
@@ -183,7 +188,7 @@ def _race(
     with ProcessPoolExecutor(max(1, min(len(variants), os.cpu_count() or 1))) as pool:
         cubins = list(pool.map(compile_cubin, [module_source(v) for v in variants], [arch] * len(variants)))
     executors, kept, rejected, expected = [], [], [], None
-    for position, kernel, variant, cubin in zip(range(len(trial)), trial, variants, cubins, strict=True):
+    for position, (kernel, variant, cubin) in enumerate(zip(trial, variants, cubins, strict=True)):
         if position and cubin.spills.get(kernel.name):
             rejected.append(f"{describe(kernel)} (spills {cubin.spills[kernel.name]} bytes)")
             continue  # the incumbent is kept whatever it does: something must run
@@ -248,10 +253,7 @@ def tune_beside(
             if not isinstance(chosen, MmaKernel):
                 continue  # a SIMT kernel: nothing to choose
             trial = _trial(chosen, chosen.view, precision, arch, lambda k: predict_kernel(k, beside=True))
-
-            def variant_of(kernel, position=position, planned=planned, piece=piece) -> list:
-                return [*plans[:position], _swapped(planned, piece, kernel), *plans[position + 1 :]]
-
+            variant_of = partial(_in_graph, plans, position, piece)
             found = _search(trial, variant_of, graph, keep, feed, precision, arch, BESIDE_MARGIN)
             key = piece_key(planned.op, piece, precision, arch, beside=True)
             results.append(PieceResult(planned.op.name, piece, key, chosen, *found))

@@ -83,7 +83,8 @@ def test_partial_sums_too_large_for_once_are_made_a_batch_slice_at_a_time(monkey
     stage, _ = split_contraction(adjoint)
     assert stage.output.size > adjoint.output.size + sum(t.size for t in adjoint.inputs)
     monkeypatch.setattr(staging, "GAIN", 10.0)  # taken whatever the estimate
-    monkeypatch.setattr(staging, "SLICE_BYTES", 2 * stage.output.size // 4 * 4)  # two rows of b a slice
+    row_bytes = stage.output.size // adjoint.shape[0] * 4  # float32 partial sums of one row of b
+    monkeypatch.setattr(staging, "SLICE_BYTES", 2 * row_bytes)  # two rows of b a slice
     staging.staged_plan.cache_clear()
     try:
         plan = staged_plan(adjoint)
