@@ -602,13 +602,17 @@ def _epilogue_loop(
     variables read from the tables once a strip and once a row and the innermost
     counted up with the lane: where that variable steps the output by one
     (``inner_step``), any run; otherwise a full strip whose columns are contiguous in
-    the output (and a run, where the epilogue reads a column variable).  Any other
-    tile is finished element by element through the tables."""
+    the output (and a run, where the epilogue reads a column variable).  An epilogue
+    reading no column variable finishes any full strip whose columns are contiguous in
+    the output (``dense``) in lanes too: a 1x1 convolution's bias and ReLU6 over 8x8
+    images, whose 16 columns span two image rows, went through the tables element by
+    element (4.0 against 0.8 ms for one of MobileNetV2's).  Any other tile is finished
+    element by element through the tables."""
     inner, inner_extent = cols[-1]
     in_run = f"col_tab[(jc + jr) * {len(cols)} + {len(cols) - 1}] + width <= {inner_extent}"
     uses_columns = any(re.search(rf"\bv_{v}\b", value) for v, _ in cols)
     if inner_step == 1:
-        lanes, condition = "width", in_run
+        lanes, condition = "width", in_run if uses_columns else f"dense || {in_run}"
     else:
         lanes, condition = str(NR), f"dense && width == {NR}" + (f" && {in_run}" if uses_columns else "")
     strip_variables, lane_variable = "", ""

@@ -35,7 +35,7 @@ from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_l
 from neoflow.codegen.merged import merged_inner
 from neoflow.errors import CompileError
 from neoflow.ir import bounds, index
-from neoflow.ir.expr import Binary, Expr, Read, Reduce, Select, index_variables
+from neoflow.ir.expr import Binary, Expr, Index, Read, Reduce, Select, index_variables
 from neoflow.ir.op import Op, Tensor
 from neoflow.targets.cpu.chain import chain_function, chain_plan
 from neoflow.targets.cpu.flat_depth import FlatDepthPlan, flat_depth_plan
@@ -415,7 +415,7 @@ class Lowering:
                 collapsed.add(number + 1)
             return found
 
-        lines += with_pragmas(loops, pragmas)
+        lines += with_pragmas(self._flattened(loops), pragmas)
         lines.append("}")
         undefs = [f"#undef {s.name}" for s in self.statements]
         return "\n".join([*macros, *lines, *undefs])
@@ -460,6 +460,59 @@ class Lowering:
             ):
                 return False
         return True
+
+    def _flattened(self, loops: str) -> str:
+        """``loops`` with each pair of loops that walk one contiguous run of a sum's reads
+        (``_collapsed_sum``) made one loop over the run, where both start at 0 and the sum uses
+        their variables nowhere else: the update is called with the outer variable 0 and the
+        inner one counting over the whole run.  ``simd collapse(2)`` over the pair divides the
+        one counter back into two, and the compiler then gathered the reads of a global average
+        pool under a ReLU6 (0.46 ms, against 0.13 ms as one loop, 2 x 128 x 64 floats)."""
+        rows = loops.splitlines()
+        found: list[str] = []
+        open_loops: list[int] = []  # indentation of the enclosing for loops, as ``with_pragmas`` keeps it
+        number = 0
+        while number < len(rows):
+            row = rows[number]
+            outer = row.lstrip()
+            indent = len(row) - len(outer)
+            while open_loops and indent <= open_loops[-1]:
+                open_loops.pop()
+            # an outermost loop is the one threads share: it stays
+            if open_loops and number + 2 < len(rows) and outer.startswith("for (int "):
+                flat = self._flat_run(outer, rows[number + 1].lstrip(), rows[number + 2])
+                if flat is not None:
+                    loop, update = flat
+                    found += [row[:indent] + loop, update]
+                    number += 3
+                    continue
+            if outer.startswith("for (int "):
+                open_loops.append(indent)
+            found.append(row)
+            number += 1
+        return "\n".join(found)
+
+    def _flat_run(self, outer: str, inner: str, update: str) -> tuple[str, str] | None:
+        """The loop over the run and the update row calling it (``_flattened``), or None."""
+        if not inner.startswith("for (int ") or not self._collapsed_sum(outer, inner, update):
+            return None
+        if _loop_ends(outer)[0] != "0" or _loop_ends(inner)[0] != "0":
+            return None
+        text = update.strip()
+        name = text.split("(", 1)[0]
+        variables = next(s.variables for s in self.statements if s.name == name)
+        arguments = [a.strip() for a in text[len(name) + 1 : text.rindex(")")].split(",")]
+        high_at, low_at = arguments.index(loop_variable(outer)), arguments.index(loop_variable(inner))
+        moving = {variables[high_at], variables[low_at]}
+        node = self._sum_nodes[name]
+        values = [n for n in node.walk() if isinstance(n, Index)]
+        if any(moving & index.variables(n.expr) for n in values):
+            return None
+        counter = loop_variable(inner)
+        arguments[high_at] = "0"
+        run = int(trip_count(outer) * trip_count(inner))
+        loop = f"for (int {counter} = 0; {counter} <= {run - 1}; {counter} += 1)"
+        return loop, update[: len(update) - len(update.lstrip())] + f"{name}({', '.join(arguments)});"
 
     def _summed_by(self, line: str) -> tuple[str, str] | None:
         """The accumulator and OpenMP reduction of the sum (max, min) whose update ``line`` (the body of a

@@ -93,6 +93,11 @@ CASES = {
         "q + s - 1 < 9, X[n, c, p + r - 1, q + s - 1], 0) * W[k, c, r, s]) + R[n, k, p, q] * q",
         {"X": (2, 16, 9, 9), "W": (32, 16, 3, 3), "R": (2, 32, 9, 9), "Y": (2, 32, 9, 9)},
     ),
+    # a 1x1 convolution's bias and clamp over 8x8 images: a strip of 16 columns spans two image rows
+    "pointwise_bias_clamp_8x8": (
+        "Y[n, k, p, q] = min(max(ReduceAdd({c}, X[n, c, p, q] * W[k, c]) + Bias[k], 0), 6)",
+        {"X": (2, 24, 8, 8), "W": (40, 24), "Bias": (40,)},
+    ),
     # the output transposed: the columns step it by more than one, every tile element by element
     "transposed_output_epilogue": (
         "C[j, i] = ReduceAdd({k}, A[i, k] * B[k, j]) + R[j, i]",
@@ -156,11 +161,18 @@ def test_a_tile_stored_element_by_element_is_finished_as_it_is_stored(case: str)
     assert "acc_" not in storing.split("nf_micro_6x16", 1)[0]
 
 
-def test_an_epilogue_reading_no_column_variable_counts_none_up_in_its_lanes() -> None:
-    # a bias by output channel: the run is still needed for the columns to be contiguous
-    code = lower_op(case_op("conv_padded_bias"), "kernel")
-    lanes = code.split("if (col_tab[(jc + jr) * 2 + 1] + width <= 9)", 1)[1].split("} else", 1)[0]
+@pytest.mark.parametrize(("case", "run"), [("conv_padded_bias", 9), ("pointwise_bias_clamp_8x8", 8)])
+def test_an_epilogue_reading_no_column_variable_counts_none_up_in_its_lanes(case: str, run: int) -> None:
+    # a bias by output channel: a strip whose columns lie together in the output (dense), or a run of the
+    # innermost column (a short last strip), is finished in vector lanes, whichever image rows it spans
+    code = lower_op(case_op(case), "kernel")
+    lanes = code.split(f"if (dense || col_tab[(jc + jr) * 2 + 1] + width <= {run})", 1)[1].split("} else", 1)[0]
     assert "#pragma omp simd" in lanes and "first_" not in lanes
+
+
+def test_an_epilogue_reading_a_column_variable_still_needs_a_run() -> None:
+    code = lower_op(case_op("conv_residual_epilogue_short_rows"), "kernel")
+    assert "if (col_tab[(jc + jr) * 2 + 1] + width <= 9)" in code and "dense ||" not in code
 
 
 def test_small_non_float32_and_unfoldable_conditions_use_the_generic_loops() -> None:

@@ -97,18 +97,23 @@ def test_a_per_channel_sum_runs_along_the_rows_it_reads_not_across_them() -> Non
 
 def test_a_sum_over_a_planes_rows_and_columns_runs_as_one_vector_loop() -> None:
     """A BatchNorm statistic sums each (n, c) plane: its h and w loops walk one contiguous run, so
-    they are split into vector lanes together (``collapse(2)``) rather than a 32-long row at a time."""
+    they are one loop over the run, split into vector lanes (rather than a 32-long row at a time)."""
     shapes = {"X": (4, 16, 8, 32), "M": (16,)}
     for text in (
         "S[c] = ReduceAdd({n, h, w}, X[n, c, h, w])",
         "S[c] = ReduceAdd({n, h, w}, (X[n, c, h, w] - M[c]) * 2)",
     ):
         code = Lowering(neoflow.op(text, shapes=shapes)).function("kernel")
-        collapsed = re.search(
-            r"#pragma omp simd reduction\(\+:acc0\) collapse\(2\)\n\s*for \(int c3 = 0; c3 <= 7", code
+        flat = re.search(
+            r"#pragma omp simd reduction\(\+:acc0\)\n\s*"
+            r"for \(int c4 = 0; c4 <= 255; c4 \+= 1\)\n\s*S1\(c0, c2, 0, c4\);",
+            code,
         )
-        assert collapsed, text
-        assert code.count("#pragma omp simd") == 1  # the inner loop has no pragma of its own
+        assert flat, text
+        assert code.count("#pragma omp simd") == 1 and "collapse(2)" not in code
+    # a variable of the run used elsewhere (here as a value): the two loops split into lanes together
+    code = Lowering(neoflow.op("S[c] = ReduceAdd({n, h, w}, X[n, c, h, w] * h)", shapes=shapes)).function("kernel")
+    assert re.search(r"#pragma omp simd reduction\(\+:acc0\) collapse\(2\)\n\s*for \(int c3 = 0; c3 <= 7", code)
     # where the two loops do not walk one run, each row stays a loop of its own
     apart = {
         "S[c] = ReduceAdd({n, h, w}, X[n, c, w, h])": {"X": (4, 16, 32, 32)},  # transposed
@@ -118,15 +123,25 @@ def test_a_sum_over_a_planes_rows_and_columns_runs_as_one_vector_loop() -> None:
     for text, shapes in apart.items():
         code = Lowering(neoflow.op(text, shapes=shapes)).function("kernel")
         assert "collapse(2)" not in code.replace("parallel for collapse(2)", ""), text
+        assert "S1(c0, c2, c3, c4)" in code, text
 
 
 @NEEDS_CC
-def test_a_collapsed_sum_computes_what_the_interpreter_does() -> None:
+@pytest.mark.parametrize(
+    ("text", "shape"),
+    [
+        ("S[c] = ReduceAdd({n, h, w}, (X[n, c, h, w] - M[c]) * (X[n, c, h, w] - M[c]))", "S1(c0, c2, 0, c4)"),
+        # a global average pool under a ReLU6: the clamp's selections in the one loop over each plane
+        ("S[n, c] = ReduceAdd({h, w}, min(max(X[n, c, h, w], 0), 6)) / 96", "S1(c0, c1, 0, c4)"),
+        ("S[c] = ReduceAdd({n, h, w}, X[n, c, h, w] * (h + w))", "collapse(2)"),
+    ],
+)
+def test_a_run_of_a_sum_computes_what_the_interpreter_does(text: str, shape: str) -> None:
     shapes = {"X": (3, 5, 6, 16), "M": (5,)}
-    op = neoflow.op("S[c] = ReduceAdd({n, h, w}, (X[n, c, h, w] - M[c]) * (X[n, c, h, w] - M[c]))", shapes=shapes)
-    assert "collapse(2)" in Lowering(op).function("kernel")
+    op = neoflow.op(text, shapes={k: v for k, v in shapes.items() if k in text})
+    assert shape in Lowering(op).function("kernel")
     rng = np.random.default_rng(0)
-    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    inputs = {t.name: rng.standard_normal(t.shape).astype(np.float32) * 4 for t in op.inputs}
     got = neoflow.compile(op, target="cpu").run(inputs)
     got = got[op.name] if isinstance(got, dict) else got
     want = neoflow.evaluate(op, inputs)

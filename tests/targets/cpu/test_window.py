@@ -54,6 +54,16 @@ def test_stride_two_splits_the_plane_into_two_column_phases() -> None:
     assert plan.plane.floats == 2 * plan.plane.buffer_rows * plan.plane.pitch
 
 
+def test_the_plane_is_copied_without_a_test_per_element() -> None:
+    # the columns inside the tensor are one loop with no condition (where a clamp inlined into the copy
+    # is put in vector lanes), the border's columns and rows are zeros of their own loops
+    code = lower_op(depthwise(size=8, stride=2, plane="min(max({}, 0), 6)"), "k")
+    fill = code.split("for (int64_t y_ = 0;", 1)[1].split("for (int64_t q_ = 0;", 1)[0]
+    assert "for (int64_t x_ = 0; x_ < 1; ++x_) to_[x_] = 0.0f;" in fill
+    assert "for (int64_t x_ = 1; x_ < 9; ++x_) {" in fill and "for (int64_t x_ = 9; x_ < 18; ++x_)" in fill
+    assert " ? " not in fill.split("for (int64_t x_ = 1; x_ < 9; ++x_) {", 1)[1].split("}", 1)[0]
+
+
 def test_forms_it_does_not_take() -> None:
     # a full convolution: its channel sum is not a unit axis
     conv = neoflow.op(
@@ -96,10 +106,14 @@ def test_the_input_adjoint_of_a_stride_one_depthwise_convolution_takes_it() -> N
         depthwise(size=4),
         depthwise(size=21, window=5, epilogue="min(max({} + B[c], 0), 6)"),
         depthwise(size=9, plane="max({}, 0)"),
+        depthwise(size=9, stride=2, plane="min(max({}, 0), 6)"),
         neoflow.grad(depthwise(size=10))["X"],
         neoflow.grad(depthwise(size=6, window=5))["X"],
     ],
-    ids=["3x3", "stride2", "stride2-odd", "4x4", "5x5-relu6", "prologue", "adjoint", "adjoint-5x5"],
+    ids=[
+        *("3x3", "stride2", "stride2-odd", "4x4", "5x5-relu6", "prologue", "stride2-relu6-prologue"),
+        *("adjoint", "adjoint-5x5"),
+    ],
 )
 def test_compiled_window_kernels_match_the_interpreter(op) -> None:
     assert windowed(op) is not None
