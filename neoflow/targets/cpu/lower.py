@@ -50,7 +50,7 @@ from neoflow.targets.cpu.gemm import (
 )
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from neoflow.targets.cpu.staging import StagedPlan, staged_plan
-from neoflow.targets.cpu.window import window_function, windowed
+from neoflow.targets.cpu.window import WindowPlan, window_function, window_pieces_function, windowed
 
 #: an outermost parallel loop shorter than this is collapsed with the loop it holds
 SHORT_PARALLEL_LOOP = 16
@@ -667,6 +667,12 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
     arguments = "".join(f", in{k}" for k in range(len(op.inputs)))
     work = math.prod(op.extent.values())
     helpers, lines = [], []
+    windows = _window_pieces(pieces)
+    if windows is not None:  # every dense piece a window over the same planes: one loop over them all
+        function = f"{name}_windows"
+        helpers.append(file_local(window_pieces_function(op, windows, function), function))
+        lines.append(f"    {function}(out{arguments});")
+        pieces = [piece for piece in pieces if piece.empty]
     for number, piece in enumerate(pieces):
         if piece.empty:
             lines.append(store_slice(piece, "0", op.output.size))
@@ -692,6 +698,20 @@ def lower_pieces(op: Op, pieces: Sequence[Piece], name: str) -> str:
         lines.append(call)
     body = "\n".join(lines)
     return "\n".join(helpers) + f"\nvoid {name}({_parameters(op)}) {{\n{body}\n}}\n"
+
+
+def _window_pieces(pieces: Sequence[Piece]) -> list[tuple[WindowPlan, tuple[int, dict[str, int]]]] | None:
+    """Each dense piece's convolution plan and placement where every dense piece is a window over
+    the same outer points (``window_pieces_function``), else None."""
+    found = []
+    for piece in pieces:
+        if piece.empty:
+            continue
+        plan = windowed(piece.op) if piece.op.reductions else None
+        if not isinstance(plan, WindowPlan) or (found and plan.outer != found[0][0].outer):
+            return None
+        found.append((plan, (piece.base, piece.strides)))
+    return found or None
 
 
 def _parameters(op: Op) -> str:

@@ -36,6 +36,7 @@ there) is exactly the plane read's bounds:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -455,9 +456,40 @@ def window_function(
     row-major."""
     if isinstance(plan, WindowGradientPlan):
         return _gradient_function(op, plan, name, placement)
-    plane, printer = plan.plane, _Printer(op, plan.plane)
+    return window_pieces_function(op, [(plan, placement)], name)
+
+
+def window_pieces_function(
+    op: Op, pieces: Sequence[tuple[WindowPlan, tuple[int, dict[str, int]] | None]], name: str
+) -> str:
+    """The C function ``name`` computing ``op`` by convolution plans over the same outer points (the
+    lattice pieces of a strided depthwise convolution's input adjoint, each ``(plan, placement)``):
+    one loop over the outer points, each point's planes computed by every piece in turn.  Piece by
+    piece, each pass over the output stored every other element of every plane and read the
+    epilogue's tensors (a ReLU6's mask) the same way, four times over memory: a MobileNetV2 block's
+    adjoint took 4.9 ms against its estimate's 1.25."""
+    outer = pieces[0][0].outer
+    assert all(plan.outer == outer for plan, _ in pieces), "pieces of one loop share their outer points"
+    points = sum(math.prod(e for _, e in outer) * plan.plane.rows.extent * plan.plane.cols.extent for plan, _ in pieces)
+    pragma = "#pragma omp parallel for" if points >= PARALLEL_MIN_POINTS else ""
+    bodies = "\n        ".join(_conv_point(plan, placement) for plan, placement in pieces)
+    return f"""{_header(op, name)} {{
+    {pragma}
+    for (int64_t p_ = 0; p_ < {math.prod(e for _, e in outer)}; ++p_) {{
+        {_decode(outer, "p_")}
+        {bodies}
+    }}
+}}
+"""
+
+
+def _conv_point(plan: WindowPlan, placement: tuple[int, dict[str, int]] | None) -> str:
+    """C (a block of its own) computing ``plan.op``'s points of one outer point (``v_<outer>`` set):
+    the plane copied, the taps' weights, each row of positions summed in vectors, the epilogue
+    applied in vector lanes, the row stored where ``placement`` puts it."""
+    op, plane = plan.op, plan.plane
+    printer = _Printer(op, plane)
     rows, cols = plane.rows, plane.cols
-    outer_points = math.prod(e for _, e in plan.outer)
     tap_loops, tap = _taps(op, plane)
     blocks = []
     for first in range(0, plane.vectors, BLOCK_VECTORS):
@@ -477,9 +509,9 @@ def window_function(
                 {newline.join(sums)}
                 {stores}
             }}""")
-    parallel = outer_points * rows.extent * cols.extent >= PARALLEL_MIN_POINTS
-    return f"""{_header(op, name)} {{
-    {_per_outer_point(plan.outer, plane, parallel, "row_")}
+    return f"""{{
+        NF_SCRATCH(float, plane_, {plane.floats});
+        float row_[{plane.vectors * LANES}] __attribute__((aligned(32))), line_[{cols.stride * plane.pitch}];
         {_fill(plane, printer(plane.value))}
         float k_[{plane.taps}];
         {tap_loops} k_[{tap}] = {printer(plan.weight)};
@@ -495,9 +527,7 @@ def window_function(
             for (int64_t v_{cols.position} = 0; v_{cols.position} < {cols.extent}; ++v_{cols.position})
                 out[{_placed(op, placement)}] = row_[v_{cols.position}];
         }}
-    }}
-}}
-"""
+        }}"""
 
 
 def _gradient_function(

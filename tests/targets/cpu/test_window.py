@@ -160,7 +160,10 @@ def test_a_stride_two_input_adjoints_lattice_pieces_are_windows(size: int) -> No
     adjoint = neoflow.grad(depthwise(size=size, stride=2))["X"]
     pieces = split_lattice(adjoint)
     assert len(pieces) == 4 and all(windowed(piece.op) is not None for piece in pieces if not piece.empty)
-    assert "nf_wv" in lower_op(adjoint, "k")
+    code = lower_op(adjoint, "k")
+    # one loop over the planes, each plane's four pieces in turn (not a pass over the output a piece)
+    assert "nf_wv" in code and code.count("for (int64_t p_ = 0;") == 1 and code.count("k_windows(out") == 1
+    assert code.count("NF_SCRATCH(float, plane_,") == 4
     assert_compiled_matches_interpreter(adjoint, seed=11)
     # with a ReLU6's mask as its epilogue, as a training step fuses it
     point = tuple(index.var(v) for v in adjoint.indices)
