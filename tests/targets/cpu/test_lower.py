@@ -11,7 +11,7 @@ import pytest
 import neoflow
 from neoflow.codegen.inner_split import split_inner
 from neoflow.codegen.lattice import split_lattice
-from neoflow.targets.cpu.estimate import schedule
+from neoflow.targets.cpu.estimate import _schedule_once, schedule
 from neoflow.targets.cpu.lower import KernelChoice, Lowering, in_place_reduction, lower_op, most_trips, trip_count
 from neoflow.targets.cpu.prelude import PARALLEL_MIN_POINTS
 from tests.on_targets import NEEDS_CC
@@ -397,3 +397,14 @@ def test_a_row_max_runs_in_vector_lanes_and_propagates_nan() -> None:
     for op, reference in ((rowmax, np.max), (rowmin, np.min)):
         got = neoflow.compile(op, target="cpu").run({"X": x})
         np.testing.assert_array_equal(got, reference(x, axis=1))
+
+
+def test_ops_alike_but_for_their_tensors_and_variables_names_are_scheduled_once() -> None:
+    # a network's repeated layers' adjoints name their variables after their tensors: one schedule serves all
+    shapes = {"A": (48, 64), "B": (64, 40)}
+    first = neoflow.op("C[i, j] = ReduceAdd({k}, A[i, k] * B[k, j])", shapes=shapes)
+    second = neoflow.op("D[x, y] = ReduceAdd({z}, P[x, z] * Q[z, y])", shapes={"P": (48, 64), "Q": (64, 40)})
+    _schedule_once.cache_clear()
+    assert schedule(first) == schedule(second)
+    info = _schedule_once.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
