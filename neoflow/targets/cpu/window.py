@@ -429,7 +429,12 @@ def _per_outer_point(outer: tuple[tuple[str, int], ...], plane: Plane, parallel:
     return f"""{pragma}
     for (int64_t p_ = 0; p_ < {math.prod(e for _, e in outer)}; ++p_) {{
         {_decode(outer, "p_")}
-        NF_SCRATCH(float, plane_, {plane.floats});
+        {_buffers(plane, row)}"""
+
+
+def _buffers(plane: Plane, row: str) -> str:
+    """C declaring the plane buffer, ``row`` (a row of positions' floats, aligned) and the copy's line buffer."""
+    return f"""NF_SCRATCH(float, plane_, {plane.floats});
         float {row}[{plane.vectors * LANES}] __attribute__((aligned(32))), line_[{plane.cols.stride * plane.pitch}];"""
 
 
@@ -510,8 +515,7 @@ def _conv_point(plan: WindowPlan, placement: tuple[int, dict[str, int]] | None) 
                 {stores}
             }}""")
     return f"""{{
-        NF_SCRATCH(float, plane_, {plane.floats});
-        float row_[{plane.vectors * LANES}] __attribute__((aligned(32))), line_[{cols.stride * plane.pitch}];
+        {_buffers(plane, "row_")}
         {_fill(plane, printer(plane.value))}
         float k_[{plane.taps}];
         {tap_loops} k_[{tap}] = {printer(plan.weight)};
