@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 import sympy
 
 from neoflow.ir import index
-from neoflow.ir.bounds import PREFIX
-from neoflow.ir.expr import Expr, Index, Read, map_indices
+from neoflow.ir.bounds import PREFIX, lattice_condition
+from neoflow.ir.expr import Expr, Index, Read, Reduce, map_children, map_indices
 from neoflow.ir.op import Op
 from neoflow.ir.simplify import simplify_index
 
@@ -132,3 +132,71 @@ def split_groups(op: Op) -> Op | None:
         return None  # a division the split does not resolve
     shape = tuple(e for v, e in ranges if v in indices)
     return replace(op, body=body, indices=tuple(indices), ranges=tuple(ranges), output=replace(op.output, shape=shape))
+
+
+def radix_gather(op: Op) -> Op | None:
+    """``op`` without its one sum where the sum has exactly one term at every point: its domain
+    condition ``(z - c1*t1 - c2*t2 - ...) % M == 0`` over all its axes ``t``, whose coefficients are
+    the digits' weights of a number below ``M`` (``t1`` below ``c2 / c1``, ..., the largest weight
+    times its axis's extent ``M``), ``z`` an output index.  Each ``t`` is then ``z``'s digit: ``z``
+    is split in place into ``M*a`` plus the digits (the output's layout unchanged), each axis read as
+    its digit, each read affine.  A reshape's adjoint through a transpose (ViT's ``qkv`` split back
+    into one tensor: ``(z - 16*h - d) % 64 == 0``) otherwise walked its two axes at every point with
+    a division and a remainder a read.  None where ``op`` is no such sum."""
+    found = _radix(op)
+    if found is None:
+        return None
+    reduce, z, digits, modulus = found
+    taken = set(op.extent)
+    top = index.fresh_name(f"{z}_top", taken)
+    names = [index.fresh_name(f"{z}_digit{k}", taken) for k in range(len(digits))]
+    # the digits, heaviest first (row-major): z = M*top + sum of weight * digit
+    order = sorted(range(len(digits)), key=lambda k: -digits[k][1])
+    value = modulus * index.var(top) + sum(digits[k][1] * index.var(names[k]) for k in order)
+    at = {index.var(z): value} | {index.var(digits[k][0]): index.var(names[k]) for k in range(len(digits))}
+    position = op.indices.index(z)
+    indices = (*op.indices[:position], top, *(names[k] for k in order), *op.indices[position + 1 :])
+    extents = {v: e for v, e in op.ranges if v in op.indices} | {top: op.extent[z] // modulus}
+    extents |= {names[k]: op.extent[digits[k][0]] for k in range(len(digits))}
+    ranges = tuple((v, extents[v]) for v in indices)
+
+    def digit(expr: sympy.Expr) -> sympy.Expr:
+        return simplify_index(sympy.expand(expr.xreplace(at)), extents)
+
+    def without_sum(node: Expr) -> Expr:
+        return node.body if node is reduce else map_children(node, without_sum)
+
+    body = map_indices(without_sum(op.body), digit)
+    shape = tuple(extents[v] for v in indices)
+    return replace(op, body=body, indices=indices, ranges=ranges, output=replace(op.output, shape=shape))
+
+
+def _radix(op: Op) -> tuple[Reduce, str, list[tuple[str, int]], int] | None:
+    """``(the sum, z, [(axis, weight)], M)`` for ``radix_gather``, else None."""
+    if op.scatter is not None:
+        return None
+    sums = [n for n in op.body.walk() if isinstance(n, Reduce)]
+    if len(sums) != 1 or sums[0].where is None or any(isinstance(n, Reduce) for n in sums[0].body.walk()):
+        return None
+    reduce = sums[0]
+    found = lattice_condition(reduce.where)
+    if found is None:
+        return None
+    expr, modulus = sympy.expand(found[0]), found[1]
+    terms = index.linear_terms(expr)
+    if terms is None or expr.xreplace({s: 0 for s in expr.free_symbols}) != 0:
+        return None
+    outputs = [v for v in op.indices if terms.get(v, 0) != 0]
+    if len(outputs) != 1 or set(terms) - {outputs[0], *reduce.axes}:
+        return None
+    z = outputs[0]
+    sign = terms[z]
+    if sign not in (1, -1) or op.extent[z] % modulus:
+        return None
+    digits = [(t, int(-terms.get(t, 0) * sign)) for t in reduce.axes]
+    weight = 1
+    for t, c in sorted(digits, key=lambda d: d[1]):  # the weights: 1, then each times the last axis's extent
+        if c != weight:
+            return None
+        weight *= op.extent[t]
+    return (reduce, z, digits, modulus) if weight == modulus else None

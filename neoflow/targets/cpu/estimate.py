@@ -7,6 +7,7 @@ from functools import lru_cache
 
 import sympy
 
+from neoflow.codegen.inner_split import radix_gather
 from neoflow.codegen.lattice import split_lattice
 from neoflow.fusion.cost import Scheduled
 from neoflow.ir import index
@@ -84,6 +85,7 @@ def schedule_of(op: Op) -> Scheduled:
     pieces = split_lattice(op) if op.scatter is None else None
     if pieces is not None and len(pieces) > 1:  # a strided domain runs as dense pieces, each its own loop nest
         return Scheduled(vector=all(schedule(piece.op).vector for piece in pieces if not piece.empty))
+    op = radix_gather(op) or op  # lowered as the gather it is
     reductions = [node for node in op.body.walk() if isinstance(node, Reduce)]
     if not reductions or in_place_reduction(op) is not None:
         inner = op.indices[-1] if op.indices else None  # the innermost loop runs over the output's last index

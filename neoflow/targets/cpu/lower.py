@@ -30,7 +30,7 @@ import islpy as isl
 
 from neoflow.codegen.c_expr import IndexPrinter, ValuePrinter, c_type, cast, linear_index
 from neoflow.codegen.implicit_gemm import guards_to_domain
-from neoflow.codegen.inner_split import Written, split_inner
+from neoflow.codegen.inner_split import Written, radix_gather, split_inner
 from neoflow.codegen.lattice import Piece, piece_target, split_epilogue, split_lattice, with_reduce
 from neoflow.codegen.merged import merged_inner
 from neoflow.errors import CompileError
@@ -864,6 +864,7 @@ def lower_op(op: Op, name: str, choice: KernelChoice | None = None) -> str:
         pieces = _lattice_pieces(op) if tried("pieces") else None
         if pieces is not None:
             return lower_pieces(op, pieces, name)
+        op = radix_gather(op) or op  # a sum of one term at every point: its reads, affine
         split = split_inner(op, None) if op.scatter is None and not op.reductions else None
         if split is not None:  # the depth-to-space family: unit-stride inner loops
             return Lowering(split[0], written=split[1]).function(name)
