@@ -435,8 +435,7 @@ class Lowering:
         if not inner.startswith("for (int ") or math.inf in (trip_count(outer), trip_count(inner)):
             return False
         node = self._sum_nodes[name]
-        variables = next(s.variables for s in self.statements if s.name == name)
-        arguments = [a.strip() for a in text[len(name) + 1 : text.rindex(")")].split(",")]
+        variables, arguments = self._call(text)
         try:
             high = variables[arguments.index(loop_variable(outer))]
             low = variables[arguments.index(loop_variable(inner))]
@@ -500,8 +499,7 @@ class Lowering:
             return None
         text = update.strip()
         name = text.split("(", 1)[0]
-        variables = next(s.variables for s in self.statements if s.name == name)
-        arguments = [a.strip() for a in text[len(name) + 1 : text.rindex(")")].split(",")]
+        variables, arguments = self._call(text)
         high_at, low_at = arguments.index(loop_variable(outer)), arguments.index(loop_variable(inner))
         moving = {variables[high_at], variables[low_at]}
         node = self._sum_nodes[name]
@@ -513,6 +511,12 @@ class Lowering:
         run = int(trip_count(outer) * trip_count(inner))
         loop = f"for (int {counter} = 0; {counter} <= {run - 1}; {counter} += 1)"
         return loop, update[: len(update) - len(update.lstrip())] + f"{name}({', '.join(arguments)});"
+
+    def _call(self, text: str) -> tuple[list[str], list[str]]:
+        """The variables of the statement a loop body's call ``S(a, b, ...);`` names, and its arguments."""
+        name = text.split("(", 1)[0]
+        variables = next(s.variables for s in self.statements if s.name == name)
+        return variables, [a.strip() for a in text[len(name) + 1 : text.rindex(")")].split(",")]
 
     def _summed_by(self, line: str) -> tuple[str, str] | None:
         """The accumulator and OpenMP reduction of the sum (max, min) whose update ``line`` (the body of a
