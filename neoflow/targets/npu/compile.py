@@ -219,6 +219,10 @@ def compile_op(op: Op, machine: Machine, hand_off: bool = True) -> OpProgram:
             zeroed = None  # the zeros are in the cube phase
         else:
             program = build(False)
+    if on_chip and len(views) > 1:
+        # lattice pieces sharing their epilogue loads, kept where the static schedule is no slower
+        alone = static_schedule(program)
+        program, known[len(phases)] = alone_or_siblings(op, program, alone, views, gathers, tiles, cores)
     if zeroed is not None:
         zeros = Program(machine, dict(tensors))
         _emit_zeros(zeros, zeroed, tensors[zeroed])
@@ -245,6 +249,51 @@ def compile_op(op: Op, machine: Machine, hand_off: bool = True) -> OpProgram:
             return _checked(merged)
 
     return compiled
+
+
+def alone_or_siblings(
+    op: Op, program: Program, alone: Schedule, views, gathers, tiles: list[cube.CubeTiles], cores: range
+) -> tuple[Program, Schedule]:
+    """``program`` (each lattice piece's tiles on their own, on-chip epilogues; its ``alone``
+    schedule) or, where its static schedule is no slower, the program that takes the pieces in
+    ``sibling_groups`` (tiles cut to quarters of L0C, ``cube.quarter_tiles``), with its schedule."""
+    machine = program.machine
+    itemsize = dt.numpy_dtype(op.dtype).itemsize
+    quartered = [cube.quarter_tiles(t, machine) for t in tiles]
+    groups = sibling_groups(views, gathers, quartered, itemsize, machine)
+    if all(len(group) == 1 for group in groups):
+        return program, alone
+
+    def emit(target: Program, touch: FirstTouch) -> None:
+        steps: dict[int, list[int]] = {}
+        for group in groups:
+            members = [(views[v], gathers[v], quartered[v]) for v in group]
+            if len(members) > 1:
+                cube.emit_siblings(target, members, cores, op.name, itemsize, steps, touch)
+                continue
+            where = (cores, op.name, itemsize, None, steps, touch)
+            cube.emit_view(target, *members[0], *where, on_chip=True, l0c_slots=4)
+
+    paired = Program(machine, dict(program.tensors))
+    fetched(paired, _inputs(op), emit, len(cores))
+    together = static_schedule(paired)
+    return (paired, together) if together.cycles <= alone.cycles else (program, alone)
+
+
+def sibling_groups(views, gathers, tiles: list[cube.CubeTiles], itemsize: int, machine: Machine) -> list[list[int]]:
+    """The views (lattice pieces) in the order they are emitted, as groups: a pair that
+    ``cube.siblings`` says gains by sharing its epilogue loads, each other view alone (pairs
+    taken greedily, each view with the first later one it pairs with)."""
+    members = list(zip(views, gathers, tiles, strict=True))
+    groups, taken = [], set()
+    for v in range(len(views)):
+        if v in taken:
+            continue
+        later = (w for w in range(v + 1, len(views)) if w not in taken)
+        mate = next((w for w in later if cube.siblings([members[v], members[w]], itemsize, machine)), None)
+        groups.append([v] if mate is None else [v, mate])
+        taken.update(groups[-1])
+    return groups
 
 
 def _tile_work(view, tiles: cube.CubeTiles, tile: tuple) -> int:

@@ -21,6 +21,7 @@ so loads of the next step overlap the cube's work on this one.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -311,6 +312,10 @@ def tile_order(view: GemmView, tiles: CubeTiles) -> list[tuple[int, int, int, ra
     ]
 
 
+#: a view's product as ``emit_view`` and ``emit_siblings`` take it: the view, its operands' gathers, its tiles
+Member = tuple[GemmView, tuple[Gather, Gather], CubeTiles]
+
+
 def emit_view(
     program: Program,
     view: GemmView,
@@ -325,6 +330,7 @@ def emit_view(
     busiest_only: bool = False,
     on_chip: bool = False,
     only: Mapping[int, Sequence[int]] | None = None,
+    l0c_slots: int = 2,
 ) -> None:
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
     results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor; with
@@ -335,120 +341,250 @@ def emit_view(
     (``loads``); ``busiest_only``: the first core's share alone (the most work items: a trial of the
     tiles); ``only``: per position in ``cores``, the tiles (positions in ``tile_order``) that core
     takes instead of its round-robin share, a core left out taking none (lattice pieces side by side:
-    ``compile.pieces_side_by_side``)."""
+    ``compile.pieces_side_by_side``); ``l0c_slots``: the parts of L0C the tiles take in turn (two:
+    ping-pong halves; four: ``emit_siblings``' quarters, which a program's every view must share)."""
+    where = (output, output_itemsize, workspace, steps, touch, busiest_only, on_chip, only, l0c_slots)
+    _emit(program, [(view, gathers, tiles)], cores, *where)
+
+
+def emit_siblings(
+    program: Program,
+    members: Sequence[Member],
+    cores: range,
+    output: str,
+    output_itemsize: int,
+    steps: dict[int, list],
+    touch: FirstTouch,
+    l0c_slots: int = 4,
+) -> None:
+    """``emit_view`` (``on_chip``, no workspace) for sibling views taken together (``siblings``):
+    each core computes the same tile of every member one after the other, each into its slot of
+    L0C, then applies their epilogues chunk by chunk with one load of the elements they read.
+    With four slots (``quarter_tiles``) the next tiles' products run while these epilogues do."""
+    _emit(program, members, cores, output, output_itemsize, None, steps, touch, on_chip=True, l0c_slots=l0c_slots)
+
+
+def quarter_tiles(tiles: CubeTiles, machine: Machine) -> CubeTiles:
+    """``tiles`` with rows cut (in 16s) so that a tile's fp32 sums fit a quarter of L0C."""
+    quarter = machine.buffer("L0C").capacity // 4
+    rows = max(16, quarter // (_pad16(tiles.n) * ACCUMULATOR_BYTES) // 16 * 16)
+    return dataclasses.replace(tiles, m=min(tiles.m, rows))
+
+
+def siblings(members: Sequence[Member], output_itemsize: int, machine: Machine) -> bool:
+    """Whether views with on-chip epilogues (lattice pieces) gain by sharing their epilogue loads:
+    at most two (L0C's two halves), of one shape and one undivided tiling of rows and columns, whose
+    first tiles' epilogue reads, loaded together, move fewer bytes than loaded apart (pieces a
+    column apart read elements in the same GM sectors: each alone moves whole sectors for half
+    their elements)."""
+    if len(members) != 2 or not _epilogue_reads(members[0][0]):
+        return False
+    (first, _, one), (second, _, other) = members
+    if first.sizes[:3] != second.sizes[:3] or (one.m, one.n, one.splits) != (other.m, other.n, 1) or one.splits != 1:
+        return False
+    _, m_size, n_size, _ = first.sizes
+    rows, cols = range(min(one.m, m_size)), range(min(one.n, n_size))
+    apart = together = 0
+    for read in range(len(_epilogue_reads(first))):
+        prints = [_epilogue_footprints(view, output_offsets(view, rows, cols, 0)[0])[read] for view in (first, second)]
+        apart += sum(f.moved_bytes for f in prints)
+        together += _union(prints).moved_bytes
+    if together >= apart:
+        return False
+    per_chunk = _chunk_rows(first, len(cols), output_itemsize, machine, 2)
+    return per_chunk >= 16
+
+
+def _union(footprints: Sequence[Footprint]) -> Footprint:
+    first = footprints[0]
+    offsets = np.unique(np.concatenate([f.offsets for f in footprints]))
+    return Footprint(first.tensor, offsets, first.itemsize)
+
+
+def _emit(
+    program: Program,
+    members: Sequence[Member],
+    cores: range,
+    output: str,
+    output_itemsize: int,
+    workspace: str | None,
+    steps: dict[int, list],
+    touch: FirstTouch,
+    busiest_only: bool = False,
+    on_chip: bool = False,
+    only: Mapping[int, Sequence[int]] | None = None,
+    l0c_slots: int = 2,
+) -> None:
+    """``emit_view`` of ``members`` (sibling views, ``emit_siblings``; or one view): a core's
+    tiles of every member at one position in ``tile_order`` one after the other, the tiles taking
+    the ``l0c_slots`` parts of L0C in turn."""
     machine = program.machine
-    _, m_size, n_size, _ = view.sizes
-    tile_list = tile_order(view, tiles)
-    accumulate = tiles.splits > 1
-    names = (gathers[0].tensor, gathers[1].tensor)
-    sizes = {side: dt.numpy_dtype(_tensor(view, names[k]).dtype).itemsize for k, side in enumerate("ab")}
-    a_bound = align(_bound_bytes(view, gathers[0], tiles.m, tiles.k1), 32)
+    lists = [tile_order(view, tiles) for view, _, tiles in members]
     # every buffer in two fixed halves (whatever the tiles, so halves stay apart from one view to the next)
-    slot_l1, l0a_slot, l0b_slot, l0c_slot = (machine.buffer(b).capacity // 2 for b in ("L1", "L0A", "L0B", "L0C"))
+    slot_l1 = machine.buffer("L1").capacity // 2
+    a_bound = max(align(_bound_bytes(view, gathers[0], tiles.m, tiles.k1), 32) for view, gathers, tiles in members)
     for position, core in enumerate(cores[:1] if busiest_only else cores):
-        mine = tile_list[position :: len(cores)] if only is None else [tile_list[k] for k in only.get(position, ())]
-        if not mine:
+        picks = range(position, len(lists[0]), len(cores)) if only is None else only.get(position, ())
+        if not picks:
             continue
         flags = _Flags(program, core)
-        l1_step, l0_step, done, chunks, stored = steps.setdefault(core, [0, 0, 0, 0, {}])
-        drained = [chunks, stored]
-        resident = _resident_b(view, gathers[1], tiles, mine, sizes["b"], a_bound, slot_l1)
-        for count, (z, mi, ni, depth) in enumerate(mine, start=done):
-            rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
-            env_z = batch_env(view, z)
-            acc_slot = count % 2
-            l0c = Region("L0C", acc_slot * l0c_slot, _pad16(len(rows)) * _pad16(len(cols)) * ACCUMULATOR_BYTES)
-            for k1 in range(depth.start, depth.stop, tiles.k1):
-                half = l1_step % 2
-                depth1 = range(k1, min(k1 + tiles.k1, depth.stop))
-                patches = {}
-                if l1_step >= 2:
-                    flags.wait("MTE1", "MTE2", half)
-                for side, rng, base in (("a", rows, 0), ("b", cols, a_bound)):
-                    gather = gathers[0 if side == "a" else 1]
-                    if side == "b" and resident is not None:
-                        region, footprint, fresh = resident.patch(cols, depth1, z)
-                    else:
-                        tile = OperandTile(view, side, gather, rng, depth1, z)
-                        footprint = Footprint(gather.tensor, patch_offsets(tile, env_z), sizes[side])
-                        region, fresh = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32)), True
-                    patches[side] = region
-                    if fresh:
-                        touch.add(program, core, footprint, gm_load(machine, core, footprint, region), len(cores))
-                flags.signal("MTE2", "MTE1", half)
-                flags.wait("MTE2", "MTE1", half)
-                for k0 in range(k1, depth1.stop, tiles.k0):
-                    slot = l0_step % 2
-                    depth0 = range(k0, min(k0 + tiles.k0, depth1.stop))
-                    if l0_step >= 2:
-                        flags.wait("CUBE", "MTE1", slot)
-                    l0 = {}
-                    for side, rng, name, width in (("a", rows, "L0A", l0a_slot), ("b", cols, "L0B", l0b_slot)):
-                        gather = gathers[0 if side == "a" else 1]
-                        fractal = _pad16(len(rng)) * _pad16(len(depth0)) * OPERAND_BYTES
-                        l0[side] = Region(name, slot * width, fractal)
-                        tile = OperandTile(view, side, gather, rng, depth0, z)
-                        layout = "zZ" if side == "a" else "nZ"
-                        program.add(
-                            copy(
-                                machine,
-                                core,
-                                patches[side],
-                                l0[side],
-                                opcode="mte1.img2col",
-                                moved=fractal,
-                                args=(("rows", len(rng)), ("depth", len(depth0)), ("layout", layout)),
-                                data=tile,
-                            )
-                        )
-                    if k0 + tiles.k0 >= depth1.stop:
-                        flags.signal("MTE1", "MTE2", half)
-                    flags.signal("MTE1", "CUBE", slot)
-                    flags.wait("MTE1", "CUBE", slot)
-                    first = k0 == depth.start
-                    if first and count >= 2:
-                        flags.wait("FIXPIPE", "CUBE", acc_slot)
-                    program.add(mmad(machine, core, l0["a"], l0["b"], l0c, len(rows), len(cols), len(depth0), first))
-                    flags.signal("CUBE", "MTE1", slot)
-                    l0_step += 1
-                l1_step += 1
-            flags.signal("CUBE", "FIXPIPE", acc_slot)
-            flags.wait("CUBE", "FIXPIPE", acc_slot)
+        state = steps.setdefault(core, [0, 0, 0, 0, {}])  # L1 steps, L0 steps, tiles, chunks, stored
+        drained = [state[3], state[4]]
+        rooms = [[a_bound, slot_l1], [slot_l1 + a_bound, 2 * slot_l1]]  # [next free byte, end] in each half
+        alone = len(members) == 1
+        residents = [
+            _resident_b(view, gathers[1], tiles, [work[p] for p in picks], _itemsize(view, gathers[1]), rooms, alone)
+            for (view, gathers, tiles), work in zip(members, lists, strict=True)
+        ]
+        if any(resident is None for resident in residents):
+            residents = [None] * len(members)  # patches apart would meet the others' loads: all or none
+        for pick in picks:
+            finished = [
+                _products(program, flags, member, work[pick], resident, a_bound, state, touch, len(cores), l0c_slots)
+                for member, work, resident in zip(members, lists, residents, strict=True)
+            ]
             if on_chip:
-                tile = EpilogueTile(view, rows, cols, z)
-                _epilogue_on_chip(
-                    program, flags, tile, l0c, acc_slot, output, output_itemsize, drained, touch, len(cores)
-                )
+                _epilogue_on_chip(program, flags, finished, output, output_itemsize, drained, touch, len(cores))
                 continue
-            env, offsets = output_offsets(view, rows, cols, z)
-            epilogue = workspace is None
-            extra = _epilogue_footprints(view, env) if epilogue else []
-            target = output if epilogue else workspace
-            itemsize = output_itemsize if epilogue else ACCUMULATOR_BYTES
-            low, high = int(offsets.min()), int(offsets.max())
-            points = None if epilogue else np.unique(offsets)  # a workspace: what a vector core may read
-            destination = Region(GM, low * itemsize, (high - low + 1) * itemsize, target, points)
-            moved = offsets.size * itemsize + sum(f.moved_bytes for f in extra)
-            program.add(
-                copy(
-                    machine,
-                    core,
-                    l0c,
-                    destination,
-                    reads=tuple(gm_region(f) for f in extra),
-                    moved=moved,
-                    args=(("rows", len(rows)), ("cols", len(cols)), ("epilogue", epilogue), ("atomic_add", accumulate)),
-                    data=OutputTile(view, rows, cols, z, epilogue, workspace, accumulate),
-                )
-            )
-            flags.signal("FIXPIPE", "CUBE", acc_slot)
-        if resident is not None:
+            for (_, _, tiles), (tile, l0c, acc_slot) in zip(members, finished, strict=True):
+                accumulate = tiles.splits > 1
+                _store_tile(program, flags, tile, l0c, acc_slot, output, output_itemsize, workspace, accumulate)
+        if residents[0] is not None:
             # the next view's loads may land where this view's resident patches lie: MTE2 waits
             # until MTE1 has read the last two steps' (the earlier ones it waited for already)
-            for step in range(max(0, l1_step - 2), l1_step):
+            for step in range(max(0, state[0] - 2), state[0]):
                 flags.wait("MTE1", "MTE2", step % 2)
-            l1_step = 0  # both halves free: the next loads wait for nothing
-        steps[core] = [l1_step, l0_step, done + len(mine), drained[0], stored]
+            state[0] = 0  # both halves free: the next loads wait for nothing
+        state[3] = drained[0]
+
+
+def _itemsize(view: GemmView, gather: Gather) -> int:
+    return dt.numpy_dtype(_tensor(view, gather.tensor).dtype).itemsize
+
+
+def _products(
+    program: Program,
+    flags: _Flags,
+    member: Member,
+    tile: tuple[int, int, int, range],
+    resident: _ResidentB | None,
+    a_bound: int,
+    state: list,
+    touch: FirstTouch,
+    cores: int,
+    l0c_slots: int,
+) -> tuple[EpilogueTile, Region, int]:
+    """The loads, fractals and multiply-adds of one output ``tile`` of ``member`` on ``flags``' core,
+    into its slot of L0C (one of ``l0c_slots`` equal parts, taken in turn: the core's tile count,
+    ``state[2]``, picks it; counted here); the tile (as an ``EpilogueTile``), its L0C region and
+    slot, once the cube has finished it."""
+    machine = program.machine
+    view, gathers, tiles = member
+    _, m_size, n_size, _ = view.sizes
+    z, mi, ni, depth = tile
+    slot_l1, l0a_slot, l0b_slot = (machine.buffer(b).capacity // 2 for b in ("L1", "L0A", "L0B"))
+    l0c_slot = machine.buffer("L0C").capacity // l0c_slots
+    rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
+    env_z = batch_env(view, z)
+    count = state[2]
+    acc_slot = count % l0c_slots
+    l0c = Region("L0C", acc_slot * l0c_slot, _pad16(len(rows)) * _pad16(len(cols)) * ACCUMULATOR_BYTES)
+    for k1 in range(depth.start, depth.stop, tiles.k1):
+        half = state[0] % 2
+        depth1 = range(k1, min(k1 + tiles.k1, depth.stop))
+        patches = {}
+        if state[0] >= 2:
+            flags.wait("MTE1", "MTE2", half)
+        for side, rng, base in (("a", rows, 0), ("b", cols, a_bound)):
+            gather = gathers[0 if side == "a" else 1]
+            if side == "b" and resident is not None:
+                region, footprint, fresh = resident.patch(cols, depth1, z)
+            else:
+                operand = OperandTile(view, side, gather, rng, depth1, z)
+                footprint = Footprint(gather.tensor, patch_offsets(operand, env_z), _itemsize(view, gather))
+                region, fresh = Region("L1", half * slot_l1 + base, max(footprint.bytes, 32)), True
+            patches[side] = region
+            if fresh:
+                touch.add(program, flags.core, footprint, gm_load(machine, flags.core, footprint, region), cores)
+        flags.signal("MTE2", "MTE1", half)
+        flags.wait("MTE2", "MTE1", half)
+        for k0 in range(k1, depth1.stop, tiles.k0):
+            slot = state[1] % 2
+            depth0 = range(k0, min(k0 + tiles.k0, depth1.stop))
+            if state[1] >= 2:
+                flags.wait("CUBE", "MTE1", slot)
+            l0 = {}
+            for side, rng, name, width in (("a", rows, "L0A", l0a_slot), ("b", cols, "L0B", l0b_slot)):
+                gather = gathers[0 if side == "a" else 1]
+                fractal = _pad16(len(rng)) * _pad16(len(depth0)) * OPERAND_BYTES
+                l0[side] = Region(name, slot * width, fractal)
+                operand = OperandTile(view, side, gather, rng, depth0, z)
+                layout = "zZ" if side == "a" else "nZ"
+                program.add(
+                    copy(
+                        machine,
+                        flags.core,
+                        patches[side],
+                        l0[side],
+                        opcode="mte1.img2col",
+                        moved=fractal,
+                        args=(("rows", len(rng)), ("depth", len(depth0)), ("layout", layout)),
+                        data=operand,
+                    )
+                )
+            if k0 + tiles.k0 >= depth1.stop:
+                flags.signal("MTE1", "MTE2", half)
+            flags.signal("MTE1", "CUBE", slot)
+            flags.wait("MTE1", "CUBE", slot)
+            first = k0 == depth.start
+            if first and count >= l0c_slots:
+                flags.wait("FIXPIPE", "CUBE", acc_slot)
+            program.add(mmad(machine, flags.core, l0["a"], l0["b"], l0c, len(rows), len(cols), len(depth0), first))
+            flags.signal("CUBE", "MTE1", slot)
+            state[1] += 1
+        state[0] += 1
+    flags.signal("CUBE", "FIXPIPE", acc_slot)
+    flags.wait("CUBE", "FIXPIPE", acc_slot)
+    state[2] += 1
+    return EpilogueTile(view, rows, cols, z), l0c, acc_slot
+
+
+def _store_tile(
+    program: Program,
+    flags: _Flags,
+    tile: EpilogueTile,
+    l0c: Region,
+    acc_slot: int,
+    output: str,
+    output_itemsize: int,
+    workspace: str | None,
+    accumulate: bool,
+) -> None:
+    """FIXPIPE's drain of a finished tile in ``l0c`` to GM: into ``output`` with the epilogue on the
+    way, or the raw sums into ``workspace`` (added atomically with ``accumulate``)."""
+    view, rows, cols, z = tile.view, tile.rows, tile.cols, tile.batch
+    env, offsets = output_offsets(view, rows, cols, z)
+    epilogue = workspace is None
+    extra = _epilogue_footprints(view, env) if epilogue else []
+    target = output if epilogue else workspace
+    itemsize = output_itemsize if epilogue else ACCUMULATOR_BYTES
+    low, high = int(offsets.min()), int(offsets.max())
+    points = None if epilogue else np.unique(offsets)  # a workspace: what a vector core may read
+    destination = Region(GM, low * itemsize, (high - low + 1) * itemsize, target, points)
+    moved = offsets.size * itemsize + sum(f.moved_bytes for f in extra)
+    program.add(
+        copy(
+            program.machine,
+            flags.core,
+            l0c,
+            destination,
+            reads=tuple(gm_region(f) for f in extra),
+            moved=moved,
+            args=(("rows", len(rows)), ("cols", len(cols)), ("epilogue", epilogue), ("atomic_add", accumulate)),
+            data=OutputTile(view, rows, cols, z, epilogue, workspace, accumulate),
+        )
+    )
+    flags.signal("FIXPIPE", "CUBE", acc_slot)
 
 
 class _ResidentB:
@@ -475,16 +611,17 @@ def _resident_b(
     tiles: CubeTiles,
     mine: list[tuple],
     itemsize: int,
-    a_bound: int,
-    half: int,
+    rooms: list[list[int]],
+    reused_only: bool = True,
 ) -> _ResidentB | None:
     """Operand ``b``'s distinct patches over a core's tiles ``mine`` placed in L1 beside the
-    ``a`` halves, where some patch is read by more than one tile and all of them fit; else None
-    (each tile loads its own into the ping-pong halves)."""
+    ``a`` halves, in ``rooms`` (``[next free byte, end]`` in each half, taken here), where all of
+    them fit and (``reused_only``) some patch is read by more than one tile; else None (each tile
+    loads its own into the ping-pong halves)."""
     n_size = view.sizes[2]
     keys: dict[tuple, tuple] = {}
     footprints: dict[tuple, Footprint] = {}
-    room = 2 * (half - a_bound)  # bytes beside the two ``a`` halves
+    room = sum(end - start for start, end in rooms)  # bytes beside the two ``a`` halves
     for z, _, ni, depth in mine:
         for k1 in range(depth.start, depth.stop, tiles.k1):
             if (ni, k1, z) in keys:
@@ -499,9 +636,8 @@ def _resident_b(
                 if room < 0:
                     return None  # they cannot all stay (the halves' rooms are checked one by one below)
     uses = sum(len(range(d.start, d.stop, tiles.k1)) for _, _, _, d in mine)
-    if len(footprints) == uses:
+    if reused_only and len(footprints) == uses:
         return None  # no patch is read twice
-    rooms = [[a_bound, half], [half + a_bound, 2 * half]]  # [next free byte, end] in each half
     placed: dict[tuple, tuple[Region, Footprint]] = {}
     for key, footprint in footprints.items():
         size = align(max(footprint.bytes, 32), 32)
@@ -524,90 +660,126 @@ def _after_store(flags: _Flags, pipe: str, half: int, regions: list[Region], sto
         flags.wait("MTE3", pipe, half)
 
 
+def _chunk_rows(view: GemmView, cols: int, output_itemsize: int, machine: Machine, members: int) -> int:
+    """Rows of an on-chip epilogue's chunk: ``members`` tiles' sums, inputs and results of ``cols``
+    columns in a half of UB (at least 16)."""
+    width = machine.buffer("UB").capacity // 2
+    point = epilogue_point_bytes(view, output_itemsize) * members
+    return max(16, (width - 256 * (len(_epilogue_reads(view)) + 2 * members)) // (point * cols) // 16 * 16)
+
+
 def _epilogue_on_chip(
     program: Program,
     flags: _Flags,
-    tile: EpilogueTile,
-    l0c: Region,
-    acc_slot: int,
+    finished: Sequence[tuple[EpilogueTile, Region, int]],
     output: str,
     output_itemsize: int,
     drained: list,
     touch: FirstTouch,
     cores: int,
 ) -> None:
-    """The epilogue of a finished tile on its core's vector unit, in chunks of rows that fit a
-    half of UB: FIXPIPE drains a chunk's fp32 sums from ``l0c`` into the half, MTE2 brings the
-    elements the epilogue reads beside them, the vector unit applies it, MTE3 stores the result
-    into GM tensor ``output``; halves ping-pong between chunks (``drained``: the core's chunks so far,
-    and per half the result MTE3 last stored from it, ``_after_store``).  L0C is released to the cube
-    after the last chunk."""
+    """The epilogue of finished tiles (one, or sibling views' tiles of one shape: ``emit_siblings``),
+    each ``(tile, its L0C region, its L0C half)``, on their core's vector unit, in chunks of rows
+    that fit a half of UB: FIXPIPE drains a chunk's fp32 sums of each tile from L0C into the half,
+    MTE2 brings the elements the epilogues read beside them (once for all the tiles), the vector
+    unit applies each epilogue, MTE3 stores the results into GM tensor ``output``; halves ping-pong
+    between chunks (``drained``: the core's chunks so far, and per half the result MTE3 last stored
+    from it, ``_after_store``).  Each tile's L0C half is released to the cube after the last chunk."""
     machine = program.machine
-    view, core = tile.view, flags.core
+    first = finished[0][0]
     width = machine.buffer("UB").capacity // 2
-    point = epilogue_point_bytes(view, output_itemsize)
-    per_chunk = max(16, (width - 256 * (len(_epilogue_reads(view)) + 2)) // (point * len(tile.cols)) // 16 * 16)
-    chunks = [range(r, min(r + per_chunk, tile.rows.stop)) for r in range(tile.rows.start, tile.rows.stop, per_chunk)]
+    per_chunk = _chunk_rows(first.view, len(first.cols), output_itemsize, machine, len(finished))
+    rows_all = first.rows
+    chunks = [range(r, min(r + per_chunk, rows_all.stop)) for r in range(rows_all.start, rows_all.stop, per_chunk)]
     stored = drained[1]
-    for position, rows in enumerate(chunks):
+    for position, chunk_rows in enumerate(chunks):
         count, half = drained[0], drained[0] % 2
         drained[0] += 1
-        env, offsets = output_offsets(view, rows, tile.cols, tile.batch)
-        points = offsets.size
-        sums = Region("UB", half * width, align(points * ACCUMULATOR_BYTES, 32))
+        start = chunk_rows.start - rows_all.start
+        parts = []  # per tile: the chunk's rows, its environment and output offsets, its sums in UB
+        offset = half * width
+        for tile, _, _ in finished:
+            rows = range(tile.rows.start + start, tile.rows.start + start + len(chunk_rows))
+            env, offsets = output_offsets(tile.view, rows, tile.cols, tile.batch)
+            sums = Region("UB", offset, align(offsets.size * ACCUMULATOR_BYTES, 32))
+            offset += sums.size
+            parts.append((tile, rows, env, offsets, sums))
         if count >= 2:
             flags.wait("VECTOR", "FIXPIPE", half)  # the half's sums of two chunks ago are read
-        _after_store(flags, "FIXPIPE", half, [sums], stored)
-        program.add(
-            copy(
-                machine,
-                core,
-                l0c,
-                sums,
-                moved=points * ACCUMULATOR_BYTES,
-                args=(("rows", len(rows)), ("cols", len(tile.cols)), ("epilogue", False)),
-                data=OutputTile(view, rows, tile.cols, tile.batch, False, tile_rows=tile.rows),
+        _after_store(flags, "FIXPIPE", half, [part[4] for part in parts], stored)
+        for (tile, rows, _, offsets, sums), (_, l0c, _) in zip(parts, finished, strict=True):
+            program.add(
+                copy(
+                    machine,
+                    flags.core,
+                    l0c,
+                    sums,
+                    moved=offsets.size * ACCUMULATOR_BYTES,
+                    args=(("rows", len(rows)), ("cols", len(tile.cols)), ("epilogue", False)),
+                    data=OutputTile(tile.view, rows, tile.cols, tile.batch, False, tile_rows=tile.rows),
+                )
             )
-        )
         if position == len(chunks) - 1:
-            flags.signal("FIXPIPE", "CUBE", acc_slot)
+            for _, _, acc_slot in finished:
+                flags.signal("FIXPIPE", "CUBE", acc_slot)
         flags.signal("FIXPIPE", "VECTOR", half)
         if count >= 2:
             flags.wait("VECTOR", "MTE2", half)  # the half's inputs of two chunks ago are read
-        offset, loaded = sums.offset + sums.size, []
-        footprints = _epilogue_footprints(view, env)
+        # each tensor the epilogues read: the elements every tile's chunk needs, loaded once
+        each = [_epilogue_footprints(tile.view, env) for tile, _, env, _, _ in parts]
+        footprints = [_union(group) if len(group) > 1 else group[0] for group in zip(*each, strict=True)]
+        loaded = []
         for footprint in footprints:
             loaded.append(Region("UB", offset, align(max(footprint.bytes, 32), 32)))
             offset += loaded[-1].size
         _after_store(flags, "MTE2", half, loaded, stored)
         for footprint, region in zip(footprints, loaded, strict=True):
-            touch.add(program, core, footprint, gm_load(machine, core, footprint, region), cores)
-        # the result at the half's end, the sums and inputs from its start: a chunk's writes then meet the
-        # result of the half's previous chunk (still being stored) only where the two together overflow it
-        size = align(points * output_itemsize, 32)
-        result = Region("UB", (half + 1) * width - size, size)
-        if offset > result.offset:
+            touch.add(program, flags.core, footprint, gm_load(machine, flags.core, footprint, region), cores)
+        # the results at the half's end, the sums and inputs from its start: a chunk's writes then meet the
+        # results of the half's previous chunk (still being stored) only where the two together overflow it
+        end, results = (half + 1) * width, []
+        for _, _, _, offsets, _ in parts:
+            size = align(offsets.size * output_itemsize, 32)
+            end -= size
+            results.append(Region("UB", end, size))
+        if offset > end:
             raise CompileError(
-                f"npu: op '{view.op.name}': an output tile's epilogue overflows a UB half ({width} bytes)",
-                op=view.op.name,
+                f"npu: op '{first.view.op.name}': an output tile's epilogue overflows a UB half ({width} bytes)",
+                op=first.view.op.name,
             )
         flags.signal("MTE2", "VECTOR", half)
         flags.wait("FIXPIPE", "VECTOR", half)
         flags.wait("MTE2", "VECTOR", half)
         if count >= 2:
             flags.wait("MTE3", "VECTOR", half)  # the half's results of two chunks ago are stored
-        lanes = points * (operations(view.epilogue) if view.epilogue is not None else 1)
-        repeats = math.ceil(lanes * ACCUMULATOR_BYTES / machine.vector.repeat_bytes)
-        chunk = EpilogueTile(view, rows, tile.cols, tile.batch)
-        program.add(
-            vector(machine, core, "epilogue", result, sums, *loaded, repeats=repeats, data=chunk, points=points)
-        )
+        for (tile, rows, _, offsets, sums), result in zip(parts, results, strict=True):
+            view = tile.view
+            points = offsets.size
+            lanes = points * (operations(view.epilogue) if view.epilogue is not None else 1)
+            repeats = math.ceil(lanes * ACCUMULATOR_BYTES / machine.vector.repeat_bytes)
+            chunk = EpilogueTile(view, rows, tile.cols, tile.batch)
+            program.add(
+                vector(
+                    machine,
+                    flags.core,
+                    "epilogue",
+                    result,
+                    sums,
+                    *loaded,
+                    repeats=repeats,
+                    data=chunk,
+                    points=offsets.size,
+                )
+            )
         for pipe in ("FIXPIPE", "MTE2", "MTE3"):
             flags.signal("VECTOR", pipe, half)
         flags.wait("VECTOR", "MTE3", half)
-        low, high = int(offsets.min()), int(offsets.max())
-        destination = Region(GM, low * output_itemsize, (high - low + 1) * output_itemsize, output)
-        # stored bytes as FIXPIPE's stores count them: L2 absorbs the writes (``loads``)
-        program.add(copy(machine, core, result, destination, moved=points * output_itemsize, data=offsets))
+        for (_, _, _, offsets, _), result in zip(parts, results, strict=True):
+            low, high = int(offsets.min()), int(offsets.max())
+            destination = Region(GM, low * output_itemsize, (high - low + 1) * output_itemsize, output)
+            # stored bytes as FIXPIPE's stores count them: L2 absorbs the writes (``loads``)
+            program.add(
+                copy(machine, flags.core, result, destination, moved=offsets.size * output_itemsize, data=offsets)
+            )
         flags.signal("MTE3", "VECTOR", half)
-        stored[half] = result
+        stored[half] = Region("UB", end, (half + 1) * width - end)

@@ -539,3 +539,49 @@ def test_a_chunk_writing_where_the_last_result_of_its_half_lies_waits_for_its_st
         ("set_flag", "MTE3", ("MTE3", "FIXPIPE", 0)),
         ("wait_flag", "FIXPIPE", ("MTE3", "FIXPIPE", 0)),
     ]
+
+
+#: a stride-2 capsule convolution's input adjoint under its ReLU mask (``A``): four lattice pieces, the
+#: mask read by an epilogue on chip
+MASKED_ADJOINT = (
+    "G[b, c, h, w, i, t] = ReduceAdd({k, j, r, s | (h - r)%2 == 0 && (w - s)%2 == 0 && (h - r)//2 >= 0 && "
+    "(h - r)//2 < 2 && (w - s)//2 >= 0 && (w - s)//2 < 2}, D[b, k, (h - r)//2, (w - s)//2, i, j] * "
+    "W[k, c, r, s, t, j]) * Select(A[b, c, h, w, i, t] > 0, 1, 0)"
+)
+
+
+def test_lattice_pieces_a_column_apart_load_their_epilogue_inputs_once(monkeypatch) -> None:
+    import neoflow.targets.npu.compile as npu_compile
+    from neoflow.codegen.hardware import NPU_CUBE
+    from neoflow.codegen.implicit_gemm import gemm_views
+    from neoflow.targets.npu import cube
+
+    shapes = {"D": (8, 4, 2, 2, 1, 2), "W": (4, 4, 3, 3, 2, 2), "A": (8, 4, 6, 6, 1, 2)}
+    op = neoflow.op(MASKED_ADJOINT, shapes=shapes, out_shape=(8, 4, 6, 6, 1, 2))
+    npu = machine("npu")
+    # the pieces of odd and even columns share the mask's GM sectors; those of odd and even rows do not
+    views = gemm_views(op, NPU_CUBE)
+    members = [(v, cube.cube_operands(v), cube.CubeTiles(16, 16, 16, 16)) for v in views]
+    assert [v.out_offset.as_coefficients_dict()[1] for v in views] == [0, 2, 12, 14]
+    groups = npu_compile.sibling_groups(*zip(*members, strict=True), 4, npu)
+    assert groups == [[0, 1], [2, 3]]
+    assert not cube.siblings([members[0], members[2]], 4, npu)
+
+    def mask_bytes(compiled) -> int:
+        program = compiled.phases[0][1]
+        return sum(i.moved for i in program.instructions if isinstance(i.data, Footprint) and i.data.tensor == "A")
+
+    got, (paired, want) = _simulate(op)
+    assert _relative(got, want) < 2e-3
+    monkeypatch.setattr(npu_compile, "sibling_groups", lambda views, *_: [[v] for v in range(len(views))])
+    got_alone, (alone, _) = _simulate(op)
+    assert _relative(got_alone, want) < 2e-3
+    # each piece alone moves whole 32-byte sectors for its 8-byte runs of the mask: four times its bytes
+    size = op.inputs[2].size * 4
+    assert mask_bytes(alone) == 4 * size
+    assert mask_bytes(paired) < 1.5 * size
+    assert paired.cycles <= alone.cycles  # kept as it is no slower
+    tiles = [i.data for i in paired.phases[0][1].instructions if i.opcode == "vec.epilogue"]
+    assert len(tiles) == 2 * len(
+        [i for i in paired.phases[0][1].instructions if i.opcode == "mte2.copy" and i.data.tensor == "A"]
+    )
