@@ -256,23 +256,22 @@ def alone_or_siblings(
 ) -> tuple[Program, Schedule]:
     """``program`` (each lattice piece's tiles on their own, on-chip epilogues; its ``alone``
     schedule) or, where its static schedule is no slower, the program that takes the pieces in
-    ``sibling_groups`` (tiles cut to quarters of L0C, ``cube.quarter_tiles``), with its schedule."""
+    ``sibling_groups``, with its schedule."""
     machine = program.machine
     itemsize = dt.numpy_dtype(op.dtype).itemsize
-    quartered = [cube.quarter_tiles(t, machine) for t in tiles]
-    groups = sibling_groups(views, gathers, quartered, itemsize, machine)
+    groups = sibling_groups(views, gathers, tiles, itemsize, machine)
     if all(len(group) == 1 for group in groups):
         return program, alone
 
     def emit(target: Program, touch: FirstTouch) -> None:
         steps: dict[int, list[int]] = {}
         for group in groups:
-            members = [(views[v], gathers[v], quartered[v]) for v in group]
+            members = [(views[v], gathers[v], tiles[v]) for v in group]
             if len(members) > 1:
                 cube.emit_siblings(target, members, cores, op.name, itemsize, steps, touch)
                 continue
             where = (cores, op.name, itemsize, None, steps, touch)
-            cube.emit_view(target, *members[0], *where, on_chip=True, l0c_slots=4)
+            cube.emit_view(target, *members[0], *where, on_chip=True)
 
     paired = Program(machine, dict(program.tensors))
     fetched(paired, _inputs(op), emit, len(cores))

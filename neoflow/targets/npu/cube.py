@@ -21,7 +21,6 @@ so loads of the next step overlap the cube's work on this one.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -330,7 +329,6 @@ def emit_view(
     busiest_only: bool = False,
     on_chip: bool = False,
     only: Mapping[int, Sequence[int]] | None = None,
-    l0c_slots: int = 2,
 ) -> None:
     """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
     results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor; with
@@ -341,9 +339,8 @@ def emit_view(
     (``loads``); ``busiest_only``: the first core's share alone (the most work items: a trial of the
     tiles); ``only``: per position in ``cores``, the tiles (positions in ``tile_order``) that core
     takes instead of its round-robin share, a core left out taking none (lattice pieces side by side:
-    ``compile.pieces_side_by_side``); ``l0c_slots``: the parts of L0C the tiles take in turn (two:
-    ping-pong halves; four: ``emit_siblings``' quarters, which a program's every view must share)."""
-    where = (output, output_itemsize, workspace, steps, touch, busiest_only, on_chip, only, l0c_slots)
+    ``compile.pieces_side_by_side``)."""
+    where = (output, output_itemsize, workspace, steps, touch, busiest_only, on_chip, only)
     _emit(program, [(view, gathers, tiles)], cores, *where)
 
 
@@ -355,20 +352,11 @@ def emit_siblings(
     output_itemsize: int,
     steps: dict[int, list],
     touch: FirstTouch,
-    l0c_slots: int = 4,
 ) -> None:
     """``emit_view`` (``on_chip``, no workspace) for sibling views taken together (``siblings``):
-    each core computes the same tile of every member one after the other, each into its slot of
-    L0C, then applies their epilogues chunk by chunk with one load of the elements they read.
-    With four slots (``quarter_tiles``) the next tiles' products run while these epilogues do."""
-    _emit(program, members, cores, output, output_itemsize, None, steps, touch, on_chip=True, l0c_slots=l0c_slots)
-
-
-def quarter_tiles(tiles: CubeTiles, machine: Machine) -> CubeTiles:
-    """``tiles`` with rows cut (in 16s) so that a tile's fp32 sums fit a quarter of L0C."""
-    quarter = machine.buffer("L0C").capacity // 4
-    rows = max(16, quarter // (_pad16(tiles.n) * ACCUMULATOR_BYTES) // 16 * 16)
-    return dataclasses.replace(tiles, m=min(tiles.m, rows))
+    each core computes the same tile of every member one after the other, each into its half of
+    L0C, then applies their epilogues chunk by chunk with one load of the elements they read."""
+    _emit(program, members, cores, output, output_itemsize, None, steps, touch, on_chip=True)
 
 
 def siblings(members: Sequence[Member], output_itemsize: int, machine: Machine) -> bool:
@@ -413,11 +401,9 @@ def _emit(
     busiest_only: bool = False,
     on_chip: bool = False,
     only: Mapping[int, Sequence[int]] | None = None,
-    l0c_slots: int = 2,
 ) -> None:
     """``emit_view`` of ``members`` (sibling views, ``emit_siblings``; or one view): a core's
-    tiles of every member at one position in ``tile_order`` one after the other, the tiles taking
-    the ``l0c_slots`` parts of L0C in turn."""
+    tiles of every member at one position in ``tile_order`` one after the other."""
     machine = program.machine
     lists = [tile_order(view, tiles) for view, _, tiles in members]
     # every buffer in two fixed halves (whatever the tiles, so halves stay apart from one view to the next)
@@ -440,7 +426,7 @@ def _emit(
             residents = [None] * len(members)  # patches apart would meet the others' loads: all or none
         for pick in picks:
             finished = [
-                _products(program, flags, member, work[pick], resident, a_bound, state, touch, len(cores), l0c_slots)
+                _products(program, flags, member, work[pick], resident, a_bound, state, touch, len(cores))
                 for member, work, resident in zip(members, lists, residents, strict=True)
             ]
             if on_chip:
@@ -472,22 +458,19 @@ def _products(
     state: list,
     touch: FirstTouch,
     cores: int,
-    l0c_slots: int,
 ) -> tuple[EpilogueTile, Region, int]:
     """The loads, fractals and multiply-adds of one output ``tile`` of ``member`` on ``flags``' core,
-    into its slot of L0C (one of ``l0c_slots`` equal parts, taken in turn: the core's tile count,
-    ``state[2]``, picks it; counted here); the tile (as an ``EpilogueTile``), its L0C region and
-    slot, once the cube has finished it."""
+    into its half of L0C (the core's tile count, ``state[2]``, picks it; counted here); the tile
+    (as an ``EpilogueTile``), its L0C region and half, once the cube has finished it."""
     machine = program.machine
     view, gathers, tiles = member
     _, m_size, n_size, _ = view.sizes
     z, mi, ni, depth = tile
-    slot_l1, l0a_slot, l0b_slot = (machine.buffer(b).capacity // 2 for b in ("L1", "L0A", "L0B"))
-    l0c_slot = machine.buffer("L0C").capacity // l0c_slots
+    slot_l1, l0a_slot, l0b_slot, l0c_slot = (machine.buffer(b).capacity // 2 for b in ("L1", "L0A", "L0B", "L0C"))
     rows, cols = range(mi, min(mi + tiles.m, m_size)), range(ni, min(ni + tiles.n, n_size))
     env_z = batch_env(view, z)
     count = state[2]
-    acc_slot = count % l0c_slots
+    acc_slot = count % 2
     l0c = Region("L0C", acc_slot * l0c_slot, _pad16(len(rows)) * _pad16(len(cols)) * ACCUMULATOR_BYTES)
     for k1 in range(depth.start, depth.stop, tiles.k1):
         half = state[0] % 2
@@ -537,7 +520,7 @@ def _products(
             flags.signal("MTE1", "CUBE", slot)
             flags.wait("MTE1", "CUBE", slot)
             first = k0 == depth.start
-            if first and count >= l0c_slots:
+            if first and count >= 2:
                 flags.wait("FIXPIPE", "CUBE", acc_slot)
             program.add(mmad(machine, flags.core, l0["a"], l0["b"], l0c, len(rows), len(cols), len(depth0), first))
             flags.signal("CUBE", "MTE1", slot)
