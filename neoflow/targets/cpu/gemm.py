@@ -797,15 +797,15 @@ def _piece_code(piece: Piece, mapping: Mapping, prefix: str, params: str, blocki
 #endif""",
         )
 
-    def row_strips(b_strip: str, direct: bool = False) -> str:
-        """C running the micro-kernel down rows ``[ic, ic + mc)`` against the packed
-        column strip at ``b_strip`` (``direct``: or, where ``direct_`` is set, the strip where
-        it lies in the operand's tensor, its depth rows at the ``b_dep[0]`` offsets), storing
-        (or adding) each tile, then the epilogue."""
-        to = f"nf_micro_6x16_to(kc, apack + ir * kc, {b_strip}, "
-        tile = f"nf_micro_6x16(kc, apack + ir * kc, {b_strip}, tile)"
+    def row_strips(b_strip: str, direct: bool = False, a_strip: str = "apack + ir * kc") -> str:
+        """C running the micro-kernel down rows ``[ic, ic + mc)`` (their packed strips at
+        ``a_strip``) against the packed column strip at ``b_strip`` (``direct``: or, where
+        ``direct_`` is set, the strip where it lies in the operand's tensor, its depth rows at
+        the ``b_dep[0]`` offsets), storing (or adding) each tile, then the epilogue."""
+        to = f"nf_micro_6x16_to(kc, {a_strip}, {b_strip}, "
+        tile = f"nf_micro_6x16(kc, {a_strip}, {b_strip}, tile)"
         if direct:
-            rows = "kc, apack + ir * kc, direct_, b_dep[0] + pc"
+            rows = f"kc, {a_strip}, direct_, b_dep[0] + pc"
             to = f"if (direct_) nf_micro_6x16_rows_to({rows}, {_TO_ARGUMENTS});\n{_INDENT}else {to}"
             tile = f"if (direct_) nf_micro_6x16_rows_from({rows}, tile, 0);\n{_INDENT}else {tile}"
         return f"""                                for (int64_t ir = 0; ir < mc; ir += {MR}) {{
@@ -905,12 +905,25 @@ for (int64_t s = 0; s < {strips_of_rows}; ++s) {{
                 if (!direct_) {{
                 {pack}
                 }}"""
+        multiply = row_strips(f"bpack + (jr - j0) * {k}", direct=bool(direct_check))
+        blocks = -(-k // KC)
+        if blocks > 1:
+            # a deep strip in depth blocks, each multiplied by every row strip while in the L1 cache (the
+            # whole depth of a 3x3 convolution over 64 channels, 576 x 16 floats, and an a strip beside it
+            # overflowed the 48 KiB of an Intel core's L1)
+            width = -(-k // blocks)
+            a_strip, b_strip = f"apack + ir * {k} + pc * {MR}", f"bpack + (jr - j0) * {k} + pc * {NR}"
+            multiply = f"""                    for (int64_t block_ = 0; block_ < {k}; block_ += {width}) {{
+                    const int64_t pc = block_, kc = block_ + {width} < {k} ? {width} : {k} - block_;
+                    const int last_ = pc + kc >= {k};
+{row_strips(b_strip, direct=bool(direct_check), a_strip=a_strip)}
+                    }}"""
         pack_and_multiply = f"""{pack}
                 for (int64_t jr = j0; jr < j0 + span; jr += {NR}) {{
                     const int64_t width = j0 + span - jr < {NR} ? j0 + span - jr : {NR};
                     int dense = width == {NR};
                     for (int64_t jj = 1; dense && jj < {NR}; ++jj) dense = col_off[jr + jj] == col_off[jr] + jj;
-{row_strips(f"bpack + (jr - j0) * {k}", direct=bool(direct_check))}
+{multiply}
                 }}"""
         return (
             packers,

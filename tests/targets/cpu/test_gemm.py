@@ -354,6 +354,28 @@ def test_a_task_reads_a_column_strip_where_it_lies_when_its_reads_keep_inside_th
     assert "direct_" not in lower_op(clamped, "kernel")
 
 
+def test_a_deep_column_strip_is_multiplied_in_depth_blocks_that_stay_in_the_first_cache() -> None:
+    # a padded 3x3 convolution over 64 channels with its bias and ReLU: depth 576 in three blocks of 192,
+    # each multiplied by every row strip before the next; the epilogue after the last; 20 columns (the
+    # strips of 16 and of 4 at each row's end) and the padding's packed strips take the tile's path
+    guards = "p + r - 1 >= 0 && p + r - 1 < 6 && q + s - 1 >= 0 && q + s - 1 < 20"
+    text = (
+        f"Y[n, k, p, q] = max(ReduceAdd({{c, r, s}}, Select({guards}, X[n, c, p + r - 1, q + s - 1], 0) * "
+        "W[k, c, r, s]) + Bias[k], 0)"
+    )
+    shapes = {"X": (2, 64, 6, 20), "W": (22, 64, 3, 3), "Bias": (22,)}
+    conv = neoflow.op(text, shapes=shapes, out_shape=(2, 22, 6, 20))
+    source = lower_op(conv, "kernel")
+    assert "the whole of a (rows x depth) packed once" in source
+    assert "for (int64_t block_ = 0; block_ < 576; block_ += 192)" in source
+    assert "apack + ir * 576 + pc * 6" in source and "bpack + (jr - j0) * 576 + pc * 16" in source
+    assert_compiled_matches_interpreter(conv, 7)
+    # a depth of one block keeps the single pass
+    shallow_shapes = {**shapes, "X": (2, 16, 6, 20), "W": (22, 16, 3, 3)}
+    shallow = neoflow.op(text, shapes=shallow_shapes, out_shape=(2, 22, 6, 20))
+    assert "block_" not in lower_op(shallow, "kernel")
+
+
 def test_the_cost_model_counts_the_micro_kernel_the_build_runs() -> None:
     # the kernels are built for this machine: with AVX-512 the micro-kernel's zmm branch runs and a
     # depth step costs 3 cycles in the model, else 6 (the AVX2 or portable branch; elsewhere than
