@@ -364,7 +364,7 @@ def siblings(members: Sequence[Member], output_itemsize: int, machine: Machine) 
     at most two (L0C's two halves), of one shape and one undivided tiling of rows and columns, whose
     first tiles' epilogue reads, loaded together, move fewer bytes than loaded apart (pieces a
     column apart read elements in the same GM sectors: each alone moves whole sectors for half
-    their elements)."""
+    their elements), and whose chunks of 16 rows fit a UB half together."""
     if len(members) != 2 or not _epilogue_reads(members[0][0]):
         return False
     (first, _, one), (second, _, other) = members
@@ -379,8 +379,7 @@ def siblings(members: Sequence[Member], output_itemsize: int, machine: Machine) 
         together += _union(prints).moved_bytes
     if together >= apart:
         return False
-    per_chunk = _chunk_rows(first, len(cols), output_itemsize, machine, 2)
-    return per_chunk >= 16
+    return _chunk_rows(first, len(cols), output_itemsize, machine, 2) >= 16  # both tiles' chunks fit a UB half
 
 
 def _union(footprints: Sequence[Footprint]) -> Footprint:
@@ -644,11 +643,11 @@ def _after_store(flags: _Flags, pipe: str, half: int, regions: list[Region], sto
 
 
 def _chunk_rows(view: GemmView, cols: int, output_itemsize: int, machine: Machine, members: int) -> int:
-    """Rows of an on-chip epilogue's chunk: ``members`` tiles' sums, inputs and results of ``cols``
-    columns in a half of UB (at least 16)."""
+    """Rows (a multiple of 16; 0 where not even 16 fit) of an on-chip epilogue's chunk: ``members``
+    tiles' sums, inputs and results of ``cols`` columns in a half of UB."""
     width = machine.buffer("UB").capacity // 2
     point = epilogue_point_bytes(view, output_itemsize) * members
-    return max(16, (width - 256 * (len(_epilogue_reads(view)) + 2 * members)) // (point * cols) // 16 * 16)
+    return max(0, (width - 256 * (len(_epilogue_reads(view)) + 2 * members)) // (point * cols) // 16 * 16)
 
 
 def _epilogue_on_chip(
@@ -671,7 +670,7 @@ def _epilogue_on_chip(
     machine = program.machine
     first = finished[0][0]
     width = machine.buffer("UB").capacity // 2
-    per_chunk = _chunk_rows(first.view, len(first.cols), output_itemsize, machine, len(finished))
+    per_chunk = max(16, _chunk_rows(first.view, len(first.cols), output_itemsize, machine, len(finished)))
     rows_all = first.rows
     chunks = [range(r, min(r + per_chunk, rows_all.stop)) for r in range(rows_all.start, rows_all.stop, per_chunk)]
     stored = drained[1]

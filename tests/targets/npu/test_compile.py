@@ -478,6 +478,9 @@ def test_a_lone_view_may_take_all_of_l0c_for_one_tile_a_core(monkeypatch) -> Non
     monkeypatch.setattr(npu_compile, "TRIALS", 2)  # the one whole tiling offered is the one tried
     got, (compiled, want) = _simulate(op, small)
     assert _relative(got, want) < 2e-3
+    program = compiled.phases[0][1].instructions
+    mask_loads = [i for i in program if isinstance(i.data, Footprint) and i.data.tensor == "A"]
+    assert len(mask_loads) == sum(i.opcode == "vec.epilogue" for i in program)  # the pieces apart: a load each
     assert count(compiled.phases[0][1], compiled.schedules[0]).peak["L0C"] > small.buffer("L0C").capacity // 2
 
 
@@ -585,3 +588,28 @@ def test_lattice_pieces_a_column_apart_load_their_epilogue_inputs_once(monkeypat
     assert len(tiles) == 2 * len(
         [i for i in paired.phases[0][1].instructions if i.opcode == "mte2.copy" and i.data.tensor == "A"]
     )
+
+
+def test_sibling_pieces_whose_chunks_overflow_a_ub_half_together_stay_apart() -> None:
+    from neoflow.codegen.hardware import NPU_CUBE
+    from neoflow.codegen.implicit_gemm import gemm_views
+    from neoflow.targets.npu import cube
+
+    shapes = {"D": (8, 4, 2, 2, 1, 2), "W": (4, 4, 3, 3, 2, 2), "A": (8, 4, 6, 6, 1, 2)}
+    op = neoflow.op(MASKED_ADJOINT, shapes=shapes, out_shape=(8, 4, 6, 6, 1, 2))
+    base = machine("npu")
+    # a UB half of 4 KiB holds the chunk of 16 rows of one piece's 8 columns (sums, mask and result,
+    # 1.5 KiB, and room to align), not two pieces' (3 KiB, and more room): the sweep's quarter-size UB
+    # once overflowed so on capsule28's input adjoint
+    small = dataclasses.replace(
+        base, buffers=tuple(dataclasses.replace(b, capacity=8192) if b.name == "UB" else b for b in base.buffers)
+    )
+    views = gemm_views(op, NPU_CUBE)
+    members = [(v, cube.cube_operands(v), cube.CubeTiles(16, 16, 16, 16)) for v in views]
+    assert cube.siblings(members[:2], 4, base)
+    assert not cube.siblings(members[:2], 4, small)
+    got, (compiled, want) = _simulate(op, small)
+    assert _relative(got, want) < 2e-3
+    program = compiled.phases[0][1].instructions
+    mask_loads = [i for i in program if isinstance(i.data, Footprint) and i.data.tensor == "A"]
+    assert len(mask_loads) == sum(i.opcode == "vec.epilogue" for i in program)  # the pieces apart: a load each
