@@ -71,6 +71,8 @@ NARROW_A_BYTES = 192 * 1024  # an ``a`` this small is packed whole (``_narrow``)
 #: narrow than as panels of ``MC`` rows (``neoflow tune``), while deeper ones (ResNet-18's, ShuffleNetV2's
 #: 1x1 convolutions) ran slower
 NARROW_MAX_ROWS, NARROW_SHALLOW = 4 * MC, 32
+#: ... and over a batch of small outputs with long depths, where their column strips make this many tasks
+NARROW_MIN_TASKS = 8
 MIN_MACS = 1 << 15  # smaller contractions gain nothing from blocking
 #: column strips a task of the narrow kernel packs together, at most: its packer reads neighbours in
 #: each row of ``b`` (the four-op input gradient, 64 rows, in the step: 1, 2, 3, 4 strips a task 474,
@@ -512,7 +514,7 @@ def kernel_cycles(mapping: Mapping, op: Op, strides: dict[str, int] | None = Non
         vector = _depth_vector(factor_a, factor_b, shapes, extent, (m, n, k), [(v, extent[v]) for v in groups["k"]])
         if vector is not None:
             return batches * (depth_vector_cycles(vector, (m, n, k), STEP_CYCLES / MR) + m * n * WRITE_CYCLES)
-    narrow = _narrow(m, k, batch, factor_a) and not _split_depth(m, n, k)
+    narrow = _auto_structure((m, n, k), batch, factor_a) == "narrow"
     compute = round_up(m, MR) * round_up(n, NR) * k / (MR * NR) * STEP_CYCLES
     pack_b = k * round_up(n, NR) * _pack_cycles(op, factor_b, groups["j"], groups["k"], NR)
     pack_a = round_up(m, MR) * k * _pack_cycles(op, factor_a, groups["i"], groups["k"], MR)
@@ -1166,8 +1168,22 @@ def _structure(wanted: str, sizes: tuple[int, int, int], batch: list[tuple[str, 
         return wanted
     if wanted == "batched" and _batched(sizes, batch, any_size=True):
         return wanted
+    return _auto_structure(sizes, batch, factor_a)
+
+
+def _auto_structure(sizes: tuple[int, int, int], batch: list[tuple[str, int]], factor_a: Expr) -> str:
+    """The structure the estimate picks for a piece (``_structure``'s ``auto``).  A small output
+    with a long depth has its depth shared out (``split``) where it is one product (a weight
+    gradient); over a batch of them (a 3x3 convolution over 128 channels of 16x16 images, the batch
+    outside its columns) the tasks of ``narrow`` are every item's column strips, ``a`` packed once:
+    split, each item met the threads at two barriers and shared its five depth blocks unevenly (one
+    thread: 21.8 -> 19.9 ms narrow)."""
+    m, n, k = sizes
     if _split_depth(m, n, k):
-        return "split"
+        items = math.prod(e for _, e in batch) * -(-n // NR)
+        fits = round_up(m, MR) * k * 4 <= 4 * NARROW_A_BYTES
+        batched_a = index_variables(factor_a) & {v for v, _ in batch}
+        return "narrow" if len(batch) and items >= NARROW_MIN_TASKS and fits and not batched_a else "split"
     if _narrow(m, k, batch, factor_a):
         return "narrow"
     return "batched" if _batched(sizes, batch) else "panel"

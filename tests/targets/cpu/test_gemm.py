@@ -354,6 +354,20 @@ def test_a_task_reads_a_column_strip_where_it_lies_when_its_reads_keep_inside_th
     assert "direct_" not in lower_op(clamped, "kernel")
 
 
+def test_a_batch_of_small_outputs_with_long_depths_runs_narrow_not_depth_split() -> None:
+    # a 3x3 convolution over 128 channels of 8x8 images: each image's output is small and its depth
+    # long, which alone would share the depth out; over a batch the tasks are the images' column strips
+    guards = "p + r - 1 >= 0 && p + r - 1 < 8 && q + s - 1 >= 0 && q + s - 1 < 8"
+    text = f"Y[n, k, p, q] = ReduceAdd({{c, r, s}}, Select({guards}, X[n, c, p + r - 1, q + s - 1], 0) * W[k, c, r, s])"
+    conv = neoflow.op(text, shapes={"X": (2, 128, 8, 8), "W": (16, 128, 3, 3)}, out_shape=(2, 16, 8, 8))
+    source = lower_op(conv, "kernel")
+    assert "the whole of a (rows x depth) packed once" in source and "partial" not in source
+    assert_compiled_matches_interpreter(conv, 8)
+    # one image: too few column strips to share out, the depth is shared out
+    alone = neoflow.op(text, shapes={"X": (1, 128, 8, 8), "W": (16, 128, 3, 3)}, out_shape=(1, 16, 8, 8))
+    assert "partial" in lower_op(alone, "kernel")
+
+
 def test_a_deep_column_strip_is_multiplied_in_depth_blocks_that_stay_in_the_first_cache() -> None:
     # a padded 3x3 convolution over 64 channels with its bias and ReLU: depth 576 in three blocks of 192,
     # each multiplied by every row strip before the next; the epilogue after the last; 20 columns (the
