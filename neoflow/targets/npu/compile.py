@@ -135,7 +135,8 @@ def _best_tiles(
         sink = workspace if tiles.splits > 1 or not (fixpipe or through_ub) else None
 
         def emit(target: Program, touch: FirstTouch, busiest: bool, tiles=tiles, sink=sink, through_ub=through_ub):
-            cube.emit_view(target, view, gathers, tiles, cores, op.name, itemsize, sink, {}, touch, busiest, through_ub)
+            member = [(view, gathers, tiles)]
+            cube.emit_views(target, member, cores, op.name, itemsize, sink, {}, touch, busiest, through_ub)
 
         # the busiest core alone, its loads charged their share of the HBM fetches of elements other cores
         # read too (counted over every core's loads: charged in full, a tiling whose cores share their
@@ -190,9 +191,9 @@ def compile_op(op: Op, machine: Machine, hand_off: bool = True) -> OpProgram:
     handing_off = hand_off and workspace is not None and zeroed is None and machine.layout == "split"
 
     def emit_piece(target: Program, v: int, touch: FirstTouch, steps: dict, only: dict | None = None) -> None:
-        """Append view (lattice piece) ``v``'s tiles (``only``: those ``cube.emit_view`` names) to ``target``."""
-        piece = (views[v], gathers[v], tiles[v], cores, op.name, itemsize, workspace, steps, touch)
-        cube.emit_view(target, *piece, on_chip=on_chip, only=only)
+        """Append view (lattice piece) ``v``'s tiles (``only``: those ``cube.emit_views`` names) to ``target``."""
+        member = [(views[v], gathers[v], tiles[v])]
+        cube.emit_views(target, member, cores, op.name, itemsize, workspace, steps, touch, on_chip=on_chip, only=only)
 
     def emit(target: Program, touch: FirstTouch) -> None:
         steps: dict[int, list[int]] = {}
@@ -267,11 +268,7 @@ def alone_or_siblings(
         steps: dict[int, list[int]] = {}
         for group in groups:
             members = [(views[v], gathers[v], tiles[v]) for v in group]
-            if len(members) > 1:
-                cube.emit_siblings(target, members, cores, op.name, itemsize, steps, touch)
-                continue
-            where = (cores, op.name, itemsize, None, steps, touch)
-            cube.emit_view(target, *members[0], *where, on_chip=True)
+            cube.emit_views(target, members, cores, op.name, itemsize, None, steps, touch, on_chip=True)
 
     paired = Program(machine, dict(program.tensors))
     fetched(paired, _inputs(op), emit, len(cores))

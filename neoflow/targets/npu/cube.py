@@ -311,52 +311,8 @@ def tile_order(view: GemmView, tiles: CubeTiles) -> list[tuple[int, int, int, ra
     ]
 
 
-#: a view's product as ``emit_view`` and ``emit_siblings`` take it: the view, its operands' gathers, its tiles
+#: a view's product as ``emit_views`` takes it: the view, its operands' gathers, its tiles
 Member = tuple[GemmView, tuple[Gather, Gather], CubeTiles]
-
-
-def emit_view(
-    program: Program,
-    view: GemmView,
-    gathers: tuple[Gather, Gather],
-    tiles: CubeTiles,
-    cores: range,
-    output: str,
-    output_itemsize: int,
-    workspace: str | None,
-    steps: dict[int, list],
-    touch: FirstTouch,
-    busiest_only: bool = False,
-    on_chip: bool = False,
-    only: Mapping[int, Sequence[int]] | None = None,
-) -> None:
-    """Append the instructions of ``view``'s product to ``program``: its tiles over ``cores``,
-    results to GM tensor ``output`` (or, with ``workspace``, raw sums to that fp32 tensor; with
-    ``on_chip``, through UB and the vector unit applying the epilogue, ``vector_epilogue``).
-    ``steps`` counts per core its L1 steps, L0 steps, tiles and on-chip epilogue chunks so far in the
-    program, and holds the last result stored from each UB half (the ping-pong halves and their flags
-    carry on from one view to the next); ``touch`` which input elements the program has read
-    (``loads``); ``busiest_only``: the first core's share alone (the most work items: a trial of the
-    tiles); ``only``: per position in ``cores``, the tiles (positions in ``tile_order``) that core
-    takes instead of its round-robin share, a core left out taking none (lattice pieces side by side:
-    ``compile.pieces_side_by_side``)."""
-    where = (output, output_itemsize, workspace, steps, touch, busiest_only, on_chip, only)
-    _emit(program, [(view, gathers, tiles)], cores, *where)
-
-
-def emit_siblings(
-    program: Program,
-    members: Sequence[Member],
-    cores: range,
-    output: str,
-    output_itemsize: int,
-    steps: dict[int, list],
-    touch: FirstTouch,
-) -> None:
-    """``emit_view`` (``on_chip``, no workspace) for sibling views taken together (``siblings``):
-    each core computes the same tile of every member one after the other, each into its half of
-    L0C, then applies their epilogues chunk by chunk with one load of the elements they read."""
-    _emit(program, members, cores, output, output_itemsize, None, steps, touch, on_chip=True)
 
 
 def siblings(members: Sequence[Member], output_itemsize: int, machine: Machine) -> bool:
@@ -388,7 +344,7 @@ def _union(footprints: Sequence[Footprint]) -> Footprint:
     return Footprint(first.tensor, offsets, first.itemsize)
 
 
-def _emit(
+def emit_views(
     program: Program,
     members: Sequence[Member],
     cores: range,
@@ -401,8 +357,19 @@ def _emit(
     on_chip: bool = False,
     only: Mapping[int, Sequence[int]] | None = None,
 ) -> None:
-    """``emit_view`` of ``members`` (sibling views, ``emit_siblings``; or one view): a core's
-    tiles of every member at one position in ``tile_order`` one after the other."""
+    """Append the instructions of the products of ``members`` (one view, or two ``siblings``) to
+    ``program``: their tiles over ``cores``, results to GM tensor ``output`` (or, with ``workspace``,
+    raw sums to that fp32 tensor; with ``on_chip``, through UB and the vector unit applying the
+    epilogue, ``vector_epilogue``).  Siblings' tiles at one position in ``tile_order`` are computed
+    one after the other on one core, each into its half of L0C, and their epilogues then applied
+    chunk by chunk with one load of the elements they read (on chip, no workspace).  ``steps`` counts
+    per core its L1 steps, L0 steps, tiles and on-chip epilogue chunks so far in the program, and
+    holds the last result stored from each UB half (the ping-pong halves and their flags carry on
+    from one view to the next); ``touch`` which input elements the program has read (``loads``);
+    ``busiest_only``: the first core's share alone (the most work items: a trial of the tiles);
+    ``only``: per position in ``cores``, the tiles (positions in ``tile_order``) that core takes
+    instead of its round-robin share, a core left out taking none (lattice pieces side by side:
+    ``compile.pieces_side_by_side``)."""
     machine = program.machine
     lists = [tile_order(view, tiles) for view, _, tiles in members]
     # every buffer in two fixed halves (whatever the tiles, so halves stay apart from one view to the next)
@@ -660,7 +627,7 @@ def _epilogue_on_chip(
     touch: FirstTouch,
     cores: int,
 ) -> None:
-    """The epilogue of finished tiles (one, or sibling views' tiles of one shape: ``emit_siblings``),
+    """The epilogue of finished tiles (one, or sibling views' tiles of one shape: ``emit_views``),
     each ``(tile, its L0C region, its L0C half)``, on their core's vector unit, in chunks of rows
     that fit a half of UB: FIXPIPE drains a chunk's fp32 sums of each tile from L0C into the half,
     MTE2 brings the elements the epilogues read beside them (once for all the tiles), the vector
