@@ -220,7 +220,7 @@ def compile_op(op: Op, machine: Machine, hand_off: bool = True) -> OpProgram:
             zeroed = None  # the zeros are in the cube phase
         else:
             program = build(False)
-    if on_chip and len(views) > 1:
+    if on_chip and zeroed is None and len(views) > 1:
         # lattice pieces sharing their epilogue loads, kept where the static schedule is no slower
         alone = static_schedule(program)
         program, known[len(phases)] = alone_or_siblings(op, program, alone, views, gathers, tiles, cores)
