@@ -478,9 +478,6 @@ def test_a_lone_view_may_take_all_of_l0c_for_one_tile_a_core(monkeypatch) -> Non
     monkeypatch.setattr(npu_compile, "TRIALS", 2)  # the one whole tiling offered is the one tried
     got, (compiled, want) = _simulate(op, small)
     assert _relative(got, want) < 2e-3
-    program = compiled.phases[0][1].instructions
-    mask_loads = [i for i in program if isinstance(i.data, Footprint) and i.data.tensor == "A"]
-    assert len(mask_loads) == sum(i.opcode == "vec.epilogue" for i in program)  # the pieces apart: a load each
     assert count(compiled.phases[0][1], compiled.schedules[0]).peak["L0C"] > small.buffer("L0C").capacity // 2
 
 
