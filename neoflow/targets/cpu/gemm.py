@@ -1150,7 +1150,13 @@ def _narrow(m: int, k: int, batch: list[tuple[str, int]], factor_a: Expr) -> boo
     its cache, and in one depth block the tiles are stored once."""
     fits = round_up(m, MR) * k * 4 <= NARROW_A_BYTES
     rows = MC if k > NARROW_SHALLOW else NARROW_MAX_ROWS
-    return m <= rows and fits and not (index_variables(factor_a) & {v for v, _ in batch})
+    return m <= rows and fits and _narrow_fits(m, k, batch, factor_a)
+
+
+def _narrow_fits(m: int, k: int, batch: list[tuple[str, int]], factor_a: Expr) -> bool:
+    """Whether a piece can run ``narrow`` at all: its ``a`` does not change with the batch and fits
+    four times ``NARROW_A_BYTES`` (``_narrow`` asks a quarter of that where it picks it unasked)."""
+    return round_up(m, MR) * k * 4 <= 4 * NARROW_A_BYTES and not index_variables(factor_a) & {v for v, _ in batch}
 
 
 def _structure(wanted: str, sizes: tuple[int, int, int], batch: list[tuple[str, int]], factor_a: Expr) -> str:
@@ -1161,8 +1167,7 @@ def _structure(wanted: str, sizes: tuple[int, int, int], batch: list[tuple[str, 
     m, n, k = sizes
     if wanted == "panel":
         return wanted
-    fits = round_up(m, MR) * k * 4 <= 4 * NARROW_A_BYTES
-    if wanted == "narrow" and fits and not index_variables(factor_a) & {v for v, _ in batch}:
+    if wanted == "narrow" and _narrow_fits(m, k, batch, factor_a):
         return wanted
     if wanted == "split" and m * n <= 1 << 20:
         return wanted
@@ -1181,9 +1186,8 @@ def _auto_structure(sizes: tuple[int, int, int], batch: list[tuple[str, int]], f
     m, n, k = sizes
     if _split_depth(m, n, k):
         items = math.prod(e for _, e in batch) * -(-n // NR)
-        fits = round_up(m, MR) * k * 4 <= 4 * NARROW_A_BYTES
-        batched_a = index_variables(factor_a) & {v for v, _ in batch}
-        return "narrow" if len(batch) and items >= NARROW_MIN_TASKS and fits and not batched_a else "split"
+        many = len(batch) and items >= NARROW_MIN_TASKS
+        return "narrow" if many and _narrow_fits(m, k, batch, factor_a) else "split"
     if _narrow(m, k, batch, factor_a):
         return "narrow"
     return "batched" if _batched(sizes, batch) else "panel"

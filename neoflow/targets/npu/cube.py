@@ -324,7 +324,7 @@ def siblings(members: Sequence[Member], output_itemsize: int, machine: Machine) 
     if len(members) != 2 or not _epilogue_reads(members[0][0]):
         return False
     (first, _, one), (second, _, other) = members
-    if first.sizes[:3] != second.sizes[:3] or (one.m, one.n, one.splits) != (other.m, other.n, 1) or one.splits != 1:
+    if first.sizes[:3] != second.sizes[:3] or (one.m, one.n, one.splits, other.splits) != (other.m, other.n, 1, 1):
         return False
     _, m_size, n_size, _ = first.sizes
     rows, cols = range(min(one.m, m_size)), range(min(one.n, n_size))
@@ -339,7 +339,10 @@ def siblings(members: Sequence[Member], output_itemsize: int, machine: Machine) 
 
 
 def _union(footprints: Sequence[Footprint]) -> Footprint:
+    """The elements of ``footprints`` (of one tensor) together: one load's footprint."""
     first = footprints[0]
+    if len(footprints) == 1:
+        return first
     offsets = np.unique(np.concatenate([f.offsets for f in footprints]))
     return Footprint(first.tensor, offsets, first.itemsize)
 
@@ -381,7 +384,6 @@ def emit_views(
             continue
         flags = _Flags(program, core)
         state = steps.setdefault(core, [0, 0, 0, 0, {}])  # L1 steps, L0 steps, tiles, chunks, stored
-        drained = [state[3], state[4]]
         rooms = [[a_bound, slot_l1], [slot_l1 + a_bound, 2 * slot_l1]]  # [next free byte, end] in each half
         alone = len(members) == 1
         residents = [
@@ -396,7 +398,7 @@ def emit_views(
                 for member, work, resident in zip(members, lists, residents, strict=True)
             ]
             if on_chip:
-                _epilogue_on_chip(program, flags, finished, output, output_itemsize, drained, touch, len(cores))
+                _epilogue_on_chip(program, flags, finished, output, output_itemsize, state, touch, len(cores))
                 continue
             for (_, _, tiles), (tile, l0c, acc_slot) in zip(members, finished, strict=True):
                 accumulate = tiles.splits > 1
@@ -407,7 +409,6 @@ def emit_views(
             for step in range(max(0, state[0] - 2), state[0]):
                 flags.wait("MTE1", "MTE2", step % 2)
             state[0] = 0  # both halves free: the next loads wait for nothing
-        state[3] = drained[0]
 
 
 def _itemsize(view: GemmView, gather: Gather) -> int:
@@ -623,7 +624,7 @@ def _epilogue_on_chip(
     finished: Sequence[tuple[EpilogueTile, Region, int]],
     output: str,
     output_itemsize: int,
-    drained: list,
+    state: list,
     touch: FirstTouch,
     cores: int,
 ) -> None:
@@ -632,18 +633,18 @@ def _epilogue_on_chip(
     that fit a half of UB: FIXPIPE drains a chunk's fp32 sums of each tile from L0C into the half,
     MTE2 brings the elements the epilogues read beside them (once for all the tiles), the vector
     unit applies each epilogue, MTE3 stores the results into GM tensor ``output``; halves ping-pong
-    between chunks (``drained``: the core's chunks so far, and per half the result MTE3 last stored
-    from it, ``_after_store``).  Each tile's L0C half is released to the cube after the last chunk."""
+    between chunks (``state[3]``: the core's chunks so far; ``state[4]``: per half the result MTE3
+    last stored from it, ``_after_store``).  Each tile's L0C half is released to the cube after the last chunk."""
     machine = program.machine
     first = finished[0][0]
     width = machine.buffer("UB").capacity // 2
     per_chunk = max(16, _chunk_rows(first.view, len(first.cols), output_itemsize, machine, len(finished)))
     rows_all = first.rows
     chunks = [range(r, min(r + per_chunk, rows_all.stop)) for r in range(rows_all.start, rows_all.stop, per_chunk)]
-    stored = drained[1]
+    stored = state[4]
     for position, chunk_rows in enumerate(chunks):
-        count, half = drained[0], drained[0] % 2
-        drained[0] += 1
+        count, half = state[3], state[3] % 2
+        state[3] += 1
         start = chunk_rows.start - rows_all.start
         parts = []  # per tile: the chunk's rows, its environment and output offsets, its sums in UB
         offset = half * width
@@ -676,7 +677,7 @@ def _epilogue_on_chip(
             flags.wait("VECTOR", "MTE2", half)  # the half's inputs of two chunks ago are read
         # each tensor the epilogues read: the elements every tile's chunk needs, loaded once
         each = [_epilogue_footprints(tile.view, env) for tile, _, env, _, _ in parts]
-        footprints = [_union(group) if len(group) > 1 else group[0] for group in zip(*each, strict=True)]
+        footprints = [_union(group) for group in zip(*each, strict=True)]
         loaded = []
         for footprint in footprints:
             loaded.append(Region("UB", offset, align(max(footprint.bytes, 32), 32)))

@@ -610,3 +610,36 @@ def test_sibling_pieces_whose_chunks_overflow_a_ub_half_together_stay_apart() ->
     program = compiled.phases[0][1].instructions
     mask_loads = [i for i in program if isinstance(i.data, Footprint) and i.data.tensor == "A"]
     assert len(mask_loads) == sum(i.opcode == "vec.epilogue" for i in program)  # the pieces apart: a load each
+
+
+def test_every_program_the_sibling_pieces_weigh_lands_on_its_schedule(monkeypatch) -> None:
+    import neoflow.targets.npu.compile as npu_compile
+    from neoflow.targets.npu.schedule import static_schedule
+
+    # the pieces apart and paired are both scheduled (the faster kept): each replays onto its schedule,
+    # on the full machine and on one whose UB holds the pieces' chunks only apart
+    weighed = []
+
+    def scheduled(program):
+        schedule = static_schedule(program)
+        weighed.append((program, schedule))
+        return schedule
+
+    monkeypatch.setattr(npu_compile, "static_schedule", scheduled)
+    shapes = {"D": (8, 4, 2, 2, 1, 2), "W": (4, 4, 3, 3, 2, 2), "A": (8, 4, 6, 6, 1, 2)}
+    op = neoflow.op(MASKED_ADJOINT, shapes=shapes, out_shape=(8, 4, 6, 6, 1, 2))
+    base = machine("npu")
+    small = dataclasses.replace(
+        base, buffers=tuple(dataclasses.replace(b, capacity=8192) if b.name == "UB" else b for b in base.buffers)
+    )
+    for npu in (base, small):
+        compile_op(op, npu)
+    paired = [
+        p
+        for p, _ in weighed
+        if sum(i.opcode == "vec.epilogue" for i in p.instructions)
+        > sum(isinstance(i.data, Footprint) and i.data.tensor == "A" for i in p.instructions)
+    ]
+    assert paired  # the paired program was among those weighed
+    for program, schedule in weighed:
+        assert replay(program, against=schedule).starts == schedule.starts
