@@ -499,21 +499,27 @@ def test_a_weight_every_row_tile_reads_stays_in_l1_and_is_loaded_once() -> None:
     assert len({(r.offset, r.size) for r in b_regions}) == len(b_regions)  # each at a place of its own
 
 
-def test_every_tiling_weighed_lands_on_its_schedule(monkeypatch) -> None:
+@pytest.fixture
+def weighed(monkeypatch) -> list:
+    """Every (program, static schedule) the compiler schedules from here on, kept or not."""
     import neoflow.targets.npu.compile as npu_compile
     from neoflow.targets.npu.schedule import static_schedule
 
-    # the tilings weighed (the busiest core alone, timed on its static schedule) are programs too: an
-    # on-chip epilogue whose chunks differ in size once let a chunk's inputs land over the result two
-    # chunks before it while MTE3 still stored that result (W 200 x 136 on one core: a missing flag)
-    weighed = []
+    found = []
 
     def scheduled(program):
         schedule = static_schedule(program)
-        weighed.append((program, schedule))
+        found.append((program, schedule))
         return schedule
 
     monkeypatch.setattr(npu_compile, "static_schedule", scheduled)
+    return found
+
+
+def test_every_tiling_weighed_lands_on_its_schedule(weighed) -> None:
+    # the tilings weighed (the busiest core alone, timed on its static schedule) are programs too: an
+    # on-chip epilogue whose chunks differ in size once let a chunk's inputs land over the result two
+    # chunks before it while MTE3 still stored that result (W 200 x 136 on one core: a missing flag)
     op = neoflow.op(
         "Wn[i, j] = W[i, j] - 0.1 * ReduceAdd({b}, G[b, i] * X[b, j])",
         shapes={"W": (200, 136), "G": (48, 200), "X": (48, 136)},
@@ -539,6 +545,13 @@ def test_a_chunk_writing_where_the_last_result_of_its_half_lies_waits_for_its_st
         ("set_flag", "MTE3", ("MTE3", "FIXPIPE", 0)),
         ("wait_flag", "FIXPIPE", ("MTE3", "FIXPIPE", 0)),
     ]
+
+
+def _with_ub(npu, capacity: int):
+    """``npu`` with a UB of ``capacity`` bytes."""
+    return dataclasses.replace(
+        npu, buffers=tuple(dataclasses.replace(b, capacity=capacity) if b.name == "UB" else b for b in npu.buffers)
+    )
 
 
 #: a stride-2 capsule convolution's input adjoint under its ReLU mask (``A``): four lattice pieces, the
@@ -598,9 +611,7 @@ def test_sibling_pieces_whose_chunks_overflow_a_ub_half_together_stay_apart() ->
     # a UB half of 4 KiB holds the chunk of 16 rows of one piece's 8 columns (sums, mask and result,
     # 1.5 KiB, and room to align), not two pieces' (3 KiB, and more room): the sweep's quarter-size UB
     # once overflowed so on capsule28's input adjoint
-    small = dataclasses.replace(
-        base, buffers=tuple(dataclasses.replace(b, capacity=8192) if b.name == "UB" else b for b in base.buffers)
-    )
+    small = _with_ub(base, 8192)
     views = gemm_views(op, NPU_CUBE)
     members = [(v, cube.cube_operands(v), cube.CubeTiles(16, 16, 16, 16)) for v in views]
     assert cube.siblings(members[:2], 4, base)
@@ -612,26 +623,13 @@ def test_sibling_pieces_whose_chunks_overflow_a_ub_half_together_stay_apart() ->
     assert len(mask_loads) == sum(i.opcode == "vec.epilogue" for i in program)  # the pieces apart: a load each
 
 
-def test_every_program_the_sibling_pieces_weigh_lands_on_its_schedule(monkeypatch) -> None:
-    import neoflow.targets.npu.compile as npu_compile
-    from neoflow.targets.npu.schedule import static_schedule
-
+def test_every_program_the_sibling_pieces_weigh_lands_on_its_schedule(weighed) -> None:
     # the pieces apart and paired are both scheduled (the faster kept): each replays onto its schedule,
     # on the full machine and on one whose UB holds the pieces' chunks only apart
-    weighed = []
-
-    def scheduled(program):
-        schedule = static_schedule(program)
-        weighed.append((program, schedule))
-        return schedule
-
-    monkeypatch.setattr(npu_compile, "static_schedule", scheduled)
     shapes = {"D": (8, 4, 2, 2, 1, 2), "W": (4, 4, 3, 3, 2, 2), "A": (8, 4, 6, 6, 1, 2)}
     op = neoflow.op(MASKED_ADJOINT, shapes=shapes, out_shape=(8, 4, 6, 6, 1, 2))
     base = machine("npu")
-    small = dataclasses.replace(
-        base, buffers=tuple(dataclasses.replace(b, capacity=8192) if b.name == "UB" else b for b in base.buffers)
-    )
+    small = _with_ub(base, 8192)
     for npu in (base, small):
         compile_op(op, npu)
     paired = [
